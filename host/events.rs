@@ -1,0 +1,94 @@
+//! The durable thread event log: one gap-free sequence per thread. Every
+//! event carries the run id and the fence of the segment that wrote it, and
+//! is appended inside the same transaction as the run change it reports.
+
+use sqlx::AnyConnection;
+
+use crate::store::{Event, Store, StoreError, sql};
+
+/// Event kinds written by the host.
+pub mod kind {
+    /// A run was submitted; payload `{plugin, input}`.
+    pub const SUBMITTED: &str = "submitted";
+    /// A streamed output delta; payload `{pos, delta}`.
+    pub const DELTA: &str = "delta";
+    /// The run's final message; payload `{status, output, error}`.
+    pub const MESSAGE: &str = "message";
+    /// The run suspended; payload `{status, prompt?, not_before?}`.
+    pub const SUSPENDED: &str = "suspended";
+    /// Input was delivered; payload `{input}`.
+    pub const INPUT: &str = "input";
+    /// The run was cancelled.
+    pub const CANCELLED: &str = "cancelled";
+}
+
+/// Appends one event to `thread_id`'s log on `conn` (inside the caller's
+/// transaction) and returns its sequence number.
+///
+/// The per-thread counter row is locked by the upsert, so concurrent runs of
+/// one thread get distinct, gap-free sequence numbers.
+pub(crate) async fn append(
+    store: &Store,
+    conn: &mut AnyConnection,
+    thread_id: &str,
+    run_id: i64,
+    fence: i64,
+    kind: &str,
+    payload: &serde_json::Value,
+) -> Result<i64, StoreError> {
+    let seq: i64 = sqlx::query_scalar(sql!(
+        store,
+        "INSERT INTO threads (id, last_seq) VALUES ($1, 1) \
+         ON CONFLICT (id) DO UPDATE SET last_seq = threads.last_seq + 1 RETURNING last_seq"
+    ))
+    .bind(thread_id)
+    .fetch_one(&mut *conn)
+    .await?;
+    sqlx::query(sql!(
+        store,
+        "INSERT INTO events (thread_id, seq, run_id, fence, kind, payload, created_at) \
+         VALUES ($1, $2, $3, $4, $5, $6, {now})"
+    ))
+    .bind(thread_id)
+    .bind(seq)
+    .bind(run_id)
+    .bind(fence)
+    .bind(kind)
+    .bind(payload.to_string())
+    .execute(&mut *conn)
+    .await?;
+    Ok(seq)
+}
+
+impl Store {
+    /// Events of `thread_id` with `seq > after`, oldest first, at most `limit`.
+    pub async fn events_after(
+        &self,
+        thread_id: &str,
+        after: i64,
+        limit: i64,
+    ) -> Result<Vec<Event>, StoreError> {
+        let rows = sqlx::query(sql!(
+            self,
+            "SELECT * FROM events WHERE thread_id = $1 AND seq > $2 ORDER BY seq LIMIT $3"
+        ))
+        .bind(thread_id)
+        .bind(after)
+        .bind(limit)
+        .fetch_all(self.pool())
+        .await?;
+        rows.iter().map(Event::from_row).collect()
+    }
+
+    /// Every event a run wrote, in order.
+    pub async fn run_events(&self, run_id: i64) -> Result<Vec<Event>, StoreError> {
+        let rows = sqlx::query(sql!(
+            self,
+            "SELECT * FROM events WHERE run_id = $1 ORDER BY seq"
+        ))
+        .bind(run_id)
+        .fetch_all(self.pool())
+        .await?;
+        rows.iter().map(Event::from_row).collect()
+    }
+}

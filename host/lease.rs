@@ -1,0 +1,377 @@
+//! The lease protocol: DESIGN.md §2, one function per statement.
+//!
+//! Every write except `create_run` and `claim` is guarded by
+//! `id = $run AND lease_owner = $owner AND fence = $fence AND status = 'running'`
+//! and returns [`StoreError::LeaseLost`] when that guard matches no row.
+//! Multi-statement writes start with the guard, inside one transaction: on
+//! PostgreSQL it row-locks the run (a racing claim waits, then sees the new
+//! state), on SQLite it takes the write lock first.
+
+use std::time::Duration;
+
+use serde_json::json;
+use sqlx::{AnyConnection, Row};
+
+use crate::events::{self, kind};
+use crate::store::{
+    Claimed, Lease, NewRun, Outcome, Run, RunStatus, Store, StoreError, Suspend, dialect_sql, sql,
+};
+
+/// Checks (owner, fence) on `conn` and refreshes the heartbeat. The first
+/// statement of every guarded transaction.
+pub(crate) async fn guard(
+    store: &Store,
+    conn: &mut AnyConnection,
+    lease: &Lease,
+) -> Result<(), StoreError> {
+    let row = sqlx::query(sql!(
+        store,
+        "UPDATE runs SET heartbeat_at = {now} \
+         WHERE id = $1 AND lease_owner = $2 AND fence = $3 AND status = 'running' \
+         RETURNING id"
+    ))
+    .bind(lease.run_id)
+    .bind(&lease.owner)
+    .bind(lease.fence)
+    .fetch_optional(&mut *conn)
+    .await?;
+    match row {
+        Some(_) => Ok(()),
+        None => Err(StoreError::LeaseLost(lease.clone())),
+    }
+}
+
+fn ms(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+impl Store {
+    /// Enqueues a run. With an `idempotency_key` that already exists, returns
+    /// the existing run and `false`; nothing new is written.
+    pub async fn create_run(&self, new: &NewRun) -> Result<(Run, bool), StoreError> {
+        let thread_id = new
+            .thread_id
+            .clone()
+            .unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
+        let max_attempts = new.max_attempts.unwrap_or(NewRun::DEFAULT_MAX_ATTEMPTS);
+        if max_attempts < 1 {
+            return Err(StoreError::Config(format!(
+                "max_attempts must be at least 1, got {max_attempts}"
+            )));
+        }
+        let thread_id = thread_id.as_str();
+        self.retry(|| async move {
+            let mut tx = self.pool().begin().await?;
+            let inserted = sqlx::query(sql!(
+                self,
+                "INSERT INTO runs (thread_id, plugin, plugin_digest, input, idempotency_key, status, \
+                 max_attempts, not_before, created_at, updated_at) \
+                 VALUES ($1, $2, $3, $4, $5, 'queued', $6, {now}, {now}, {now}) \
+                 ON CONFLICT (idempotency_key) DO NOTHING RETURNING *"
+            ))
+            .bind(thread_id)
+            .bind(&new.plugin)
+            .bind(&new.plugin_digest)
+            .bind(&new.input)
+            .bind(&new.idempotency_key)
+            .bind(max_attempts)
+            .fetch_optional(&mut *tx)
+            .await?;
+            let Some(row) = inserted else {
+                // Only a duplicate key gets here (a NULL key never conflicts).
+                let row = sqlx::query(sql!(self, "SELECT * FROM runs WHERE idempotency_key = $1"))
+                    .bind(&new.idempotency_key)
+                    .fetch_one(&mut *tx)
+                    .await?;
+                tx.commit().await?;
+                return Ok((Run::from_row(&row)?, false));
+            };
+            let run = Run::from_row(&row)?;
+            let payload = json!({ "plugin": run.plugin, "input": run.input });
+            events::append(self, &mut tx, &run.thread_id, run.id, 0, kind::SUBMITTED, &payload)
+                .await?;
+            tx.commit().await?;
+            Ok((run, true))
+        })
+        .await
+    }
+
+    /// The run with `id`.
+    pub async fn get_run(&self, id: i64) -> Result<Run, StoreError> {
+        let row = sqlx::query(sql!(self, "SELECT * FROM runs WHERE id = $1"))
+            .bind(id)
+            .fetch_optional(self.pool())
+            .await?
+            .ok_or(StoreError::RunNotFound(id))?;
+        Run::from_row(&row)
+    }
+
+    /// Runs, newest first, optionally filtered; `before` is a cursor (an id).
+    pub async fn list_runs(
+        &self,
+        status: Option<RunStatus>,
+        plugin: Option<&str>,
+        before: Option<i64>,
+        limit: i64,
+    ) -> Result<Vec<Run>, StoreError> {
+        let rows = sqlx::query(sql!(
+            self,
+            "SELECT * FROM runs WHERE ($1 IS NULL OR status = $1) AND ($2 IS NULL OR plugin = $2) \
+             AND id < $3 ORDER BY id DESC LIMIT $4"
+        ))
+        .bind(status.map(|s| s.as_str()))
+        .bind(plugin)
+        .bind(before.unwrap_or(i64::MAX))
+        .bind(limit)
+        .fetch_all(self.pool())
+        .await?;
+        rows.iter().map(Run::from_row).collect()
+    }
+
+    /// Statement 1: claims one run, if any is claimable.
+    pub async fn claim(&self, owner: &str, ttl: Duration) -> Result<Option<Claimed>, StoreError> {
+        Ok(self.claim_batch(owner, ttl, 1).await?.pop())
+    }
+
+    /// Statement 1, batched: claims up to `max` runs in one statement, oldest
+    /// first. A run is claimable when it is open (`queued`,
+    /// `waiting_takeover`, or `waiting_input` with its input delivered) or
+    /// `running` with an expired lease, has attempts left, and its
+    /// `not_before` has passed. Each claimed run gets `fence + 1`,
+    /// `attempt + 1` and a lease of `ttl` from the database's now.
+    pub async fn claim_batch(
+        &self,
+        owner: &str,
+        ttl: Duration,
+        max: i64,
+    ) -> Result<Vec<Claimed>, StoreError> {
+        let rows = self
+            .retry(|| async move {
+                Ok(sqlx::query(dialect_sql!(self, claim))
+                    .bind(owner)
+                    .bind(ms(ttl))
+                    .bind(max)
+                    .fetch_all(self.pool())
+                    .await?)
+            })
+            .await?;
+        let mut claimed = rows
+            .iter()
+            .map(|row| {
+                let run = Run::from_row(row)?;
+                let lease = Lease {
+                    run_id: run.id,
+                    owner: owner.to_string(),
+                    fence: run.fence,
+                };
+                Ok(Claimed { run, lease })
+            })
+            .collect::<Result<Vec<_>, StoreError>>()?;
+        claimed.sort_by_key(|c| c.run.id);
+        Ok(claimed)
+    }
+
+    /// Statement 2: extends the lease to `ttl` from the database's now and
+    /// returns the new expiry. `LeaseLost` means: stop the guest, write nothing.
+    pub async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<i64, StoreError> {
+        let expires = self
+            .retry(|| async move {
+                Ok(sqlx::query_scalar::<_, i64>(sql!(
+                    self,
+                    "UPDATE runs SET lease_expires_at = {now} + $4, heartbeat_at = {now}, updated_at = {now} \
+                     WHERE id = $1 AND lease_owner = $2 AND fence = $3 AND status = 'running' \
+                     RETURNING lease_expires_at"
+                ))
+                .bind(lease.run_id)
+                .bind(&lease.owner)
+                .bind(lease.fence)
+                .bind(ms(ttl))
+                .fetch_optional(self.pool())
+                .await?)
+            })
+            .await?;
+        expires.ok_or_else(|| StoreError::LeaseLost(lease.clone()))
+    }
+
+    /// Statement 3: appends `delta` to the run's `partial` and to its thread
+    /// log, and refreshes the heartbeat. Returns the delta's position.
+    pub async fn emit(&self, lease: &Lease, delta: &str) -> Result<i64, StoreError> {
+        self.retry(|| async move {
+            let mut tx = self.pool().begin().await?;
+            let row = sqlx::query(sql!(
+                self,
+                "UPDATE runs SET partial = partial || $4, emit_pos = emit_pos + 1, \
+                 heartbeat_at = {now}, updated_at = {now} \
+                 WHERE id = $1 AND lease_owner = $2 AND fence = $3 AND status = 'running' \
+                 RETURNING thread_id, emit_pos"
+            ))
+            .bind(lease.run_id)
+            .bind(&lease.owner)
+            .bind(lease.fence)
+            .bind(delta)
+            .fetch_optional(&mut *tx)
+            .await?
+            .ok_or_else(|| StoreError::LeaseLost(lease.clone()))?;
+            let thread_id: String = row.try_get("thread_id")?;
+            let pos = row.try_get::<i64, _>("emit_pos")? - 1;
+            let payload = json!({ "pos": pos, "delta": delta });
+            events::append(self, &mut tx, &thread_id, lease.run_id, lease.fence, kind::DELTA, &payload)
+                .await?;
+            tx.commit().await?;
+            Ok(pos)
+        })
+        .await
+    }
+
+    /// Statement 4: finishes the turn. Sets the final status and output (or
+    /// error), appends the final `message` event and clears the lease, in one
+    /// transaction.
+    pub async fn close(&self, lease: &Lease, outcome: &Outcome) -> Result<(), StoreError> {
+        let (status, output, error) = match outcome {
+            Outcome::Completed { output } => (RunStatus::Completed, Some(output.as_str()), None),
+            Outcome::Failed { error } => (RunStatus::Failed, None, Some(error.as_str())),
+        };
+        self.retry(|| async move {
+            let mut tx = self.pool().begin().await?;
+            let thread_id: String = sqlx::query_scalar(sql!(
+                self,
+                "UPDATE runs SET status = $4, output = $5, error = $6, lease_owner = NULL, \
+                 lease_expires_at = NULL, finished_at = {now}, updated_at = {now} \
+                 WHERE id = $1 AND lease_owner = $2 AND fence = $3 AND status = 'running' \
+                 RETURNING thread_id"
+            ))
+            .bind(lease.run_id)
+            .bind(&lease.owner)
+            .bind(lease.fence)
+            .bind(status.as_str())
+            .bind(output)
+            .bind(error)
+            .fetch_optional(&mut *tx)
+            .await?
+            .ok_or_else(|| StoreError::LeaseLost(lease.clone()))?;
+            let payload = json!({ "status": status, "output": output, "error": error });
+            events::append(self, &mut tx, &thread_id, lease.run_id, lease.fence, kind::MESSAGE, &payload)
+                .await?;
+            tx.commit().await?;
+            Ok(())
+        })
+        .await
+    }
+
+    /// Statement 5: releases the lease without finishing the turn.
+    ///
+    /// If this segment made progress (it wrote at least one ledger row under
+    /// its fence), `attempt` is reset to 0 in the same write: `max_attempts`
+    /// bounds consecutive *failed* segments, not the slices of a long turn.
+    pub async fn suspend(&self, lease: &Lease, how: &Suspend) -> Result<RunStatus, StoreError> {
+        let (status, delay, prompt) = match how {
+            Suspend::WaitInput { prompt } => (RunStatus::WaitingInput, 0, Some(prompt.as_str())),
+            Suspend::Takeover => (RunStatus::WaitingTakeover, 0, None),
+            Suspend::Sleep { delay_ms } => (RunStatus::Queued, (*delay_ms).max(0), None),
+        };
+        self.retry(|| async move {
+            let mut tx = self.pool().begin().await?;
+            let row = sqlx::query(sql!(
+                self,
+                "UPDATE runs SET status = $4, lease_owner = NULL, lease_expires_at = NULL, \
+                 not_before = {now} + $5, \
+                 pending_input = CASE WHEN $4 = 'waiting_input' THEN NULL ELSE pending_input END, \
+                 attempt = CASE WHEN EXISTS (SELECT 1 FROM effects e WHERE e.run_id = runs.id \
+                     AND (e.fence_started = $3 OR e.fence_completed = $3)) THEN 0 ELSE attempt END, \
+                 updated_at = {now} \
+                 WHERE id = $1 AND lease_owner = $2 AND fence = $3 AND status = 'running' \
+                 RETURNING thread_id, not_before"
+            ))
+            .bind(lease.run_id)
+            .bind(&lease.owner)
+            .bind(lease.fence)
+            .bind(status.as_str())
+            .bind(delay)
+            .fetch_optional(&mut *tx)
+            .await?
+            .ok_or_else(|| StoreError::LeaseLost(lease.clone()))?;
+            let thread_id: String = row.try_get("thread_id")?;
+            let not_before: i64 = row.try_get("not_before")?;
+            let payload = json!({ "status": status, "prompt": prompt, "not_before": not_before });
+            events::append(self, &mut tx, &thread_id, lease.run_id, lease.fence, kind::SUSPENDED, &payload)
+                .await?;
+            tx.commit().await?;
+            Ok(status)
+        })
+        .await
+    }
+
+    /// Delivers input to a `waiting_input` run, making it claimable.
+    ///
+    /// Not a lease-holder write: a waiting run has no lease. It is guarded by
+    /// state instead (`waiting_input`, no owner, no input yet), so a second
+    /// delivery is a `Conflict`, never an overwrite.
+    pub async fn deliver_input(&self, run_id: i64, input: &str) -> Result<Run, StoreError> {
+        self.retry(|| async move {
+            let mut tx = self.pool().begin().await?;
+            let row = sqlx::query(sql!(
+                self,
+                "UPDATE runs SET pending_input = $2, updated_at = {now} \
+                 WHERE id = $1 AND status = 'waiting_input' AND pending_input IS NULL \
+                 AND lease_owner IS NULL RETURNING *"
+            ))
+            .bind(run_id)
+            .bind(input)
+            .fetch_optional(&mut *tx)
+            .await?;
+            let Some(row) = row else {
+                drop(tx);
+                let run = self.get_run(run_id).await?;
+                return Err(StoreError::Conflict {
+                    run_id,
+                    status: run.status,
+                    message: if run.status == RunStatus::WaitingInput {
+                        "input was already delivered"
+                    } else {
+                        "run is not waiting for input"
+                    },
+                });
+            };
+            let run = Run::from_row(&row)?;
+            let payload = json!({ "input": input });
+            events::append(self, &mut tx, &run.thread_id, run.id, run.fence, kind::INPUT, &payload)
+                .await?;
+            tx.commit().await?;
+            Ok(run)
+        })
+        .await
+    }
+
+    /// Statement 6: cancels a run that is not terminal. Bumps the fence, so
+    /// every later write of a segment still running fails its guard.
+    pub async fn cancel(&self, run_id: i64) -> Result<Run, StoreError> {
+        self.retry(|| async move {
+            let mut tx = self.pool().begin().await?;
+            let row = sqlx::query(sql!(
+                self,
+                "UPDATE runs SET status = 'cancelled', fence = fence + 1, lease_owner = NULL, \
+                 lease_expires_at = NULL, finished_at = {now}, updated_at = {now} \
+                 WHERE id = $1 AND status NOT IN ('completed','failed','aborted','cancelled') \
+                 RETURNING *"
+            ))
+            .bind(run_id)
+            .fetch_optional(&mut *tx)
+            .await?;
+            let Some(row) = row else {
+                drop(tx);
+                let run = self.get_run(run_id).await?;
+                return Err(StoreError::Conflict {
+                    run_id,
+                    status: run.status,
+                    message: "run is already finished",
+                });
+            };
+            let run = Run::from_row(&row)?;
+            events::append(self, &mut tx, &run.thread_id, run.id, run.fence, kind::CANCELLED, &json!({}))
+                .await?;
+            tx.commit().await?;
+            Ok(run)
+        })
+        .await
+    }
+}

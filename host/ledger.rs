@@ -1,0 +1,262 @@
+//! The effect ledger: DESIGN.md §3. One row per effect, `(run_id, seq)`
+//! unique, written under the same (owner, fence) guard as every other
+//! corrupting write.
+
+use serde::{Deserialize, Serialize};
+
+use crate::lease::guard;
+use crate::store::{EffectClass, EffectRow, EffectState, Lease, Store, StoreError, sql};
+
+/// The identity of an effect at one position of a run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EffectCall {
+    /// Position in the turn's host-call order, from 0.
+    pub seq: i64,
+    pub name: String,
+    /// A hash of the request; replay compares it to detect non-determinism.
+    pub request_hash: String,
+    /// The run's emit position when the effect was made.
+    pub emit_pos: i64,
+}
+
+/// How a started effect ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Completion {
+    Committed(String),
+    Failed(String),
+}
+
+/// A local effect: applied in the host's database in the same transaction
+/// as its `committed` ledger row, so exactly once.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum LocalOp {
+    /// Reads a key; the result is the value, or JSON `null`.
+    KvGet { namespace: String, key: String },
+    /// Writes a key; the result is JSON `null`.
+    KvPut {
+        namespace: String,
+        key: String,
+        value: String,
+    },
+    /// Records an observation the guest must see again on replay (a clock
+    /// reading, a random seed, consumed input); the result is `value`.
+    Record { value: String },
+}
+
+pub fn idempotency_key(run_id: i64, seq: i64) -> String {
+    format!("{run_id}:{seq}")
+}
+
+impl Store {
+    /// Writes a `started` row for a keyed or unkeyed effect, before it is
+    /// performed. `EffectExists` means the position is already recorded and
+    /// must be replayed, not performed.
+    pub async fn begin_effect(
+        &self,
+        lease: &Lease,
+        call: &EffectCall,
+        class: EffectClass,
+    ) -> Result<EffectRow, StoreError> {
+        self.retry(|| async move {
+            let mut tx = self.pool().begin().await?;
+            guard(self, &mut tx, lease).await?;
+            let row = sqlx::query(sql!(
+                self,
+                "INSERT INTO effects (run_id, seq, name, request_hash, idempotency_key, class, state, \
+                 emit_pos, fence_started, created_at, updated_at) \
+                 VALUES ($1, $2, $3, $4, $5, $6, 'started', $7, $8, {now}, {now}) \
+                 ON CONFLICT (run_id, seq) DO NOTHING RETURNING *"
+            ))
+            .bind(lease.run_id)
+            .bind(call.seq)
+            .bind(&call.name)
+            .bind(&call.request_hash)
+            .bind(idempotency_key(lease.run_id, call.seq))
+            .bind(class.as_str())
+            .bind(call.emit_pos)
+            .bind(lease.fence)
+            .fetch_optional(&mut *tx)
+            .await?
+            .ok_or(StoreError::EffectExists {
+                run_id: lease.run_id,
+                seq: call.seq,
+            })?;
+            let row = EffectRow::from_row(&row)?;
+            tx.commit().await?;
+            Ok(row)
+        })
+        .await
+    }
+
+    /// Moves a `started` (or `in_doubt`, when this segment re-issued it) row
+    /// to `committed` or `failed` with its result.
+    pub async fn complete_effect(
+        &self,
+        lease: &Lease,
+        seq: i64,
+        completion: &Completion,
+    ) -> Result<EffectRow, StoreError> {
+        let (state, result) = match completion {
+            Completion::Committed(r) => (EffectState::Committed, r),
+            Completion::Failed(r) => (EffectState::Failed, r),
+        };
+        self.retry(|| async move {
+            let mut tx = self.pool().begin().await?;
+            guard(self, &mut tx, lease).await?;
+            let row = sqlx::query(sql!(
+                self,
+                "UPDATE effects SET state = $3, result = $4, fence_completed = $5, updated_at = {now} \
+                 WHERE run_id = $1 AND seq = $2 AND state IN ('started','in_doubt') RETURNING *"
+            ))
+            .bind(lease.run_id)
+            .bind(seq)
+            .bind(state.as_str())
+            .bind(result)
+            .bind(lease.fence)
+            .fetch_optional(&mut *tx)
+            .await?
+            .ok_or(StoreError::EffectNotOpen {
+                run_id: lease.run_id,
+                seq,
+            })?;
+            let row = EffectRow::from_row(&row)?;
+            tx.commit().await?;
+            Ok(row)
+        })
+        .await
+    }
+
+    /// Re-opens an `in_doubt` keyed effect for re-issue by this segment, with
+    /// the same idempotency key. Unkeyed effects are never re-issued.
+    pub async fn reissue_effect(&self, lease: &Lease, seq: i64) -> Result<EffectRow, StoreError> {
+        self.retry(|| async move {
+            let mut tx = self.pool().begin().await?;
+            guard(self, &mut tx, lease).await?;
+            let row = sqlx::query(sql!(
+                self,
+                "UPDATE effects SET state = 'started', fence_started = $3, updated_at = {now} \
+                 WHERE run_id = $1 AND seq = $2 AND state = 'in_doubt' AND class = 'keyed' RETURNING *"
+            ))
+            .bind(lease.run_id)
+            .bind(seq)
+            .bind(lease.fence)
+            .fetch_optional(&mut *tx)
+            .await?
+            .ok_or(StoreError::EffectNotOpen {
+                run_id: lease.run_id,
+                seq,
+            })?;
+            let row = EffectRow::from_row(&row)?;
+            tx.commit().await?;
+            Ok(row)
+        })
+        .await
+    }
+
+    /// Performs a local effect and writes its `committed` ledger row in one
+    /// transaction, so it happens exactly once however often the run dies.
+    pub async fn local_effect(
+        &self,
+        lease: &Lease,
+        call: &EffectCall,
+        op: &LocalOp,
+    ) -> Result<EffectRow, StoreError> {
+        self.retry(|| async move {
+            let mut tx = self.pool().begin().await?;
+            guard(self, &mut tx, lease).await?;
+            let result = match op {
+                LocalOp::KvGet { namespace, key } => {
+                    let value: Option<String> = sqlx::query_scalar(sql!(
+                        self,
+                        "SELECT value FROM kv WHERE namespace = $1 AND key = $2"
+                    ))
+                    .bind(namespace)
+                    .bind(key)
+                    .fetch_optional(&mut *tx)
+                    .await?;
+                    serde_json::Value::from(value).to_string()
+                }
+                LocalOp::KvPut {
+                    namespace,
+                    key,
+                    value,
+                } => {
+                    sqlx::query(sql!(
+                        self,
+                        "INSERT INTO kv (namespace, key, value, updated_at) VALUES ($1, $2, $3, {now}) \
+                         ON CONFLICT (namespace, key) DO UPDATE SET value = excluded.value, \
+                         updated_at = excluded.updated_at"
+                    ))
+                    .bind(namespace)
+                    .bind(key)
+                    .bind(value)
+                    .execute(&mut *tx)
+                    .await?;
+                    "null".to_string()
+                }
+                LocalOp::Record { value } => value.clone(),
+            };
+            let row = sqlx::query(sql!(
+                self,
+                "INSERT INTO effects (run_id, seq, name, request_hash, idempotency_key, class, state, \
+                 result, emit_pos, fence_started, fence_completed, created_at, updated_at) \
+                 VALUES ($1, $2, $3, $4, $5, 'local', 'committed', $6, $7, $8, $8, {now}, {now}) \
+                 ON CONFLICT (run_id, seq) DO NOTHING RETURNING *"
+            ))
+            .bind(lease.run_id)
+            .bind(call.seq)
+            .bind(&call.name)
+            .bind(&call.request_hash)
+            .bind(idempotency_key(lease.run_id, call.seq))
+            .bind(&result)
+            .bind(call.emit_pos)
+            .bind(lease.fence)
+            .fetch_optional(&mut *tx)
+            .await?;
+            // On a duplicate position the transaction is dropped, which rolls
+            // the effect back with it: nothing is applied twice.
+            let row = row.ok_or(StoreError::EffectExists {
+                run_id: lease.run_id,
+                seq: call.seq,
+            })?;
+            let row = EffectRow::from_row(&row)?;
+            tx.commit().await?;
+            Ok(row)
+        })
+        .await
+    }
+
+    /// Reconciles the ledger before a resume: every `started` row from an
+    /// older fence becomes `in_doubt`. Idempotent; returns how many changed.
+    pub async fn reconcile(&self, lease: &Lease) -> Result<u64, StoreError> {
+        self.retry(|| async move {
+            let mut tx = self.pool().begin().await?;
+            guard(self, &mut tx, lease).await?;
+            let n = sqlx::query(sql!(
+                self,
+                "UPDATE effects SET state = 'in_doubt', updated_at = {now} \
+                 WHERE run_id = $1 AND state = 'started' AND fence_started < $2"
+            ))
+            .bind(lease.run_id)
+            .bind(lease.fence)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+            tx.commit().await?;
+            Ok(n)
+        })
+        .await
+    }
+
+    /// The ledger of a run, by position.
+    pub async fn effects(&self, run_id: i64) -> Result<Vec<EffectRow>, StoreError> {
+        let rows = sqlx::query(sql!(
+            self,
+            "SELECT * FROM effects WHERE run_id = $1 ORDER BY seq"
+        ))
+        .bind(run_id)
+        .fetch_all(self.pool())
+        .await?;
+        rows.iter().map(EffectRow::from_row).collect()
+    }
+}

@@ -1,0 +1,154 @@
+//! The reaper: DESIGN.md §2, statement 7. Needs no leader: every write it
+//! makes is guarded by the fence it observed, so any number of hosts may run
+//! it at once, and a claim racing it either wins or loses atomically.
+
+use serde::Serialize;
+use serde_json::json;
+use sqlx::Row;
+
+use crate::events::{self, kind};
+use crate::store::{RunStatus, Store, StoreError, sql};
+
+/// Reaper settings. Every field documents its default.
+#[derive(Debug, Clone)]
+pub struct ReaperConfig {
+    /// Most runs examined per tick. Default: 500.
+    pub batch: i64,
+}
+
+impl Default for ReaperConfig {
+    fn default() -> Self {
+        ReaperConfig { batch: 500 }
+    }
+}
+
+/// What one tick did.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct ReapReport {
+    /// Runs with an expired lease and attempts left: left `running` with the
+    /// expired lease for the next claim to resume (partial not promoted).
+    pub resumable: Vec<i64>,
+    /// Runs given up: `aborted`, with the partial salvaged as the output.
+    pub aborted: Vec<i64>,
+    /// Ledger rows moved from `started` to `in_doubt`.
+    pub in_doubt: u64,
+    /// Candidates that changed under the reaper (claimed, closed, cancelled)
+    /// before it could act; it left them alone.
+    pub raced: u64,
+}
+
+/// The message written when a run is given up.
+pub const ABORT_ERROR: &str = "lease expired with no attempts left";
+
+/// Runs one reaper pass over up to `config.batch` candidates.
+///
+/// Candidates are `running` runs whose lease expired, and open runs whose
+/// attempts are used up (a segment that never gets past its replay and
+/// suspends without progress would otherwise wait forever).
+pub async fn tick(store: &Store, config: &ReaperConfig) -> Result<ReapReport, StoreError> {
+    let candidates = sqlx::query(sql!(
+        store,
+        "SELECT id, fence, status FROM runs \
+         WHERE (status = 'running' AND lease_expires_at < {now}) \
+            OR (status IN ('queued','waiting_takeover') AND attempt >= max_attempts) \
+         ORDER BY id LIMIT $1"
+    ))
+    .bind(config.batch)
+    .fetch_all(store.pool())
+    .await?;
+
+    let mut report = ReapReport::default();
+    for row in candidates {
+        let id: i64 = row.try_get("id")?;
+        let fence: i64 = row.try_get("fence")?;
+        let status: String = row.try_get("status")?;
+        reap_one(store, id, fence, status.parse()?, &mut report).await?;
+    }
+    if !report.aborted.is_empty() || report.in_doubt > 0 {
+        tracing::info!(
+            aborted = report.aborted.len(),
+            resumable = report.resumable.len(),
+            in_doubt = report.in_doubt,
+            "reaper tick"
+        );
+    }
+    Ok(report)
+}
+
+async fn reap_one(
+    store: &Store,
+    id: i64,
+    fence: i64,
+    status: RunStatus,
+    report: &mut ReapReport,
+) -> Result<(), StoreError> {
+    let outcome = store
+        .retry(|| async move {
+            let mut tx = store.pool().begin().await?;
+            // Re-check the candidate under the write lock, at the fence we
+            // observed. A no-op write, so that it locks (PostgreSQL: the row;
+            // SQLite: the database) before anything else is read.
+            let row = sqlx::query(sql!(
+                store,
+                "UPDATE runs SET fence = fence WHERE id = $1 AND fence = $2 AND status = $3 \
+                 AND ((status = 'running' AND lease_expires_at < {now}) OR attempt >= max_attempts) \
+                 RETURNING attempt, max_attempts, partial, thread_id"
+            ))
+            .bind(id)
+            .bind(fence)
+            .bind(status.as_str())
+            .fetch_optional(&mut *tx)
+            .await?;
+            let Some(row) = row else {
+                return Ok(None);
+            };
+            let attempt: i64 = row.try_get("attempt")?;
+            let max_attempts: i64 = row.try_get("max_attempts")?;
+            let partial: String = row.try_get("partial")?;
+            let thread_id: String = row.try_get("thread_id")?;
+
+            // Reconcile first: whatever the dead segment started is now in doubt.
+            let in_doubt = sqlx::query(sql!(
+                store,
+                "UPDATE effects SET state = 'in_doubt', updated_at = {now} \
+                 WHERE run_id = $1 AND state = 'started' AND fence_started <= $2"
+            ))
+            .bind(id)
+            .bind(fence)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+
+            let aborted = attempt >= max_attempts;
+            if aborted {
+                sqlx::query(sql!(
+                    store,
+                    "UPDATE runs SET status = 'aborted', output = partial, error = $3, \
+                     lease_owner = NULL, lease_expires_at = NULL, finished_at = {now}, updated_at = {now} \
+                     WHERE id = $1 AND fence = $2"
+                ))
+                .bind(id)
+                .bind(fence)
+                .bind(ABORT_ERROR)
+                .execute(&mut *tx)
+                .await?;
+                let payload = json!({ "status": RunStatus::Aborted, "output": partial, "error": ABORT_ERROR });
+                events::append(store, &mut tx, &thread_id, id, fence, kind::MESSAGE, &payload).await?;
+            }
+            tx.commit().await?;
+            Ok(Some((aborted, in_doubt)))
+        })
+        .await?;
+    match outcome {
+        None => report.raced += 1,
+        Some((aborted, in_doubt)) => {
+            report.in_doubt += in_doubt;
+            if aborted {
+                report.aborted.push(id);
+            } else {
+                report.resumable.push(id);
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,296 @@
+//! The run store: one connection pool, one protocol, two SQL dialects.
+//!
+//! The lease protocol (`crate::lease`), the ledger (`crate::ledger`), the
+//! thread log (`crate::events`) and the reaper (`crate::reaper`) are written
+//! once against [`Store`]. Only the pieces of SQL that really differ between
+//! SQLite and PostgreSQL live in [`sqlite`] and [`postgres`]: the database
+//! clock expression, the claim statement and the bench loader.
+//!
+//! Every timestamp is milliseconds since the Unix epoch computed *by the
+//! database* (`{now}` in a statement template). No statement takes a time
+//! from the worker.
+
+pub mod postgres;
+pub mod sqlite;
+mod types;
+
+use std::str::FromStr;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use sqlx::any::{AnyConnectOptions, AnyPoolOptions};
+use sqlx::{AnyPool, Executor};
+
+pub use types::*;
+
+/// Which database a [`Store`] talks to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Backend {
+    Sqlite = 0,
+    Postgres = 1,
+}
+
+impl Backend {
+    /// Picks the backend from a database URL (`sqlite:` or `postgres:`/`postgresql:`).
+    pub fn from_url(url: &str) -> Result<Self, StoreError> {
+        if url.starts_with("sqlite:") {
+            Ok(Backend::Sqlite)
+        } else if url.starts_with("postgres:") || url.starts_with("postgresql:") {
+            Ok(Backend::Postgres)
+        } else {
+            Err(StoreError::Config(format!(
+                "unsupported database URL {url:?}: expected sqlite://PATH or postgres://…"
+            )))
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Sqlite => "sqlite",
+            Backend::Postgres => "postgres",
+        }
+    }
+
+    fn dialect(self) -> &'static Dialect {
+        match self {
+            Backend::Sqlite => &sqlite::DIALECT,
+            Backend::Postgres => &postgres::DIALECT,
+        }
+    }
+}
+
+/// The parts of SQL that differ per backend. Everything else is shared text.
+pub struct Dialect {
+    /// An expression for the database's current time in epoch milliseconds.
+    pub now: &'static str,
+    /// Claims up to `$3` claimable runs for owner `$1` with a lease of `$2` ms.
+    /// Template: `{now}` is replaced by [`Dialect::now`].
+    pub claim: &'static str,
+    /// Loads `$1` queued runs of plugin `$2` (bench and tests only).
+    pub bulk_load: &'static str,
+    /// The bench baseline: a plain `UPDATE … RETURNING` of up to `$1` queued
+    /// runs that sets only the status (no fence, attempt or lease).
+    pub baseline_claim: &'static str,
+}
+
+/// Renders a statement template for both backends once per call site and
+/// returns the one for `$store`. Templates use `{now}` for the database clock.
+///
+/// The rendered strings are leaked once per call site (a few hundred bytes
+/// each), so every query is a `&'static str` and can be prepared and cached.
+macro_rules! sql {
+    ($store:expr, $template:expr) => {{
+        static RENDERED: ::std::sync::OnceLock<[&'static str; 2]> = ::std::sync::OnceLock::new();
+        RENDERED.get_or_init(|| $crate::store::render_both($template))[$store.backend() as usize]
+    }};
+}
+pub(crate) use sql;
+
+/// Like [`sql!`], for a statement that is itself dialect-specific: a field of
+/// [`Dialect`].
+macro_rules! dialect_sql {
+    ($store:expr, $field:ident) => {{
+        static RENDERED: ::std::sync::OnceLock<[&'static str; 2]> = ::std::sync::OnceLock::new();
+        RENDERED.get_or_init(|| $crate::store::render_dialects(|d| d.$field))
+            [$store.backend() as usize]
+    }};
+}
+pub(crate) use dialect_sql;
+
+#[doc(hidden)]
+pub fn render_dialects(field: impl Fn(&Dialect) -> &'static str) -> [&'static str; 2] {
+    [Backend::Sqlite, Backend::Postgres].map(|b| render(b, field(b.dialect())))
+}
+
+#[doc(hidden)]
+pub fn render_both(template: &str) -> [&'static str; 2] {
+    [Backend::Sqlite, Backend::Postgres].map(|b| render(b, template))
+}
+
+fn render(backend: Backend, template: &str) -> &'static str {
+    Box::leak(
+        template
+            .replace("{now}", backend.dialect().now)
+            .into_boxed_str(),
+    )
+}
+
+/// SQLite's durability setting for the WAL (`PRAGMA synchronous`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SqliteSync {
+    /// Durable against a process crash; a power loss may drop the last
+    /// commits (never corrupts). The default.
+    #[default]
+    Normal,
+    /// Every commit is fsynced.
+    Full,
+}
+
+/// How to connect. Every field documents its default.
+#[derive(Debug, Clone)]
+pub struct StoreOptions {
+    /// Pool size. Default: 16 for PostgreSQL, 8 for SQLite (SQLite has one
+    /// writer at a time anyway; extra connections only serve readers).
+    pub max_connections: Option<u32>,
+    /// SQLite only: `synchronous` mode. Default: `NORMAL`.
+    pub sqlite_sync: SqliteSync,
+    /// SQLite only: how long a writer waits for the lock before the store
+    /// retries the whole operation. Default: 5 s.
+    pub busy_timeout: Duration,
+    /// How long to wait for a pool connection. Default: 30 s.
+    pub acquire_timeout: Duration,
+    /// Apply migrations at connect time. Default: true.
+    pub migrate: bool,
+}
+
+impl Default for StoreOptions {
+    fn default() -> Self {
+        StoreOptions {
+            max_connections: None,
+            sqlite_sync: SqliteSync::Normal,
+            busy_timeout: Duration::from_secs(5),
+            acquire_timeout: Duration::from_secs(30),
+            migrate: true,
+        }
+    }
+}
+
+/// A handle to the run store. Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct Store {
+    pool: AnyPool,
+    backend: Backend,
+}
+
+static DRIVERS: OnceLock<()> = OnceLock::new();
+
+impl Store {
+    /// Connects to `url` with default options and applies migrations.
+    pub async fn connect(url: &str) -> Result<Store, StoreError> {
+        Store::connect_with(url, StoreOptions::default()).await
+    }
+
+    /// Connects to `url` (`sqlite://PATH`, created if missing, or
+    /// `postgres://…`) and, unless disabled, applies migrations under the
+    /// migrator's lock.
+    pub async fn connect_with(url: &str, opts: StoreOptions) -> Result<Store, StoreError> {
+        DRIVERS.get_or_init(sqlx::any::install_default_drivers);
+        let backend = Backend::from_url(url)?;
+        let url = match backend {
+            Backend::Sqlite => sqlite::normalize_url(url),
+            Backend::Postgres => url.to_string(),
+        };
+        let connect = AnyConnectOptions::from_str(&url)?;
+        let max = opts.max_connections.unwrap_or(match backend {
+            Backend::Sqlite => 8,
+            Backend::Postgres => 16,
+        });
+        let mut pool = AnyPoolOptions::new()
+            .max_connections(max)
+            .acquire_timeout(opts.acquire_timeout);
+        if backend == Backend::Sqlite {
+            let pragmas = sqlite::pragmas(opts.sqlite_sync, opts.busy_timeout);
+            pool = pool.after_connect(move |conn, _| {
+                Box::pin(async move {
+                    conn.execute(pragmas).await?;
+                    Ok(())
+                })
+            });
+        }
+        let pool = pool.connect_with(connect).await?;
+        let store = Store { pool, backend };
+        if opts.migrate {
+            store.migrate().await?;
+        }
+        Ok(store)
+    }
+
+    /// Applies the embedded migrations for this backend (forward-only).
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        let migrator = match self.backend {
+            Backend::Sqlite => sqlx::migrate!("migrations/sqlite"),
+            Backend::Postgres => sqlx::migrate!("migrations/postgres"),
+        };
+        migrator.run(&self.pool).await?;
+        Ok(())
+    }
+
+    pub fn backend(&self) -> Backend {
+        self.backend
+    }
+
+    /// The pool, for tests, benches and operator tooling.
+    pub fn pool(&self) -> &AnyPool {
+        &self.pool
+    }
+
+    /// The database's clock, in epoch milliseconds.
+    pub async fn now_ms(&self) -> Result<i64, StoreError> {
+        let q = sql!(self, "SELECT {now} AS now");
+        let now: i64 = sqlx::query_scalar(q).fetch_one(&self.pool).await?;
+        Ok(now)
+    }
+
+    /// Closes the pool, waiting for connections to be returned.
+    pub async fn shutdown(&self) {
+        self.pool.close().await;
+    }
+
+    /// Runs `op`, retrying it when the database reports transient lock
+    /// contention (SQLite `BUSY`/`LOCKED`, PostgreSQL serialization failure
+    /// or deadlock). Every retried operation is one transaction that was
+    /// rolled back, so retrying is safe. Callers never see these errors
+    /// unless contention lasts for all attempts.
+    pub(crate) async fn retry<T, F, Fut>(&self, mut op: F) -> Result<T, StoreError>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<T, StoreError>>,
+    {
+        const ATTEMPTS: u32 = 50;
+        let mut delay = Duration::from_millis(1);
+        let mut n = 0;
+        loop {
+            match op().await {
+                Err(StoreError::Db(e)) if n + 1 < ATTEMPTS && is_transient(&e) => {
+                    n += 1;
+                    tracing::debug!(attempt = n, error = %e, "transient database contention, retrying");
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(Duration::from_millis(100));
+                }
+                other => return other,
+            }
+        }
+    }
+}
+
+/// True for errors that mean "try the same transaction again".
+fn is_transient(e: &sqlx::Error) -> bool {
+    let sqlx::Error::Database(db) = e else {
+        return false;
+    };
+    let Some(code) = db.code() else { return false };
+    match code.as_ref() {
+        // PostgreSQL: serialization_failure, deadlock_detected.
+        "40001" | "40P01" => true,
+        // SQLite: primary result codes BUSY (5) and LOCKED (6), including
+        // their extended forms (e.g. BUSY_SNAPSHOT = 517).
+        c => c
+            .parse::<i32>()
+            .map(|c| matches!(c & 0xff, 5 | 6))
+            .unwrap_or(false),
+    }
+}
+
+impl Store {
+    /// Inserts `n` queued runs of `plugin` in one statement. For benches and
+    /// tests that need a large queue quickly.
+    pub async fn bulk_load_queued(&self, n: i64, plugin: &str) -> Result<u64, StoreError> {
+        let done = sqlx::query(dialect_sql!(self, bulk_load))
+            .bind(n)
+            .bind(plugin)
+            .execute(&self.pool)
+            .await?;
+        Ok(done.rows_affected())
+    }
+}

@@ -1,0 +1,52 @@
+//! The SQLite dialect. WAL journal, one writer at a time: every multi-statement
+//! transaction starts with a write, so it takes the write lock up front and
+//! `busy_timeout` applies (a deferred read-then-write could fail with
+//! `BUSY_SNAPSHOT` instead of waiting).
+
+use std::time::Duration;
+
+use super::{Dialect, SqliteSync};
+
+pub static DIALECT: Dialect = Dialect {
+    now: "CAST(unixepoch('subsec') * 1000 AS INTEGER)",
+    // One statement: SQLite runs the sub-select and the update under the
+    // same write lock, so no other writer can claim the same run between them.
+    claim: concat!(
+        "UPDATE runs SET status = 'running', lease_owner = $1, fence = fence + 1, ",
+        "attempt = attempt + 1, lease_expires_at = {now} + $2, heartbeat_at = {now}, updated_at = {now} ",
+        "WHERE id IN (SELECT id FROM runs WHERE ",
+        crate::claimable!(),
+        " ORDER BY id LIMIT $3) RETURNING *"
+    ),
+    bulk_load: concat!(
+        "WITH RECURSIVE s(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM s WHERE i < $1) ",
+        "INSERT INTO runs (thread_id, plugin, plugin_digest, input, status, max_attempts, not_before, created_at, updated_at) ",
+        "SELECT 'bench-' || i, $2, '', '{}', 'queued', 3, {now}, {now}, {now} FROM s"
+    ),
+    baseline_claim: "UPDATE runs SET status = 'running' WHERE id IN \
+        (SELECT id FROM runs WHERE status = 'queued' ORDER BY id LIMIT $1) RETURNING id",
+};
+
+/// Adds `mode=rwc` so the database file is created when missing.
+pub(super) fn normalize_url(url: &str) -> String {
+    if url.contains("mode=") || url.contains(":memory:") {
+        url.to_string()
+    } else if url.contains('?') {
+        format!("{url}&mode=rwc")
+    } else {
+        format!("{url}?mode=rwc")
+    }
+}
+
+/// Per-connection settings. Returns one of a fixed set of static strings.
+pub(super) fn pragmas(sync: SqliteSync, busy: Duration) -> &'static str {
+    // busy_timeout is rounded to one of a few fixed values so the statement
+    // text stays a constant (no SQL is built from configuration).
+    let long = busy >= Duration::from_secs(5);
+    match (sync, long) {
+        (SqliteSync::Normal, true) => "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; PRAGMA foreign_keys = ON; PRAGMA busy_timeout = 5000;",
+        (SqliteSync::Normal, false) => "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; PRAGMA foreign_keys = ON; PRAGMA busy_timeout = 1000;",
+        (SqliteSync::Full, true) => "PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL; PRAGMA foreign_keys = ON; PRAGMA busy_timeout = 5000;",
+        (SqliteSync::Full, false) => "PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL; PRAGMA foreign_keys = ON; PRAGMA busy_timeout = 1000;",
+    }
+}

@@ -1,0 +1,374 @@
+//! Domain types of the store: runs, leases, events, ledger rows, errors.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+use sqlx::Row;
+use sqlx::any::AnyRow;
+
+/// The state of a run. See DESIGN.md §2.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RunStatus {
+    Queued,
+    Running,
+    WaitingInput,
+    WaitingTakeover,
+    Completed,
+    Failed,
+    Aborted,
+    Cancelled,
+}
+
+impl RunStatus {
+    pub const ALL: [RunStatus; 8] = [
+        RunStatus::Queued,
+        RunStatus::Running,
+        RunStatus::WaitingInput,
+        RunStatus::WaitingTakeover,
+        RunStatus::Completed,
+        RunStatus::Failed,
+        RunStatus::Aborted,
+        RunStatus::Cancelled,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RunStatus::Queued => "queued",
+            RunStatus::Running => "running",
+            RunStatus::WaitingInput => "waiting_input",
+            RunStatus::WaitingTakeover => "waiting_takeover",
+            RunStatus::Completed => "completed",
+            RunStatus::Failed => "failed",
+            RunStatus::Aborted => "aborted",
+            RunStatus::Cancelled => "cancelled",
+        }
+    }
+
+    /// Terminal runs never change again.
+    pub fn is_terminal(self) -> bool {
+        matches!(
+            self,
+            RunStatus::Completed | RunStatus::Failed | RunStatus::Aborted | RunStatus::Cancelled
+        )
+    }
+}
+
+impl fmt::Display for RunStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for RunStatus {
+    type Err = StoreError;
+    fn from_str(s: &str) -> Result<Self, StoreError> {
+        RunStatus::ALL
+            .into_iter()
+            .find(|st| st.as_str() == s)
+            .ok_or_else(|| StoreError::Corrupt(format!("unknown run status {s:?}")))
+    }
+}
+
+/// A run row. Times are epoch milliseconds from the database clock.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Run {
+    pub id: i64,
+    pub thread_id: String,
+    pub plugin: String,
+    pub plugin_digest: String,
+    /// The turn's input, JSON text.
+    pub input: String,
+    pub idempotency_key: Option<String>,
+    pub status: RunStatus,
+    pub lease_owner: Option<String>,
+    /// Never decreases. Every claim and every cancel increments it.
+    pub fence: i64,
+    pub lease_expires_at: Option<i64>,
+    pub attempt: i64,
+    pub max_attempts: i64,
+    pub heartbeat_at: Option<i64>,
+    /// Streamed output not yet promoted to `output`.
+    pub partial: String,
+    /// How many emits `partial` holds (the next emit's position).
+    pub emit_pos: i64,
+    /// Input delivered to a `waiting_input` run, not yet consumed.
+    pub pending_input: Option<String>,
+    pub output: Option<String>,
+    pub error: Option<String>,
+    pub not_before: i64,
+    pub created_at: i64,
+    pub updated_at: i64,
+    pub finished_at: Option<i64>,
+}
+
+impl Run {
+    pub(crate) fn from_row(row: &AnyRow) -> Result<Run, StoreError> {
+        let status: String = row.try_get("status")?;
+        Ok(Run {
+            id: row.try_get("id")?,
+            thread_id: row.try_get("thread_id")?,
+            plugin: row.try_get("plugin")?,
+            plugin_digest: row.try_get("plugin_digest")?,
+            input: row.try_get("input")?,
+            idempotency_key: row.try_get("idempotency_key")?,
+            status: status.parse()?,
+            lease_owner: row.try_get("lease_owner")?,
+            fence: row.try_get("fence")?,
+            lease_expires_at: row.try_get("lease_expires_at")?,
+            attempt: row.try_get("attempt")?,
+            max_attempts: row.try_get("max_attempts")?,
+            heartbeat_at: row.try_get("heartbeat_at")?,
+            partial: row.try_get("partial")?,
+            emit_pos: row.try_get("emit_pos")?,
+            pending_input: row.try_get("pending_input")?,
+            output: row.try_get("output")?,
+            error: row.try_get("error")?,
+            not_before: row.try_get("not_before")?,
+            created_at: row.try_get("created_at")?,
+            updated_at: row.try_get("updated_at")?,
+            finished_at: row.try_get("finished_at")?,
+        })
+    }
+}
+
+/// What a caller asks for when it enqueues a run.
+#[derive(Debug, Clone)]
+pub struct NewRun {
+    pub plugin: String,
+    pub plugin_digest: String,
+    /// JSON text. The store does not interpret it.
+    pub input: String,
+    /// Default: a fresh random thread id.
+    pub thread_id: Option<String>,
+    /// Default: [`NewRun::DEFAULT_MAX_ATTEMPTS`].
+    pub max_attempts: Option<i64>,
+    /// A second create with the same key returns the first run.
+    pub idempotency_key: Option<String>,
+}
+
+impl NewRun {
+    /// Consecutive failed segments allowed before a run is aborted.
+    pub const DEFAULT_MAX_ATTEMPTS: i64 = 3;
+
+    pub fn new(plugin: impl Into<String>, input: impl Into<String>) -> NewRun {
+        NewRun {
+            plugin: plugin.into(),
+            plugin_digest: String::new(),
+            input: input.into(),
+            thread_id: None,
+            max_attempts: None,
+            idempotency_key: None,
+        }
+    }
+}
+
+/// Proof of holding a run: every guarded write carries it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize)]
+pub struct Lease {
+    pub run_id: i64,
+    pub owner: String,
+    pub fence: i64,
+}
+
+/// A successful claim: the run as it is now, and the lease to write with.
+#[derive(Debug, Clone)]
+pub struct Claimed {
+    pub run: Run,
+    pub lease: Lease,
+}
+
+/// How a segment ends without finishing the turn.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Suspend {
+    /// `waiting_input`: resumes once input is delivered.
+    WaitInput { prompt: String },
+    /// `waiting_takeover`: the segment budget is used up; any worker may
+    /// claim it next.
+    Takeover,
+    /// `queued` with `not_before = now + delay_ms` (a durable sleep or a
+    /// backoff).
+    Sleep { delay_ms: i64 },
+}
+
+/// How a turn finishes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    Completed { output: String },
+    Failed { error: String },
+}
+
+/// One event of a thread's durable log.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Event {
+    pub thread_id: String,
+    /// Per-thread sequence, from 1, without gaps.
+    pub seq: i64,
+    pub run_id: i64,
+    /// The fence of the segment that wrote it (0 for writes outside a lease,
+    /// such as submit; the bumped fence for a cancel).
+    pub fence: i64,
+    pub kind: String,
+    /// JSON text.
+    pub payload: String,
+    pub created_at: i64,
+}
+
+impl Event {
+    pub(crate) fn from_row(row: &AnyRow) -> Result<Event, StoreError> {
+        Ok(Event {
+            thread_id: row.try_get("thread_id")?,
+            seq: row.try_get("seq")?,
+            run_id: row.try_get("run_id")?,
+            fence: row.try_get("fence")?,
+            kind: row.try_get("kind")?,
+            payload: row.try_get("payload")?,
+            created_at: row.try_get("created_at")?,
+        })
+    }
+}
+
+/// How a provider's effect survives a crash. See DESIGN.md §3.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EffectClass {
+    /// Applied in the host's database in the same transaction as its ledger
+    /// commit: exactly once.
+    Local,
+    /// Carries `Idempotency-Key: <run_id>:<seq>`; re-issued when in doubt.
+    Keyed,
+    /// Never re-issued; an in-doubt result reaches the guest.
+    Unkeyed,
+}
+
+impl EffectClass {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EffectClass::Local => "local",
+            EffectClass::Keyed => "keyed",
+            EffectClass::Unkeyed => "unkeyed",
+        }
+    }
+    fn parse(s: &str) -> Result<Self, StoreError> {
+        match s {
+            "local" => Ok(EffectClass::Local),
+            "keyed" => Ok(EffectClass::Keyed),
+            "unkeyed" => Ok(EffectClass::Unkeyed),
+            _ => Err(StoreError::Corrupt(format!("unknown effect class {s:?}"))),
+        }
+    }
+}
+
+/// The state of one ledger row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EffectState {
+    Started,
+    Committed,
+    Failed,
+    /// Started by a segment that is gone; whether it happened is unknown.
+    InDoubt,
+}
+
+impl EffectState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EffectState::Started => "started",
+            EffectState::Committed => "committed",
+            EffectState::Failed => "failed",
+            EffectState::InDoubt => "in_doubt",
+        }
+    }
+    fn parse(s: &str) -> Result<Self, StoreError> {
+        match s {
+            "started" => Ok(EffectState::Started),
+            "committed" => Ok(EffectState::Committed),
+            "failed" => Ok(EffectState::Failed),
+            "in_doubt" => Ok(EffectState::InDoubt),
+            _ => Err(StoreError::Corrupt(format!("unknown effect state {s:?}"))),
+        }
+    }
+}
+
+/// One row of the effect ledger.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct EffectRow {
+    pub run_id: i64,
+    pub seq: i64,
+    pub name: String,
+    pub request_hash: String,
+    /// `<run_id>:<seq>`, stable across attempts.
+    pub idempotency_key: String,
+    pub class: EffectClass,
+    pub state: EffectState,
+    pub result: Option<String>,
+    /// The run's emit position when the row was written.
+    pub emit_pos: i64,
+    pub fence_started: i64,
+    pub fence_completed: Option<i64>,
+    pub created_at: i64,
+    pub updated_at: i64,
+}
+
+impl EffectRow {
+    pub(crate) fn from_row(row: &AnyRow) -> Result<EffectRow, StoreError> {
+        let class: String = row.try_get("class")?;
+        let state: String = row.try_get("state")?;
+        Ok(EffectRow {
+            run_id: row.try_get("run_id")?,
+            seq: row.try_get("seq")?,
+            name: row.try_get("name")?,
+            request_hash: row.try_get("request_hash")?,
+            idempotency_key: row.try_get("idempotency_key")?,
+            class: EffectClass::parse(&class)?,
+            state: EffectState::parse(&state)?,
+            result: row.try_get("result")?,
+            emit_pos: row.try_get("emit_pos")?,
+            fence_started: row.try_get("fence_started")?,
+            fence_completed: row.try_get("fence_completed")?,
+            created_at: row.try_get("created_at")?,
+            updated_at: row.try_get("updated_at")?,
+        })
+    }
+}
+
+/// Errors of the store, shaped by what the caller does next.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The (owner, fence) guard failed: another segment owns the run now, or
+    /// it was cancelled or reaped. Stop and write nothing else.
+    #[error("lease lost on run {} (owner {:?}, fence {})", .0.run_id, .0.owner, .0.fence)]
+    LeaseLost(Lease),
+    #[error("run {0} not found")]
+    RunNotFound(i64),
+    /// The run exists but is not in a state that allows the operation.
+    #[error("run {run_id} is {status}: {message}")]
+    Conflict {
+        run_id: i64,
+        status: RunStatus,
+        message: &'static str,
+    },
+    /// `begin_effect` at a position that already has a ledger row: the
+    /// caller must replay it instead.
+    #[error("run {run_id} already has a ledger row at seq {seq}")]
+    EffectExists { run_id: i64, seq: i64 },
+    /// Completing an effect that was never started (or already completed).
+    #[error("run {run_id} has no open ledger row at seq {seq}")]
+    EffectNotOpen { run_id: i64, seq: i64 },
+    #[error("invalid store configuration: {0}")]
+    Config(String),
+    /// A row holds a value the code does not know: a newer schema or manual
+    /// edits.
+    #[error("corrupt row: {0}")]
+    Corrupt(String),
+    #[error("database error: {0}")]
+    Db(#[from] sqlx::Error),
+    #[error("migration failed: {0}")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+}
+
+impl StoreError {
+    pub fn is_lease_lost(&self) -> bool {
+        matches!(self, StoreError::LeaseLost(_))
+    }
+}

@@ -1,0 +1,458 @@
+//! The lease protocol conformance suite (DESIGN.md §2–3), one body per case,
+//! run on both backends.
+
+use anyhow::{Result, ensure};
+use leasehold::ledger::{Completion, EffectCall, LocalOp};
+use leasehold::reaper::{self, ReaperConfig};
+use leasehold::store::{
+    Claimed, EffectClass, EffectState, NewRun, Outcome, RunStatus, Store, StoreError, Suspend,
+};
+
+use crate::harness::{TTL, TestDb, both};
+
+async fn submit(store: &Store, max_attempts: i64) -> Result<i64> {
+    let mut new = NewRun::new("p", r#"{"q":1}"#);
+    new.max_attempts = Some(max_attempts);
+    Ok(store.create_run(&new).await?.0.id)
+}
+
+async fn claim(store: &Store, owner: &str) -> Result<Claimed> {
+    store
+        .claim(owner, TTL)
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("{owner} found nothing to claim"))
+}
+
+fn call(seq: i64, name: &str) -> EffectCall {
+    EffectCall { seq, name: name.into(), request_hash: format!("h{seq}"), emit_pos: 0 }
+}
+
+fn completed(output: &str) -> Outcome {
+    Outcome::Completed { output: output.into() }
+}
+
+both! {
+    async fn claim_accepts_each_open_state_and_an_expired_lease(db) {
+        let s = &db.store;
+        // queued
+        let queued = submit(s, 5).await?;
+        // waiting_takeover
+        let takeover = submit(s, 5).await?;
+        let c = claim(s, "setup").await?;
+        ensure!(c.run.id == queued, "claims go oldest first");
+        s.suspend(&c.lease, &Suspend::Takeover).await?;
+        let c = claim(s, "setup").await?;
+        ensure!(c.run.id == queued, "a suspended run is claimable again");
+        let c2 = claim(s, "setup").await?;
+        ensure!(c2.run.id == takeover);
+        s.suspend(&c2.lease, &Suspend::Takeover).await?;
+        // waiting_input with its input delivered
+        s.suspend(&c.lease, &Suspend::WaitInput { prompt: "?".into() }).await?;
+        s.deliver_input(queued, r#""answer""#).await?;
+        // running with an expired lease
+        let expired = submit(s, 5).await?;
+        let c3 = s.claim("setup", TTL).await?.unwrap();
+        // The oldest claimable run is `queued` (input delivered), then
+        // `takeover`; the third claim takes `expired`.
+        ensure!(c3.run.id == queued);
+        let c4 = claim(s, "setup").await?;
+        ensure!(c4.run.id == takeover);
+        let c5 = claim(s, "setup").await?;
+        ensure!(c5.run.id == expired);
+        db.backdate_lease(expired, TTL.as_millis() as i64 + 1).await?;
+        let again = claim(s, "other").await?;
+        ensure!(again.run.id == expired && again.run.fence == c5.run.fence + 1);
+        ensure!(again.run.lease_owner.as_deref() == Some("other"));
+        ensure!(again.run.lease_expires_at.unwrap() > again.run.updated_at, "lease runs from the db's now");
+        ensure!(c3.run.pending_input.as_deref() == Some(r#""answer""#), "the claim sees the delivered input");
+        Ok(())
+    }
+
+    async fn claim_refuses_runs_that_are_not_claimable(db) {
+        let s = &db.store;
+        // running, lease not expired
+        submit(s, 5).await?;
+        claim(s, "a").await?;
+        // waiting_input, no input yet
+        submit(s, 5).await?;
+        let c = claim(s, "a").await?;
+        s.suspend(&c.lease, &Suspend::WaitInput { prompt: "name?".into() }).await?;
+        // attempts exhausted (expired lease, max_attempts = 1)
+        let exhausted = submit(s, 1).await?;
+        claim(s, "a").await?;
+        db.backdate_lease(exhausted, 60_000).await?;
+        // not_before in the future
+        submit(s, 5).await?;
+        let c = claim(s, "a").await?;
+        s.suspend(&c.lease, &Suspend::Sleep { delay_ms: 3_600_000 }).await?;
+        // every terminal state
+        submit(s, 5).await?;
+        let c = claim(s, "a").await?;
+        s.close(&c.lease, &completed("done")).await?;
+        submit(s, 5).await?;
+        let c = claim(s, "a").await?;
+        s.close(&c.lease, &Outcome::Failed { error: "boom".into() }).await?;
+        let aborted = submit(s, 1).await?;
+        claim(s, "a").await?;
+        db.backdate_lease(aborted, 60_000).await?;
+        let cancelled = submit(s, 5).await?;
+        s.cancel(cancelled).await?;
+        let report = reaper::tick(s, &ReaperConfig::default()).await?;
+        ensure!(report.aborted == vec![exhausted, aborted], "{report:?}");
+
+        let statuses: Vec<RunStatus> = s.list_runs(None, None, None, 100).await?.iter().map(|r| r.status).collect();
+        ensure!(statuses.len() == 8, "{statuses:?}");
+        for st in [RunStatus::Completed, RunStatus::Failed, RunStatus::Aborted, RunStatus::Cancelled] {
+            ensure!(statuses.contains(&st), "setup reached {st}");
+        }
+        let got = s.claim("b", std::time::Duration::from_secs(30)).await?;
+        ensure!(got.is_none(), "claimed {:?}", got.map(|c| (c.run.id, c.run.status)));
+        Ok(())
+    }
+
+    async fn each_claim_increments_fence_and_attempt_by_exactly_one(db) {
+        let s = &db.store;
+        let id = submit(s, 10).await?;
+        for n in 1..=4 {
+            let c = claim(s, &format!("w{n}")).await?;
+            ensure!(c.run.fence == n && c.run.attempt == n, "claim {n}: fence {} attempt {}", c.run.fence, c.run.attempt);
+            ensure!(c.lease.fence == n);
+            db.backdate_lease(id, 60_000).await?;
+        }
+        let batch = s.claim_batch("w", TTL, 10).await?;
+        ensure!(batch.len() == 1 && batch[0].run.fence == 5 && batch[0].run.attempt == 5);
+        Ok(())
+    }
+
+    async fn zombie_writes_are_rejected_and_change_nothing(db) {
+        let s = &db.store;
+        let id = submit(s, 5).await?;
+        let a = claim(s, "worker-a").await?;
+        s.emit(&a.lease, "from A ").await?;
+        s.begin_effect(&a.lease, &call(0, "http"), EffectClass::Keyed).await?;
+        db.backdate_lease(id, TTL.as_millis() as i64 + 1).await?;
+        let b = claim(s, "worker-b").await?;
+        ensure!(b.lease.fence == a.lease.fence + 1);
+        s.reconcile(&b.lease).await?;
+        s.emit(&b.lease, "from B").await?;
+
+        let run_before = s.get_run(id).await?;
+        let effects_before = s.effects(id).await?;
+        let events_before = s.run_events(id).await?;
+
+        let lost = |r: Result<_, StoreError>, what: &str| -> Result<()> {
+            match r {
+                Err(StoreError::LeaseLost(l)) if l == a.lease => Ok(()),
+                other => anyhow::bail!("zombie {what}: expected LeaseLost, got {other:?}"),
+            }
+        };
+        lost(s.renew(&a.lease, TTL).await.map(drop), "renew")?;
+        lost(s.emit(&a.lease, "zombie").await.map(drop), "emit")?;
+        lost(s.close(&a.lease, &completed("zombie")).await, "close")?;
+        lost(s.close(&a.lease, &Outcome::Failed { error: "zombie".into() }).await, "close failed")?;
+        for how in [Suspend::Takeover, Suspend::WaitInput { prompt: "p".into() }, Suspend::Sleep { delay_ms: 5 }] {
+            lost(s.suspend(&a.lease, &how).await.map(drop), "suspend")?;
+        }
+        lost(s.begin_effect(&a.lease, &call(1, "http"), EffectClass::Unkeyed).await.map(drop), "begin_effect")?;
+        lost(s.complete_effect(&a.lease, 0, &Completion::Committed("r".into())).await.map(drop), "complete_effect")?;
+        lost(s.complete_effect(&a.lease, 0, &Completion::Failed("r".into())).await.map(drop), "fail_effect")?;
+        lost(s.reissue_effect(&a.lease, 0).await.map(drop), "reissue_effect")?;
+        let put = LocalOp::KvPut { namespace: "p".into(), key: "k".into(), value: "zombie".into() };
+        lost(s.local_effect(&a.lease, &call(1, "kv.put"), &put).await.map(drop), "local_effect")?;
+        lost(s.reconcile(&a.lease).await.map(drop), "reconcile")?;
+
+        let mut run_after = s.get_run(id).await?;
+        // Only B may have touched the heartbeat; nothing of A's landed.
+        run_after.heartbeat_at = run_before.heartbeat_at;
+        ensure!(run_after == run_before, "run changed:\n{run_before:?}\n{run_after:?}");
+        ensure!(s.effects(id).await? == effects_before);
+        ensure!(s.run_events(id).await? == events_before);
+        let kv: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM kv").fetch_one(s.pool()).await?;
+        ensure!(kv == 0, "the zombie's kv.put must not apply");
+
+        // B's work is intact and B can finish.
+        s.reissue_effect(&b.lease, 0).await?;
+        s.complete_effect(&b.lease, 0, &Completion::Committed("ok".into())).await?;
+        s.close(&b.lease, &completed("A? no: B")).await?;
+        let done = s.get_run(id).await?;
+        ensure!(done.status == RunStatus::Completed && done.partial == "from A from B");
+        ensure!(done.output.as_deref() == Some("A? no: B"));
+        Ok(())
+    }
+
+    async fn reaper_leaves_an_expired_run_with_attempts_left_for_the_next_claim(db) {
+        let s = &db.store;
+        let id = submit(s, 3).await?;
+        let a = claim(s, "a").await?;
+        s.emit(&a.lease, "half an ans").await?;
+        s.begin_effect(&a.lease, &call(0, "http"), EffectClass::Keyed).await?;
+        db.backdate_lease(id, TTL.as_millis() as i64 + 1).await?;
+        let before = s.get_run(id).await?;
+        let report = reaper::tick(s, &ReaperConfig::default()).await?;
+        ensure!(report.resumable == vec![id] && report.aborted.is_empty() && report.in_doubt == 1, "{report:?}");
+        let after = s.get_run(id).await?;
+        ensure!(after == before, "the reaper must not touch a resumable run:\n{before:?}\n{after:?}");
+        ensure!(after.status == RunStatus::Running && after.output.is_none(), "partial not promoted");
+        ensure!(s.effects(id).await?[0].state == EffectState::InDoubt);
+        let b = claim(s, "b").await?;
+        ensure!(b.run.id == id && b.run.fence == a.run.fence + 1 && b.run.partial == "half an ans");
+        Ok(())
+    }
+
+    async fn reaper_aborts_a_run_with_no_attempts_left_and_salvages_its_partial(db) {
+        let s = &db.store;
+        let id = submit(s, 1).await?;
+        let a = claim(s, "a").await?;
+        s.emit(&a.lease, "half ").await?;
+        s.emit(&a.lease, "answer").await?;
+        s.begin_effect(&a.lease, &call(0, "http"), EffectClass::Unkeyed).await?;
+        db.backdate_lease(id, TTL.as_millis() as i64 + 1).await?;
+        let report = reaper::tick(s, &ReaperConfig::default()).await?;
+        ensure!(report.aborted == vec![id] && report.in_doubt == 1, "{report:?}");
+        let run = s.get_run(id).await?;
+        ensure!(run.status == RunStatus::Aborted);
+        ensure!(run.output.as_deref() == Some("half answer"), "{:?}", run.output);
+        ensure!(run.lease_owner.is_none() && run.finished_at.is_some());
+        let events = s.run_events(id).await?;
+        let last = events.last().unwrap();
+        ensure!(last.kind == "message" && last.fence == a.lease.fence, "{last:?}");
+        let payload: serde_json::Value = serde_json::from_str(&last.payload)?;
+        ensure!(payload["output"] == "half answer" && payload["status"] == "aborted", "{payload}");
+        // Terminal: a second tick and a claim change nothing.
+        let report = reaper::tick(s, &ReaperConfig::default()).await?;
+        ensure!(report == Default::default(), "{report:?}");
+        ensure!(s.claim("b", TTL).await?.is_none());
+        ensure!(s.get_run(id).await? == run);
+        Ok(())
+    }
+
+    async fn reaper_aborts_an_open_run_whose_attempts_are_used_up(db) {
+        let s = &db.store;
+        let id = submit(s, 1).await?;
+        let a = claim(s, "a").await?;
+        // No ledger row in this segment: no progress, the attempt stands.
+        s.suspend(&a.lease, &Suspend::Takeover).await?;
+        ensure!(s.get_run(id).await?.attempt == 1);
+        ensure!(s.claim("b", TTL).await?.is_none());
+        let report = reaper::tick(s, &ReaperConfig::default()).await?;
+        ensure!(report.aborted == vec![id], "{report:?}");
+        Ok(())
+    }
+
+    async fn suspend_after_progress_resets_attempts_and_without_progress_keeps_them(db) {
+        let s = &db.store;
+        let id = submit(s, 2).await?;
+        let a = claim(s, "a").await?;
+        s.local_effect(&a.lease, &call(0, "clock"), &LocalOp::Record { value: "1".into() }).await?;
+        s.suspend(&a.lease, &Suspend::Takeover).await?;
+        ensure!(s.get_run(id).await?.attempt == 0, "progress resets the attempt count");
+        let b = claim(s, "b").await?;
+        s.suspend(&b.lease, &Suspend::Takeover).await?;
+        ensure!(s.get_run(id).await?.attempt == 1, "no progress keeps the attempt count");
+        Ok(())
+    }
+
+    async fn claim_and_reaper_racing_on_expired_runs_never_both_win(db) {
+        // Half the runs have an attempt left (the claim must win), half have
+        // none (the reaper must abort and no claim may take them). Two
+        // claimers and two reapers race over all of them.
+        let s = &db.store;
+        let mut ids = Vec::new();
+        for i in 0..40 {
+            let id = submit(s, if i % 2 == 0 { 2 } else { 1 }).await?;
+            ids.push(id);
+        }
+        let first = s.claim_batch("dead", TTL, 100).await?;
+        ensure!(first.len() == 40);
+        for c in &first {
+            s.begin_effect(&c.lease, &call(0, "http"), EffectClass::Keyed).await?;
+        }
+        sqlx::query("UPDATE runs SET lease_expires_at = lease_expires_at - 60000").execute(s.pool()).await?;
+
+        let mut tasks = tokio::task::JoinSet::new();
+        for w in 0..2 {
+            let st = db.another_store(2).await?;
+            tasks.spawn(async move {
+                let mut won = Vec::new();
+                while let Some(c) = st.claim(&format!("claimer-{w}"), TTL).await? {
+                    won.push(c.run.id);
+                }
+                Ok::<_, StoreError>((won, vec![]))
+            });
+            let st = db.another_store(2).await?;
+            tasks.spawn(async move {
+                let mut aborted = Vec::new();
+                for _ in 0..5 {
+                    aborted.extend(reaper::tick(&st, &ReaperConfig::default()).await?.aborted);
+                }
+                Ok::<_, StoreError>((vec![], aborted))
+            });
+        }
+        let (mut claimed, mut aborted) = (Vec::new(), Vec::new());
+        while let Some(r) = tasks.join_next().await {
+            let (c, a) = r??;
+            claimed.extend(c);
+            aborted.extend(a);
+        }
+        aborted.extend(reaper::tick(s, &ReaperConfig::default()).await?.aborted);
+        claimed.sort();
+        aborted.sort();
+        let even: Vec<i64> = ids.iter().copied().step_by(2).collect();
+        let odd: Vec<i64> = ids.iter().copied().skip(1).step_by(2).collect();
+        ensure!(claimed == even, "each run with an attempt left is claimed exactly once: {claimed:?}");
+        ensure!(aborted == odd, "each exhausted run is aborted exactly once: {aborted:?}");
+        for id in odd {
+            let messages = s.run_events(id).await?.iter().filter(|e| e.kind == "message").count();
+            ensure!(messages == 1, "run {id} has {messages} final messages");
+        }
+        Ok(())
+    }
+
+    async fn reconcile_marks_older_started_rows_in_doubt_and_is_idempotent(db) {
+        let s = &db.store;
+        let id = submit(s, 5).await?;
+        let a = claim(s, "a").await?;
+        s.begin_effect(&a.lease, &call(0, "http"), EffectClass::Keyed).await?;
+        s.complete_effect(&a.lease, 0, &Completion::Committed("200".into())).await?;
+        s.begin_effect(&a.lease, &call(1, "http"), EffectClass::Unkeyed).await?;
+        s.local_effect(&a.lease, &call(2, "kv.put"), &LocalOp::KvPut { namespace: "p".into(), key: "k".into(), value: "v".into() }).await?;
+        ensure!(s.reconcile(&a.lease).await? == 0, "nothing is in doubt for its own segment");
+        db.backdate_lease(id, 60_000).await?;
+        let b = claim(s, "b").await?;
+        let committed_before = s.effects(id).await?[0].clone();
+        ensure!(s.reconcile(&b.lease).await? == 1);
+        let after_once = s.effects(id).await?;
+        ensure!(after_once[0] == committed_before, "committed rows are untouched");
+        ensure!(after_once[1].state == EffectState::InDoubt && after_once[1].fence_started == a.lease.fence);
+        ensure!(after_once[2].state == EffectState::Committed && after_once[2].class == EffectClass::Local);
+        ensure!(s.reconcile(&b.lease).await? == 0);
+        ensure!(s.effects(id).await? == after_once, "a second reconcile changes nothing");
+        // In doubt and unkeyed: never re-issued.
+        ensure!(matches!(s.reissue_effect(&b.lease, 1).await, Err(StoreError::EffectNotOpen { .. })));
+        Ok(())
+    }
+
+    async fn ledger_positions_are_recorded_once_and_local_effects_apply_once(db) {
+        let s = &db.store;
+        let id = submit(s, 5).await?;
+        let a = claim(s, "a").await?;
+        let put = |v: &str| LocalOp::KvPut { namespace: "ns".into(), key: "note".into(), value: v.into() };
+        let row = s.local_effect(&a.lease, &call(0, "kv.put"), &put("first")).await?;
+        ensure!(row.state == EffectState::Committed && row.idempotency_key == format!("{id}:0"));
+        ensure!(row.fence_started == a.lease.fence && row.fence_completed == Some(a.lease.fence));
+        // Replaying the same position must not apply the effect again.
+        let dup = s.local_effect(&a.lease, &call(0, "kv.put"), &put("second")).await;
+        ensure!(matches!(dup, Err(StoreError::EffectExists { seq: 0, .. })), "{dup:?}");
+        let got = s.local_effect(&a.lease, &call(1, "kv.get"), &LocalOp::KvGet { namespace: "ns".into(), key: "note".into() }).await?;
+        ensure!(got.result.as_deref() == Some(r#""first""#), "{:?}", got.result);
+        let dup = s.begin_effect(&a.lease, &call(1, "http"), EffectClass::Keyed).await;
+        ensure!(matches!(dup, Err(StoreError::EffectExists { seq: 1, .. })));
+        let missing = s.complete_effect(&a.lease, 7, &Completion::Committed("x".into())).await;
+        ensure!(matches!(missing, Err(StoreError::EffectNotOpen { seq: 7, .. })));
+        Ok(())
+    }
+
+    async fn create_with_the_same_idempotency_key_returns_the_same_run(db) {
+        let s = &db.store;
+        let mut new = NewRun::new("p", "{}");
+        new.idempotency_key = Some("order-42".into());
+        let (first, created) = s.create_run(&new).await?;
+        ensure!(created);
+        let mut tasks = tokio::task::JoinSet::new();
+        for _ in 0..8 {
+            let st = db.another_store(1).await?;
+            let new = new.clone();
+            tasks.spawn(async move { st.create_run(&new).await });
+        }
+        while let Some(r) = tasks.join_next().await {
+            let (run, created) = r??;
+            ensure!(!created && run.id == first.id);
+        }
+        let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM runs").fetch_one(s.pool()).await?;
+        ensure!(n == 1);
+        let submitted = s.run_events(first.id).await?;
+        ensure!(submitted.len() == 1 && submitted[0].kind == "submitted" && submitted[0].seq == 1);
+        Ok(())
+    }
+
+    async fn input_is_delivered_once_and_only_to_a_waiting_run(db) {
+        let s = &db.store;
+        let id = submit(s, 5).await?;
+        let refused = s.deliver_input(id, "\"early\"").await;
+        ensure!(matches!(refused, Err(StoreError::Conflict { status: RunStatus::Queued, .. })), "{refused:?}");
+        let a = claim(s, "a").await?;
+        s.suspend(&a.lease, &Suspend::WaitInput { prompt: "name?".into() }).await?;
+        s.deliver_input(id, "\"Ada\"").await?;
+        let twice = s.deliver_input(id, "\"Bob\"").await;
+        ensure!(matches!(twice, Err(StoreError::Conflict { status: RunStatus::WaitingInput, .. })), "{twice:?}");
+        ensure!(s.get_run(id).await?.pending_input.as_deref() == Some("\"Ada\""));
+        ensure!(matches!(s.deliver_input(9999, "1").await, Err(StoreError::RunNotFound(9999))));
+        Ok(())
+    }
+
+    async fn cancel_bumps_the_fence_so_the_running_segment_loses_its_lease(db) {
+        let s = &db.store;
+        let id = submit(s, 5).await?;
+        let a = claim(s, "a").await?;
+        let cancelled = s.cancel(id).await?;
+        ensure!(cancelled.status == RunStatus::Cancelled && cancelled.fence == a.lease.fence + 1);
+        ensure!(s.emit(&a.lease, "late").await.unwrap_err().is_lease_lost());
+        ensure!(s.close(&a.lease, &completed("late")).await.unwrap_err().is_lease_lost());
+        ensure!(matches!(s.cancel(id).await, Err(StoreError::Conflict { status: RunStatus::Cancelled, .. })));
+        ensure!(s.get_run(id).await? == cancelled);
+        let last = s.run_events(id).await?.pop().unwrap();
+        ensure!(last.kind == "cancelled" && last.fence == cancelled.fence);
+        Ok(())
+    }
+
+    async fn thread_log_is_gap_free_and_every_event_carries_run_and_fence(db) {
+        let s = &db.store;
+        let mut new = NewRun::new("p", "{}");
+        new.thread_id = Some("t1".into());
+        let (r1, _) = s.create_run(&new).await?;
+        let (r2, _) = s.create_run(&new).await?;
+        let a = claim(s, "a").await?;
+        let b = claim(s, "b").await?;
+        ensure!(s.emit(&a.lease, "a0").await? == 0);
+        ensure!(s.emit(&b.lease, "b0").await? == 0);
+        ensure!(s.emit(&a.lease, "a1").await? == 1);
+        s.close(&a.lease, &completed("A")).await?;
+        s.close(&b.lease, &completed("B")).await?;
+        let events = s.events_after("t1", 0, 100).await?;
+        let seqs: Vec<i64> = events.iter().map(|e| e.seq).collect();
+        ensure!(seqs == (1..=7).collect::<Vec<_>>(), "{seqs:?}");
+        for e in &events {
+            let expected = if e.kind == "submitted" { 0 } else if e.run_id == r1.id { a.lease.fence } else { b.lease.fence };
+            ensure!(e.fence == expected && (e.run_id == r1.id || e.run_id == r2.id), "{e:?}");
+        }
+        ensure!(s.events_after("t1", 5, 100).await?.len() == 2);
+        Ok(())
+    }
+
+    async fn renew_extends_the_lease_from_the_database_clock(db) {
+        let s = &db.store;
+        submit(s, 5).await?;
+        let a = claim(s, "a").await?;
+        let now = s.now_ms().await?;
+        let expires = s.renew(&a.lease, std::time::Duration::from_secs(600)).await?;
+        ensure!(expires >= now + 599_000 && expires <= now + 601_000 + 5_000, "now {now}, expires {expires}");
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn unknown_database_urls_are_a_clear_error() {
+    let err = Store::connect("mysql://x").await.unwrap_err();
+    assert!(err.to_string().contains("unsupported database URL"), "{err}");
+}
+
+#[tokio::test]
+async fn a_missing_sqlite_file_is_created() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("fresh.db");
+    let store = Store::connect(&format!("sqlite://{}", path.display())).await?;
+    ensure!(path.exists());
+    ensure!(store.list_runs(None, None, None, 10).await?.is_empty());
+    Ok(())
+}
+

@@ -1,0 +1,146 @@
+//! Test databases for both backends.
+//!
+//! PostgreSQL is found through `LEASEHOLD_TEST_DATABASE_URL`, then
+//! `DATABASE_URL`, then `postgres://postgres@127.0.0.1:5432/postgres`. Each
+//! test gets a fresh database, dropped when the test ends. If no server
+//! answers, the PostgreSQL half of each test fails with a message saying so:
+//! it is never skipped.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use leasehold::store::{Backend, Store, StoreOptions};
+
+pub const TTL: Duration = Duration::from_secs(30);
+
+pub struct TestDb {
+    pub store: Store,
+    pub backend: Backend,
+    url: String,
+    cleanup: Cleanup,
+}
+
+enum Cleanup {
+    Sqlite(#[allow(dead_code)] tempfile::TempDir),
+    Postgres { admin: Store, name: String },
+}
+
+pub fn admin_url() -> String {
+    std::env::var("LEASEHOLD_TEST_DATABASE_URL")
+        .or_else(|_| std::env::var("DATABASE_URL"))
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_string())
+}
+
+impl TestDb {
+    pub async fn new(backend: Backend) -> Result<TestDb> {
+        match backend {
+            Backend::Sqlite => {
+                let dir = tempfile::tempdir()?;
+                let url = format!("sqlite://{}", dir.path().join("test.db").display());
+                let store = Store::connect(&url).await?;
+                Ok(TestDb { store, backend, url, cleanup: Cleanup::Sqlite(dir) })
+            }
+            Backend::Postgres => {
+                let admin_url = admin_url();
+                let admin = Store::connect_with(
+                    &admin_url,
+                    StoreOptions { migrate: false, max_connections: Some(2), ..Default::default() },
+                )
+                .await
+                .with_context(|| {
+                    format!(
+                        "PostgreSQL tests need a server: could not connect to {admin_url}. \
+                         Run ./scripts/test (it finds or starts one), or set LEASEHOLD_TEST_DATABASE_URL"
+                    )
+                })?;
+                // The name is ours (not input); identifiers cannot be bound.
+                let name = format!("leasehold_test_{}", uuid::Uuid::new_v4().simple());
+                sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+                    .execute(admin.pool())
+                    .await?;
+                let mut url = url::Url::parse(&admin_url)?;
+                url.set_path(&name);
+                let url = url.to_string();
+                let store = Store::connect(&url).await?;
+                Ok(TestDb { store, backend, url, cleanup: Cleanup::Postgres { admin, name } })
+            }
+        }
+    }
+
+    /// A second, independent store (its own pool) on the same database: a
+    /// separate worker process, as far as the database can tell.
+    pub async fn another_store(&self, max_connections: u32) -> Result<Store> {
+        Ok(Store::connect_with(
+            &self.url,
+            StoreOptions { max_connections: Some(max_connections), migrate: false, ..Default::default() },
+        )
+        .await?)
+    }
+
+    pub async fn cleanup(self) -> Result<()> {
+        self.store.shutdown().await;
+        if let Cleanup::Postgres { admin, name } = self.cleanup {
+            sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")))
+                .execute(admin.pool())
+                .await?;
+            admin.shutdown().await;
+        }
+        Ok(())
+    }
+
+    /// Moves a run's lease expiry `ms` into the past, instead of waiting.
+    pub async fn backdate_lease(&self, run_id: i64, ms: i64) -> Result<()> {
+        sqlx::query("UPDATE runs SET lease_expires_at = lease_expires_at - $2 WHERE id = $1")
+            .bind(run_id)
+            .bind(ms)
+            .execute(self.store.pool())
+            .await?;
+        Ok(())
+    }
+
+    /// Moves every deadline of every unfinished run `ms` into the past: the
+    /// clock, as seen by the protocol, advances by `ms`.
+    pub async fn advance_clock(&self, ms: i64) -> Result<()> {
+        sqlx::query(
+            "UPDATE runs SET lease_expires_at = lease_expires_at - $1, not_before = not_before - $1 \
+             WHERE status NOT IN ('completed','failed','aborted','cancelled')",
+        )
+        .bind(ms)
+        .execute(self.store.pool())
+        .await?;
+        Ok(())
+    }
+}
+
+/// Runs `body` against a fresh database of `backend`, then drops it.
+pub async fn run_on(backend: Backend, body: impl AsyncFnOnce(&TestDb) -> Result<()>) -> Result<()> {
+    let db = TestDb::new(backend).await?;
+    let result = body(&db).await;
+    db.cleanup().await?;
+    result
+}
+
+/// Declares store tests that run one body on both backends:
+/// `both! { async fn name(db) { … } }` becomes `name::sqlite` and
+/// `name::postgres`.
+macro_rules! both {
+    ($( $(#[$meta:meta])* async fn $name:ident($db:ident) $body:block )*) => {$(
+        $(#[$meta])*
+        mod $name {
+            #[allow(unused_imports)]
+            use super::*;
+            async fn body($db: &$crate::harness::TestDb) -> ::anyhow::Result<()> $body
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn sqlite() -> ::anyhow::Result<()> {
+                $crate::harness::run_on(::leasehold::Backend::Sqlite, body).await
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn postgres() -> ::anyhow::Result<()> {
+                $crate::harness::run_on(::leasehold::Backend::Postgres, body).await
+            }
+        }
+    )*};
+}
+pub(crate) use both;

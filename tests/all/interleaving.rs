@@ -1,0 +1,247 @@
+//! Randomised interleaving: simulated workers (some of them zombies holding
+//! stale leases), a reaper, cancels and input deliveries, in a seeded random
+//! order, against a clock that advances by backdating (never by sleeping).
+//!
+//! Prints its seed; `LEASEHOLD_SEED=N` replays it. `LEASEHOLD_STEPS` sets
+//! the length (default 400).
+
+use std::collections::HashMap;
+
+use anyhow::{Result, bail, ensure};
+use leasehold::ledger::{Completion, EffectCall, LocalOp};
+use leasehold::reaper::{self, ReaperConfig};
+use leasehold::store::{EffectClass, Lease, NewRun, Outcome, Run, StoreError, Suspend};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use crate::harness::{TTL, TestDb, both};
+
+fn seed() -> u64 {
+    match std::env::var("LEASEHOLD_SEED") {
+        Ok(s) => s.parse().expect("LEASEHOLD_SEED must be a u64"),
+        Err(_) => rand::rng().random(),
+    }
+}
+
+/// Errors a guarded operation may legitimately return in the simulation.
+fn expected(e: &StoreError) -> bool {
+    matches!(
+        e,
+        StoreError::LeaseLost(_)
+            | StoreError::EffectExists { .. }
+            | StoreError::EffectNotOpen { .. }
+            | StoreError::Conflict { .. }
+    )
+}
+
+struct Sim<'a> {
+    db: &'a TestDb,
+    rng: StdRng,
+    /// Every lease each worker ever got; old ones make it a zombie.
+    leases: Vec<Vec<Lease>>,
+    /// The lease of the latest claim of each run, while it is running.
+    current: HashMap<i64, Lease>,
+    /// Per run: the (owner, fence) pairs that wrote successfully after each claim.
+    writers: HashMap<(i64, i64), Vec<(String, i64)>>,
+    runs: Vec<i64>,
+    snapshot: HashMap<i64, Run>,
+    writes_ok: u64,
+    writes_rejected: u64,
+}
+
+impl Sim<'_> {
+    fn pick_lease(&mut self, w: usize) -> Option<Lease> {
+        let held = &self.leases[w];
+        if held.is_empty() {
+            return None;
+        }
+        // Mostly the newest lease; sometimes an old one (a zombie write).
+        let i = if self.rng.random_bool(0.7) { held.len() - 1 } else { self.rng.random_range(0..held.len()) };
+        Some(held[i].clone())
+    }
+
+    /// Records the result of a guarded write by `lease`.
+    fn guarded<T>(&mut self, lease: &Lease, r: Result<T, StoreError>, ends_segment: bool) -> Result<()> {
+        match r {
+            Ok(_) => {
+                let Some(cur) = self.current.get(&lease.run_id) else {
+                    bail!("write by {lease:?} succeeded on a run nobody holds");
+                };
+                ensure!(cur == lease, "stale write landed: {lease:?} while {cur:?} holds the run");
+                self.writers
+                    .entry((lease.run_id, lease.fence))
+                    .or_default()
+                    .push((lease.owner.clone(), lease.fence));
+                if ends_segment {
+                    self.current.remove(&lease.run_id);
+                }
+                self.writes_ok += 1;
+            }
+            Err(e) if expected(&e) => {
+                if e.is_lease_lost() {
+                    ensure!(
+                        self.current.get(&lease.run_id) != Some(lease),
+                        "the current holder {lease:?} was refused"
+                    );
+                    self.writes_rejected += 1;
+                }
+            }
+            Err(e) => bail!("unexpected error for {lease:?}: {e}"),
+        }
+        Ok(())
+    }
+
+    async fn step(&mut self, workers: usize) -> Result<()> {
+        let s = &self.db.store;
+        let w = self.rng.random_range(0..workers);
+        let owner = format!("w{w}");
+        match self.rng.random_range(0..100) {
+            0..8 => {
+                let mut new = NewRun::new("p", "{}");
+                new.max_attempts = Some(self.rng.random_range(1..4));
+                new.thread_id = Some(format!("t{}", self.rng.random_range(0..3)));
+                self.runs.push(s.create_run(&new).await?.0.id);
+            }
+            8..25 => {
+                let n = self.rng.random_range(1..3);
+                for c in s.claim_batch(&owner, TTL, n).await? {
+                    if let Some(prev) = self.current.get(&c.run.id) {
+                        ensure!(c.lease.fence > prev.fence, "fence did not grow");
+                    }
+                    self.current.insert(c.run.id, c.lease.clone());
+                    self.leases[w].push(c.lease);
+                }
+            }
+            25..70 => {
+                let Some(lease) = self.pick_lease(w) else { return Ok(()) };
+                let seq = self.rng.random_range(0..4);
+                let call = EffectCall { seq, name: "e".into(), request_hash: "h".into(), emit_pos: 0 };
+                match self.rng.random_range(0..9) {
+                    0 => { let r = s.renew(&lease, TTL).await; self.guarded(&lease, r, false)? }
+                    1 | 2 => { let r = s.emit(&lease, "x").await; self.guarded(&lease, r, false)? }
+                    3 => { let r = s.begin_effect(&lease, &call, EffectClass::Keyed).await; self.guarded(&lease, r, false)? }
+                    4 => {
+                        let r = s.complete_effect(&lease, seq, &Completion::Committed("ok".into())).await;
+                        self.guarded(&lease, r, false)?
+                    }
+                    5 => {
+                        let op = LocalOp::KvPut { namespace: "p".into(), key: format!("k{seq}"), value: owner.clone() };
+                        let r = s.local_effect(&lease, &call, &op).await;
+                        self.guarded(&lease, r, false)?
+                    }
+                    6 => { let r = s.reconcile(&lease).await; self.guarded(&lease, r, false)? }
+                    7 => {
+                        let how = match self.rng.random_range(0..3) {
+                            0 => Suspend::Takeover,
+                            1 => Suspend::WaitInput { prompt: "?".into() },
+                            _ => Suspend::Sleep { delay_ms: self.rng.random_range(0..60_000) },
+                        };
+                        let r = s.suspend(&lease, &how).await;
+                        self.guarded(&lease, r, true)?
+                    }
+                    _ => {
+                        let outcome = if self.rng.random_bool(0.8) {
+                            Outcome::Completed { output: owner.clone() }
+                        } else {
+                            Outcome::Failed { error: owner.clone() }
+                        };
+                        let r = s.close(&lease, &outcome).await;
+                        self.guarded(&lease, r, true)?
+                    }
+                }
+            }
+            70..80 => {
+                // The clock advances: by nothing, half a lease, or past it.
+                let ms = [0, TTL.as_millis() as i64 / 2, TTL.as_millis() as i64 + 1][self.rng.random_range(0..3)];
+                self.db.advance_clock(ms).await?;
+            }
+            80..88 => {
+                let report = reaper::tick(s, &ReaperConfig::default()).await?;
+                for id in report.aborted {
+                    self.current.remove(&id);
+                }
+            }
+            88..92 => {
+                if let Some(&id) = self.runs.get(self.rng.random_range(0..self.runs.len().max(1))) {
+                    match s.cancel(id).await {
+                        Ok(_) => { self.current.remove(&id); }
+                        Err(e) if expected(&e) => {}
+                        Err(e) => bail!("cancel: {e}"),
+                    }
+                }
+            }
+            _ => {
+                if let Some(&id) = self.runs.get(self.rng.random_range(0..self.runs.len().max(1))) {
+                    match s.deliver_input(id, "\"hi\"").await {
+                        Ok(_) => {}
+                        Err(e) if expected(&e) => {}
+                        Err(e) => bail!("deliver_input: {e}"),
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Fences never decrease; terminal runs never change.
+    async fn check_invariants(&mut self) -> Result<()> {
+        for run in self.db.store.list_runs(None, None, None, 10_000).await? {
+            if let Some(prev) = self.snapshot.get(&run.id) {
+                ensure!(run.fence >= prev.fence, "fence of run {} went {} -> {}", run.id, prev.fence, run.fence);
+                if prev.status.is_terminal() {
+                    ensure!(&run == prev, "terminal run changed:\n{prev:?}\n{run:?}");
+                }
+            }
+            self.snapshot.insert(run.id, run);
+        }
+        Ok(())
+    }
+}
+
+both! {
+    async fn random_interleavings_keep_fences_monotonic_and_writers_unique(db) {
+        let seed = seed();
+        let steps: usize = std::env::var("LEASEHOLD_STEPS").ok().and_then(|s| s.parse().ok()).unwrap_or(400);
+        eprintln!("{:?}: seed = {seed} (replay with LEASEHOLD_SEED={seed})", db.backend);
+        const WORKERS: usize = 4;
+        let mut sim = Sim {
+            db,
+            rng: StdRng::seed_from_u64(seed),
+            leases: vec![Vec::new(); WORKERS],
+            current: HashMap::new(),
+            writers: HashMap::new(),
+            runs: Vec::new(),
+            snapshot: HashMap::new(),
+            writes_ok: 0,
+            writes_rejected: 0,
+        };
+        for step in 0..steps {
+            if let Err(e) = sim.step(WORKERS).await {
+                bail!("seed {seed}, step {step}: {e:#}");
+            }
+            if let Err(e) = sim.check_invariants().await {
+                bail!("seed {seed}, step {step}: {e:#}");
+            }
+        }
+        for ((run, fence), writers) in &sim.writers {
+            let first = &writers[0];
+            ensure!(writers.iter().all(|w| w == first), "run {run} fence {fence}: several writers {writers:?}");
+        }
+        // Every event of a lease-held kind carries the fence of a segment
+        // that really held the run.
+        for id in &sim.runs {
+            for e in db.store.run_events(*id).await? {
+                if e.kind == "delta" || e.kind == "suspended" || (e.kind == "message" && e.fence > 0) {
+                    ensure!(sim.writers.contains_key(&(e.run_id, e.fence)) || e.kind == "message",
+                        "event {e:?} from a fence that never wrote");
+                }
+            }
+        }
+        eprintln!(
+            "{:?}: seed {seed}: {} runs, {} writes landed, {} stale writes rejected",
+            db.backend, sim.runs.len(), sim.writes_ok, sim.writes_rejected
+        );
+        ensure!(sim.writes_ok > 0 && sim.writes_rejected > 0, "the mix exercised both outcomes");
+        Ok(())
+    }
+}

@@ -1,0 +1,8 @@
+//! One integration-test binary (fewer links). Store tests run every body
+//! against SQLite and PostgreSQL: see `harness::both!`.
+
+mod harness;
+
+mod concurrency;
+mod conformance;
+mod interleaving;
