@@ -125,59 +125,13 @@ both! {
     }
 
     async fn zombie_writes_are_rejected_and_change_nothing(db) {
-        let s = &db.store;
-        let id = submit(s, 5).await?;
-        let a = claim(s, "worker-a").await?;
-        s.emit(&a.lease, "from A ").await?;
-        s.begin_effect(&a.lease, &call(0, "http"), EffectClass::Keyed).await?;
-        db.backdate_lease(id, TTL.as_millis() as i64 + 1).await?;
-        let b = claim(s, "worker-b").await?;
-        ensure!(b.lease.fence == a.lease.fence + 1);
-        s.reconcile(&b.lease).await?;
-        s.emit(&b.lease, "from B").await?;
+        zombie_case(db, "worker-b").await
+    }
 
-        let run_before = s.get_run(id).await?;
-        let effects_before = s.effects(id).await?;
-        let events_before = s.run_events(id).await?;
-
-        let lost = |r: Result<_, StoreError>, what: &str| -> Result<()> {
-            match r {
-                Err(StoreError::LeaseLost(l)) if l == a.lease => Ok(()),
-                other => anyhow::bail!("zombie {what}: expected LeaseLost, got {other:?}"),
-            }
-        };
-        lost(s.renew(&a.lease, TTL).await.map(drop), "renew")?;
-        lost(s.emit(&a.lease, "zombie").await.map(drop), "emit")?;
-        lost(s.close(&a.lease, &completed("zombie")).await, "close")?;
-        lost(s.close(&a.lease, &Outcome::Failed { error: "zombie".into() }).await, "close failed")?;
-        for how in [Suspend::Takeover, Suspend::WaitInput { prompt: "p".into() }, Suspend::Sleep { delay_ms: 5 }] {
-            lost(s.suspend(&a.lease, &how).await.map(drop), "suspend")?;
-        }
-        lost(s.begin_effect(&a.lease, &call(1, "http"), EffectClass::Unkeyed).await.map(drop), "begin_effect")?;
-        lost(s.complete_effect(&a.lease, 0, &Completion::Committed("r".into())).await.map(drop), "complete_effect")?;
-        lost(s.complete_effect(&a.lease, 0, &Completion::Failed("r".into())).await.map(drop), "fail_effect")?;
-        lost(s.reissue_effect(&a.lease, 0).await.map(drop), "reissue_effect")?;
-        let put = LocalOp::KvPut { namespace: "p".into(), key: "k".into(), value: "zombie".into() };
-        lost(s.local_effect(&a.lease, &call(1, "kv.put"), &put).await.map(drop), "local_effect")?;
-        lost(s.reconcile(&a.lease).await.map(drop), "reconcile")?;
-
-        let mut run_after = s.get_run(id).await?;
-        // Only B may have touched the heartbeat; nothing of A's landed.
-        run_after.heartbeat_at = run_before.heartbeat_at;
-        ensure!(run_after == run_before, "run changed:\n{run_before:?}\n{run_after:?}");
-        ensure!(s.effects(id).await? == effects_before);
-        ensure!(s.run_events(id).await? == events_before);
-        let kv: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM kv").fetch_one(s.pool()).await?;
-        ensure!(kv == 0, "the zombie's kv.put must not apply");
-
-        // B's work is intact and B can finish.
-        s.reissue_effect(&b.lease, 0).await?;
-        s.complete_effect(&b.lease, 0, &Completion::Committed("ok".into())).await?;
-        s.close(&b.lease, &completed("A? no: B")).await?;
-        let done = s.get_run(id).await?;
-        ensure!(done.status == RunStatus::Completed && done.partial == "from A from B");
-        ensure!(done.output.as_deref() == Some("A? no: B"));
-        Ok(())
+    async fn zombie_of_the_same_owner_is_told_apart_by_its_fence(db) {
+        // The same worker id claims again (a restarted process reusing its
+        // host id): only the fence separates the old segment from the new.
+        zombie_case(db, "worker-a").await
     }
 
     async fn reaper_leaves_an_expired_run_with_attempts_left_for_the_next_claim(db) {
@@ -455,4 +409,62 @@ async fn a_missing_sqlite_file_is_created() -> Result<()> {
     ensure!(store.list_runs(None, None, None, 10).await?.is_empty());
     Ok(())
 }
+
+/// Worker A claims; its lease expires; `successor` claims. Every write of
+/// A's segment must return LeaseLost and change nothing; B's work is intact.
+async fn zombie_case(db: &TestDb, successor: &str) -> Result<()> {
+        let s = &db.store;
+        let id = submit(s, 5).await?;
+        let a = claim(s, "worker-a").await?;
+        s.emit(&a.lease, "from A ").await?;
+        s.begin_effect(&a.lease, &call(0, "http"), EffectClass::Keyed).await?;
+        db.backdate_lease(id, TTL.as_millis() as i64 + 1).await?;
+        let b = claim(s, successor).await?;
+        ensure!(b.lease.fence == a.lease.fence + 1);
+        s.reconcile(&b.lease).await?;
+        s.emit(&b.lease, "from B").await?;
+
+        let run_before = s.get_run(id).await?;
+        let effects_before = s.effects(id).await?;
+        let events_before = s.run_events(id).await?;
+
+        let lost = |r: Result<_, StoreError>, what: &str| -> Result<()> {
+            match r {
+                Err(StoreError::LeaseLost(l)) if l == a.lease => Ok(()),
+                other => anyhow::bail!("zombie {what}: expected LeaseLost, got {other:?}"),
+            }
+        };
+        lost(s.renew(&a.lease, TTL).await.map(drop), "renew")?;
+        lost(s.emit(&a.lease, "zombie").await.map(drop), "emit")?;
+        lost(s.close(&a.lease, &completed("zombie")).await, "close")?;
+        lost(s.close(&a.lease, &Outcome::Failed { error: "zombie".into() }).await, "close failed")?;
+        for how in [Suspend::Takeover, Suspend::WaitInput { prompt: "p".into() }, Suspend::Sleep { delay_ms: 5 }] {
+            lost(s.suspend(&a.lease, &how).await.map(drop), "suspend")?;
+        }
+        lost(s.begin_effect(&a.lease, &call(1, "http"), EffectClass::Unkeyed).await.map(drop), "begin_effect")?;
+        lost(s.complete_effect(&a.lease, 0, &Completion::Committed("r".into())).await.map(drop), "complete_effect")?;
+        lost(s.complete_effect(&a.lease, 0, &Completion::Failed("r".into())).await.map(drop), "fail_effect")?;
+        lost(s.reissue_effect(&a.lease, 0).await.map(drop), "reissue_effect")?;
+        let put = LocalOp::KvPut { namespace: "p".into(), key: "k".into(), value: "zombie".into() };
+        lost(s.local_effect(&a.lease, &call(1, "kv.put"), &put).await.map(drop), "local_effect")?;
+        lost(s.reconcile(&a.lease).await.map(drop), "reconcile")?;
+
+        let mut run_after = s.get_run(id).await?;
+        // Only B may have touched the heartbeat; nothing of A's landed.
+        run_after.heartbeat_at = run_before.heartbeat_at;
+        ensure!(run_after == run_before, "run changed:\n{run_before:?}\n{run_after:?}");
+        ensure!(s.effects(id).await? == effects_before);
+        ensure!(s.run_events(id).await? == events_before);
+        let kv: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM kv").fetch_one(s.pool()).await?;
+        ensure!(kv == 0, "the zombie's kv.put must not apply");
+
+        // B's work is intact and B can finish.
+        s.reissue_effect(&b.lease, 0).await?;
+        s.complete_effect(&b.lease, 0, &Completion::Committed("ok".into())).await?;
+        s.close(&b.lease, &completed("A? no: B")).await?;
+        let done = s.get_run(id).await?;
+        ensure!(done.status == RunStatus::Completed && done.partial == "from A from B");
+        ensure!(done.output.as_deref() == Some("A? no: B"));
+        Ok(())
+    }
 

@@ -203,7 +203,7 @@ both! {
         let seed = seed();
         let steps: usize = std::env::var("LEASEHOLD_STEPS").ok().and_then(|s| s.parse().ok()).unwrap_or(400);
         eprintln!("{:?}: seed = {seed} (replay with LEASEHOLD_SEED={seed})", db.backend);
-        const WORKERS: usize = 4;
+        const WORKERS: usize = 3;
         let mut sim = Sim {
             db,
             rng: StdRng::seed_from_u64(seed),
