@@ -4,21 +4,31 @@
 //! ([`lease`]), the thread log ([`events`]), the effect [`ledger`], the
 //! [`reaper`] and the claim benchmark ([`bench`]). DESIGN.md is the contract.
 
-/// The condition under which a run may be claimed (DESIGN.md §2, statement 1),
-/// shared by both dialects' claim statements. `{now}` is the database clock.
+/// The claim has two paths (DESIGN.md §2, statement 1), each served by its
+/// own partial index so a claim never scans finished or in-flight runs:
 ///
-/// The leading `status IN (…)` term is the predicate of the partial index
-/// `runs_claim`, repeated verbatim so both planners can use that index: the
-/// claim never scans finished runs.
+/// * `claim_open!`: open runs (`queued`, `waiting_takeover`, `waiting_input`
+///   with input delivered) whose `not_before` has passed, oldest eligibility
+///   first. Index `runs_claim_open (not_before, id)` has this predicate.
+/// * `claim_expired!`: `running` runs whose lease expired. Index `runs_lease`.
+///
+/// Both require attempts left. `{now}` is the database clock. The index
+/// predicates are repeated verbatim so both planners can match them.
 #[doc(hidden)]
 #[macro_export]
-macro_rules! claimable {
+macro_rules! claim_open {
     () => {
-        "status IN ('queued','waiting_input','waiting_takeover','running') \
-         AND attempt < max_attempts AND not_before <= {now} \
-         AND (status IN ('queued','waiting_takeover') \
-              OR (status = 'waiting_input' AND pending_input IS NOT NULL) \
-              OR (status = 'running' AND lease_expires_at < {now}))"
+        "(status IN ('queued','waiting_takeover') \
+              OR (status = 'waiting_input' AND pending_input IS NOT NULL)) \
+         AND not_before <= {now} AND attempt < max_attempts"
+    };
+}
+
+#[doc(hidden)]
+#[macro_export]
+macro_rules! claim_expired {
+    () => {
+        "status = 'running' AND lease_expires_at < {now} AND attempt < max_attempts"
     };
 }
 

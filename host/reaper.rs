@@ -46,12 +46,15 @@ pub const ABORT_ERROR: &str = "lease expired with no attempts left";
 /// attempts are used up (a segment that never gets past its replay and
 /// suspends without progress would otherwise wait forever).
 pub async fn tick(store: &Store, config: &ReaperConfig) -> Result<ReapReport, StoreError> {
+    // Two index paths (runs_lease, runs_status) rather than one OR, so the
+    // tick never scans finished runs.
     let candidates = sqlx::query(sql!(
         store,
-        "SELECT id, fence, status FROM runs \
-         WHERE (status = 'running' AND lease_expires_at < {now}) \
-            OR (status IN ('queued','waiting_takeover') AND attempt >= max_attempts) \
-         ORDER BY id LIMIT $1"
+        "SELECT id, fence, status FROM (SELECT id, fence, status FROM runs \
+           WHERE status = 'running' AND lease_expires_at < {now} ORDER BY lease_expires_at LIMIT $1) AS expired \
+         UNION ALL \
+         SELECT id, fence, status FROM (SELECT id, fence, status FROM runs \
+           WHERE status IN ('queued','waiting_takeover') AND attempt >= max_attempts ORDER BY id LIMIT $1) AS exhausted"
     ))
     .bind(config.batch)
     .fetch_all(store.pool())

@@ -66,7 +66,7 @@ pub struct Dialect {
     /// Claims up to `$3` claimable runs for owner `$1` with a lease of `$2` ms.
     /// Template: `{now}` is replaced by [`Dialect::now`].
     pub claim: &'static str,
-    /// Loads `$1` queued runs of plugin `$2` (bench and tests only).
+    /// Loads `$1` runs of plugin `$2` with status `$3` (bench and tests only).
     pub bulk_load: &'static str,
     /// The bench baseline: a plain `UPDATE … RETURNING` of up to `$1` queued
     /// runs that sets only the status (no fence, attempt or lease).
@@ -286,9 +286,16 @@ impl Store {
     /// Inserts `n` queued runs of `plugin` in one statement. For benches and
     /// tests that need a large queue quickly.
     pub async fn bulk_load_queued(&self, n: i64, plugin: &str) -> Result<u64, StoreError> {
+        self.bulk_load(n, plugin, RunStatus::Queued).await
+    }
+
+    /// Inserts `n` runs of `plugin` with `status` in one statement (bench
+    /// and tests: e.g. a million finished runs under the claim path).
+    pub async fn bulk_load(&self, n: i64, plugin: &str, status: RunStatus) -> Result<u64, StoreError> {
         let done = sqlx::query(dialect_sql!(self, bulk_load))
             .bind(n)
             .bind(plugin)
+            .bind(status.as_str())
             .execute(&self.pool)
             .await?;
         Ok(done.rows_affected())

@@ -9,19 +9,24 @@ use super::{Dialect, SqliteSync};
 
 pub static DIALECT: Dialect = Dialect {
     now: "CAST(unixepoch('subsec') * 1000 AS INTEGER)",
-    // One statement: SQLite runs the sub-select and the update under the
+    // One statement: SQLite runs the sub-selects and the update under the
     // same write lock, so no other writer can claim the same run between them.
+    // Expired leases first (resuming dead work), then open runs.
     claim: concat!(
         "UPDATE runs SET status = 'running', lease_owner = $1, fence = fence + 1, ",
         "attempt = attempt + 1, lease_expires_at = {now} + $2, heartbeat_at = {now}, updated_at = {now} ",
-        "WHERE id IN (SELECT id FROM runs WHERE ",
-        crate::claimable!(),
-        " ORDER BY id LIMIT $3) RETURNING *"
+        "WHERE id IN (",
+        "SELECT id FROM (SELECT id FROM runs WHERE ", crate::claim_expired!(),
+        " ORDER BY lease_expires_at LIMIT $3) ",
+        "UNION ALL ",
+        "SELECT id FROM (SELECT id FROM runs WHERE ", crate::claim_open!(),
+        " ORDER BY not_before, id LIMIT $3) ",
+        "LIMIT $3) RETURNING *"
     ),
     bulk_load: concat!(
         "WITH RECURSIVE s(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM s WHERE i < $1) ",
         "INSERT INTO runs (thread_id, plugin, plugin_digest, input, status, max_attempts, not_before, created_at, updated_at) ",
-        "SELECT 'bench-' || i, $2, '', '{}', 'queued', 3, {now}, {now}, {now} FROM s"
+        "SELECT 'bench-' || i, $2, '', '{}', $3, 3, {now}, {now}, {now} FROM s"
     ),
     baseline_claim: "UPDATE runs SET status = 'running' WHERE id IN \
         (SELECT id FROM runs WHERE status = 'queued' ORDER BY id LIMIT $1) RETURNING id",

@@ -26,11 +26,13 @@ CREATE TABLE runs (
     finished_at      INTEGER
 );
 
--- The claim path only ever looks at non-terminal runs, so finished runs
--- (however many) stay out of this index.
-CREATE INDEX runs_claim ON runs (id)
-    WHERE status IN ('queued','waiting_input','waiting_takeover','running');
--- The reaper looks for expired leases.
+-- The claim's two paths (see claim_open!/claim_expired! in host/lib.rs).
+-- Finished, sleeping-on-input and in-flight runs stay out of runs_claim_open,
+-- so a claim stays fast however many finished runs the table holds.
+CREATE INDEX runs_claim_open ON runs (not_before, id)
+    WHERE (status IN ('queued','waiting_takeover')
+           OR (status = 'waiting_input' AND pending_input IS NOT NULL));
+-- Expired leases, for the claim and the reaper.
 CREATE INDEX runs_lease ON runs (lease_expires_at) WHERE status = 'running';
 CREATE INDEX runs_status ON runs (status, id);
 CREATE INDEX runs_thread ON runs (thread_id, id);

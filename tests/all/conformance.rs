@@ -34,37 +34,41 @@ fn completed(output: &str) -> Outcome {
 both! {
     async fn claim_accepts_each_open_state_and_an_expired_lease(db) {
         let s = &db.store;
+        // running, then its lease expires
+        let expired = submit(s, 5).await?;
+        let first = claim(s, "dead").await?;
+        ensure!(first.run.id == expired);
+        // waiting_takeover, and waiting_input with its input delivered
+        let takeover = submit(s, 5).await?;
+        let input = submit(s, 5).await?;
+        let pair = s.claim_batch("setup", TTL, 2).await?;
+        ensure!(pair.iter().map(|c| c.run.id).collect::<Vec<_>>() == vec![takeover, input]);
+        s.suspend(&pair[0].lease, &Suspend::Takeover).await?;
+        s.suspend(&pair[1].lease, &Suspend::WaitInput { prompt: "?".into() }).await?;
+        s.deliver_input(input, r#""answer""#).await?;
         // queued
         let queued = submit(s, 5).await?;
-        // waiting_takeover
-        let takeover = submit(s, 5).await?;
-        let c = claim(s, "setup").await?;
-        ensure!(c.run.id == queued, "claims go oldest first");
-        s.suspend(&c.lease, &Suspend::Takeover).await?;
-        let c = claim(s, "setup").await?;
-        ensure!(c.run.id == queued, "a suspended run is claimable again");
-        let c2 = claim(s, "setup").await?;
-        ensure!(c2.run.id == takeover);
-        s.suspend(&c2.lease, &Suspend::Takeover).await?;
-        // waiting_input with its input delivered
-        s.suspend(&c.lease, &Suspend::WaitInput { prompt: "?".into() }).await?;
-        s.deliver_input(queued, r#""answer""#).await?;
-        // running with an expired lease
-        let expired = submit(s, 5).await?;
-        let c3 = s.claim("setup", TTL).await?.unwrap();
-        // The oldest claimable run is `queued` (input delivered), then
-        // `takeover`; the third claim takes `expired`.
-        ensure!(c3.run.id == queued);
-        let c4 = claim(s, "setup").await?;
-        ensure!(c4.run.id == takeover);
-        let c5 = claim(s, "setup").await?;
-        ensure!(c5.run.id == expired);
+        ensure!(s.claim("early", TTL).await?.map(|c| c.run.id) != Some(expired), "an unexpired lease is not claimable");
+        // That claim took one of the open runs; put it back.
+        let all = s.list_runs(Some(RunStatus::Running), None, None, 10).await?;
+        for run in all.iter().filter(|r| r.lease_owner.as_deref() == Some("early")) {
+            let lease = leasehold::store::Lease { run_id: run.id, owner: "early".into(), fence: run.fence };
+            s.suspend(&lease, &Suspend::Takeover).await?;
+        }
         db.backdate_lease(expired, TTL.as_millis() as i64 + 1).await?;
-        let again = claim(s, "other").await?;
-        ensure!(again.run.id == expired && again.run.fence == c5.run.fence + 1);
-        ensure!(again.run.lease_owner.as_deref() == Some("other"));
+
+        let got = s.claim_batch("other", TTL, 10).await?;
+        let mut ids: Vec<i64> = got.iter().map(|c| c.run.id).collect();
+        ids.sort();
+        let mut want = vec![expired, takeover, input, queued];
+        want.sort();
+        ensure!(ids == want, "claimed {ids:?}, want {want:?}");
+        let again = got.iter().find(|c| c.run.id == expired).unwrap();
+        ensure!(again.run.fence == first.run.fence + 1 && again.run.lease_owner.as_deref() == Some("other"));
         ensure!(again.run.lease_expires_at.unwrap() > again.run.updated_at, "lease runs from the db's now");
-        ensure!(c3.run.pending_input.as_deref() == Some(r#""answer""#), "the claim sees the delivered input");
+        let with_input = got.iter().find(|c| c.run.id == input).unwrap();
+        ensure!(with_input.run.pending_input.as_deref() == Some(r#""answer""#), "the claim sees the delivered input");
+        ensure!(got.iter().all(|c| c.run.status == RunStatus::Running));
         Ok(())
     }
 
