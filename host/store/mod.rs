@@ -242,7 +242,8 @@ impl Store {
     /// or deadlock). Every retried operation is one transaction that was
     /// rolled back, so retrying is safe. Callers never see these errors
     /// unless contention lasts for all attempts.
-    pub(crate) async fn retry<T, F, Fut>(&self, mut op: F) -> Result<T, StoreError>
+    #[doc(hidden)]
+    pub async fn retry<T, F, Fut>(&self, mut op: F) -> Result<T, StoreError>
     where
         F: FnMut() -> Fut,
         Fut: std::future::Future<Output = Result<T, StoreError>>,
