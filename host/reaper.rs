@@ -42,19 +42,22 @@ pub const ABORT_ERROR: &str = "lease expired with no attempts left";
 
 /// Runs one reaper pass over up to `config.batch` candidates.
 ///
-/// Candidates are `running` runs whose lease expired, and open runs whose
-/// attempts are used up (a segment that never gets past its replay and
-/// suspends without progress would otherwise wait forever).
+/// Candidates are `running` runs whose lease expired, and claimable-looking
+/// open runs whose attempts are used up (a segment that never gets past its
+/// replay and suspends without progress would otherwise wait forever).
 pub async fn tick(store: &Store, config: &ReaperConfig) -> Result<ReapReport, StoreError> {
-    // Two index paths (runs_lease, runs_status) rather than one OR, so the
-    // tick never scans finished runs.
+    // Two index paths (runs_lease, runs_claim_open) rather than one OR, so a
+    // tick never scans finished runs. The second half repeats the open-run
+    // predicate and order of runs_claim_open so both planners use it.
     let candidates = sqlx::query(sql!(
         store,
         "SELECT id, fence, status FROM (SELECT id, fence, status FROM runs \
            WHERE status = 'running' AND lease_expires_at < {now} ORDER BY lease_expires_at LIMIT $1) AS expired \
          UNION ALL \
          SELECT id, fence, status FROM (SELECT id, fence, status FROM runs \
-           WHERE status IN ('queued','waiting_takeover') AND attempt >= max_attempts ORDER BY id LIMIT $1) AS exhausted"
+           WHERE (status IN ('queued','waiting_takeover') \
+                  OR (status = 'waiting_input' AND pending_input IS NOT NULL)) \
+             AND attempt >= max_attempts ORDER BY not_before, id LIMIT $1) AS exhausted"
     ))
     .bind(config.batch)
     .fetch_all(store.pool())
@@ -65,7 +68,7 @@ pub async fn tick(store: &Store, config: &ReaperConfig) -> Result<ReapReport, St
         let id: i64 = row.try_get("id")?;
         let fence: i64 = row.try_get("fence")?;
         let status: String = row.try_get("status")?;
-        reap_one(store, id, fence, status.parse()?, &mut report).await?;
+        reap_run(store, id, fence, status.parse()?, &mut report).await?;
     }
     if !report.aborted.is_empty() || report.in_doubt > 0 {
         tracing::info!(
@@ -78,7 +81,11 @@ pub async fn tick(store: &Store, config: &ReaperConfig) -> Result<ReapReport, St
     Ok(report)
 }
 
-async fn reap_one(
+/// Reaps one run as observed at (`fence`, `status`): the second half of a
+/// tick, public so tests can interleave other writes between observing and
+/// reaping. Does nothing (counts `raced`) if the run changed meanwhile.
+#[doc(hidden)]
+pub async fn reap_run(
     store: &Store,
     id: i64,
     fence: i64,
@@ -94,7 +101,8 @@ async fn reap_one(
             let row = sqlx::query(sql!(
                 store,
                 "UPDATE runs SET fence = fence WHERE id = $1 AND fence = $2 AND status = $3 \
-                 AND ((status = 'running' AND lease_expires_at < {now}) OR attempt >= max_attempts) \
+                 AND ((status = 'running' AND lease_expires_at < {now}) \
+                      OR (status <> 'running' AND attempt >= max_attempts)) \
                  RETURNING attempt, max_attempts, partial, thread_id"
             ))
             .bind(id)

@@ -302,3 +302,10 @@ impl Store {
         Ok(done.rows_affected())
     }
 }
+
+/// The bench baseline statement for `store`'s backend (see
+/// [`Dialect::baseline_claim`]); for the criterion bench.
+#[doc(hidden)]
+pub fn dialect_sql_for_bench(store: &Store) -> &'static str {
+    dialect_sql!(store, baseline_claim)
+}

@@ -184,6 +184,24 @@ both! {
         Ok(())
     }
 
+    async fn reaper_does_not_abort_a_run_renewed_after_it_observed_the_expiry(db) {
+        // Regression: the reaper's re-check once accepted `attempt >=
+        // max_attempts` alone, so a running run on its last attempt whose
+        // owner renewed between the reaper's scan and its write was aborted.
+        let s = &db.store;
+        let id = submit(s, 1).await?;
+        let a = claim(s, "a").await?;
+        db.backdate_lease(id, TTL.as_millis() as i64 + 1).await?;
+        // The reaper has observed (id, fence, running, expired); then:
+        s.renew(&a.lease, TTL).await?;
+        let mut report = leasehold::reaper::ReapReport::default();
+        reaper::reap_run(s, id, a.lease.fence, RunStatus::Running, &mut report).await?;
+        ensure!(report.raced == 1 && report.aborted.is_empty(), "{report:?}");
+        ensure!(s.get_run(id).await?.status == RunStatus::Running);
+        s.close(&a.lease, &completed("finished in time")).await?;
+        Ok(())
+    }
+
     async fn reaper_aborts_an_open_run_whose_attempts_are_used_up(db) {
         let s = &db.store;
         let id = submit(s, 1).await?;
