@@ -122,8 +122,15 @@ impl ClaimBench {
             .execute(store.pool())
             .await
             .map_err(StoreError::from)?;
+        // Both phases start from the same table state: no dead rows left by
+        // the previous phase, fresh statistics.
+        let vacuum = match store.backend() {
+            crate::Backend::Postgres => "VACUUM ANALYZE runs",
+            crate::Backend::Sqlite => "ANALYZE",
+        };
+        sqlx::raw_sql(vacuum).execute(store.pool()).await.map_err(StoreError::from)?;
         store.bulk_load_queued(self.runs, BENCH_PLUGIN).await?;
-        sqlx::query("ANALYZE").execute(store.pool()).await.map_err(StoreError::from)?;
+        sqlx::raw_sql(vacuum).execute(store.pool()).await.map_err(StoreError::from)?;
 
         let done = Arc::new(AtomicU64::new(0));
         let start = Instant::now();

@@ -4,31 +4,34 @@
 //! ([`lease`]), the thread log ([`events`]), the effect [`ledger`], the
 //! [`reaper`] and the claim benchmark ([`bench`]). DESIGN.md is the contract.
 
-/// The claim has two paths (DESIGN.md §2, statement 1), each served by its
-/// own partial index so a claim never scans finished or in-flight runs:
+/// A run is claimable (DESIGN.md §2, statement 1) when it is open (`queued`,
+/// `waiting_takeover`, `waiting_input` with its input delivered) or
+/// `running`, has attempts left, and its *eligible time* has passed:
+/// `not_before` for an open run, just after `lease_expires_at` for a running
+/// one. One partial expression index, `runs_claim (eligible_at!(), id)` with
+/// `claimable!()` as its predicate, serves the whole claim as one range scan:
+/// finished and waiting runs are not in it, in-flight runs sort after `now`,
+/// and expired leases and open runs come out in the order they became
+/// eligible, so neither can starve the other.
 ///
-/// * `claim_open!`: open runs (`queued`, `waiting_takeover`, `waiting_input`
-///   with input delivered) whose `not_before` has passed, oldest eligibility
-///   first. Index `runs_claim_open (not_before, id)` has this predicate.
-/// * `claim_expired!`: `running` runs whose lease expired. Index `runs_lease`.
-///
-/// Both require attempts left. `{now}` is the database clock. The index
-/// predicates are repeated verbatim so both planners can match them.
+/// Queries that should use the index repeat these texts verbatim (both
+/// planners match partial-index predicates and index expressions by text).
 #[doc(hidden)]
 #[macro_export]
-macro_rules! claim_open {
+macro_rules! claimable {
     () => {
-        "(status IN ('queued','waiting_takeover') \
-              OR (status = 'waiting_input' AND pending_input IS NOT NULL)) \
-         AND not_before <= {now} AND attempt < max_attempts"
+        "(status IN ('queued','waiting_takeover','running') \
+          OR (status = 'waiting_input' AND pending_input IS NOT NULL))"
     };
 }
 
+/// See [`claimable!`]. `+ 1` makes `eligible <= now` mean
+/// `lease_expires_at < now` for a running run.
 #[doc(hidden)]
 #[macro_export]
-macro_rules! claim_expired {
+macro_rules! eligible_at {
     () => {
-        "status = 'running' AND lease_expires_at < {now} AND attempt < max_attempts"
+        "(CASE WHEN status = 'running' THEN lease_expires_at + 1 ELSE not_before END)"
     };
 }
 

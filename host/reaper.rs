@@ -46,18 +46,21 @@ pub const ABORT_ERROR: &str = "lease expired with no attempts left";
 /// open runs whose attempts are used up (a segment that never gets past its
 /// replay and suspends without progress would otherwise wait forever).
 pub async fn tick(store: &Store, config: &ReaperConfig) -> Result<ReapReport, StoreError> {
-    // Two index paths (runs_lease, runs_claim_open) rather than one OR, so a
-    // tick never scans finished runs. The second half repeats the open-run
-    // predicate and order of runs_claim_open so both planners use it.
+    // Two index paths (runs_lease, runs_claim) rather than one OR, so a
+    // tick never scans finished runs. The second half repeats runs_claim's
+    // predicate and order so both planners use it.
     let candidates = sqlx::query(sql!(
         store,
-        "SELECT id, fence, status FROM (SELECT id, fence, status FROM runs \
-           WHERE status = 'running' AND lease_expires_at < {now} ORDER BY lease_expires_at LIMIT $1) AS expired \
-         UNION ALL \
-         SELECT id, fence, status FROM (SELECT id, fence, status FROM runs \
-           WHERE (status IN ('queued','waiting_takeover') \
-                  OR (status = 'waiting_input' AND pending_input IS NOT NULL)) \
-             AND attempt >= max_attempts ORDER BY not_before, id LIMIT $1) AS exhausted"
+        concat!(
+            "SELECT id, fence, status FROM (SELECT id, fence, status FROM runs ",
+            "WHERE status = 'running' AND lease_expires_at < {now} ORDER BY lease_expires_at LIMIT $1) AS expired ",
+            "UNION ALL ",
+            "SELECT id, fence, status FROM (SELECT id, fence, status FROM runs WHERE ",
+            crate::claimable!(),
+            " AND status <> 'running' AND attempt >= max_attempts ORDER BY ",
+            crate::eligible_at!(),
+            ", id LIMIT $1) AS exhausted"
+        )
     ))
     .bind(config.batch)
     .fetch_all(store.pool())

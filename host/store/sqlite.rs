@@ -9,32 +9,31 @@ use super::{Dialect, SqliteSync};
 
 pub static DIALECT: Dialect = Dialect {
     now: "CAST(unixepoch('subsec') * 1000 AS INTEGER)",
-    // One statement: SQLite runs the sub-selects and the update under the
+    // One statement: SQLite runs the sub-select and the update under the
     // same write lock, so no other writer can claim the same run between them.
-    // Expired leases first (resuming dead work), then open runs. INDEXED BY
-    // pins each path to its partial index: without statistics SQLite would
-    // otherwise sort the whole queue on every claim, and if the index ever
-    // stops matching, the statement fails to prepare instead of going slow.
+    // INDEXED BY pins the claim to runs_claim: without statistics SQLite may
+    // prefer another index and sort the queue on every claim, and if the
+    // index ever stops matching, the statement fails to prepare instead of
+    // going slow.
     claim: concat!(
         "UPDATE runs SET status = 'running', lease_owner = $1, fence = fence + 1, ",
         "attempt = attempt + 1, lease_expires_at = {now} + $2, heartbeat_at = {now}, updated_at = {now} ",
-        "WHERE id IN (",
-        "SELECT id FROM (SELECT id FROM runs INDEXED BY runs_lease WHERE ", crate::claim_expired!(),
-        " ORDER BY lease_expires_at LIMIT $3) ",
-        "UNION ALL ",
-        "SELECT id FROM (SELECT id FROM runs INDEXED BY runs_claim_open WHERE ", crate::claim_open!(),
-        " ORDER BY not_before, id LIMIT $3) ",
-        "LIMIT $3) RETURNING *"
+        "WHERE id IN (SELECT id FROM runs INDEXED BY runs_claim WHERE ", crate::claimable!(),
+        " AND ", crate::eligible_at!(), " <= {now} AND attempt < max_attempts",
+        " ORDER BY ", crate::eligible_at!(), ", id LIMIT $3) RETURNING *"
     ),
     bulk_load: concat!(
         "WITH RECURSIVE s(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM s WHERE i < $1) ",
         "INSERT INTO runs (thread_id, plugin, plugin_digest, input, status, max_attempts, not_before, created_at, updated_at) ",
         "SELECT 'bench-' || i, $2, '', '{}', $3, 3, {now}, {now}, {now} FROM s"
     ),
-    // `status <> 'running'` repeats runs_status's predicate so SQLite can use
-    // that index: the baseline gets an indexed path too, or the ratio lies.
-    baseline_claim: "UPDATE runs SET status = 'running' WHERE id IN \
-        (SELECT id FROM runs WHERE status <> 'running' AND status = 'queued' ORDER BY id LIMIT $1) RETURNING id",
+    // The claim's own index path (runs_claim), so the ratio measures what
+    // the protocol adds: fence, attempt, lease and the returned row.
+    baseline_claim: concat!(
+        "UPDATE runs SET status = 'running' WHERE id IN (SELECT id FROM runs INDEXED BY runs_claim WHERE ",
+        crate::claimable!(), " AND ", crate::eligible_at!(), " <= {now}",
+        " ORDER BY ", crate::eligible_at!(), ", id LIMIT $1) RETURNING id"
+    ),
 };
 
 /// Adds `mode=rwc` so the database file is created when missing.

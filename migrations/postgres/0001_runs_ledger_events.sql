@@ -26,13 +26,14 @@ CREATE TABLE runs (
     finished_at      BIGINT
 );
 
--- The claim's two paths (see claim_open!/claim_expired! in host/lib.rs).
--- Finished, sleeping-on-input and in-flight runs stay out of runs_claim_open,
--- so a claim stays fast however many finished runs the table holds.
-CREATE INDEX runs_claim_open ON runs (not_before, id)
-    WHERE (status IN ('queued','waiting_takeover')
+-- The claim path (see claimable!/eligible_at! in host/lib.rs): one range
+-- scan over runs whose eligible time has passed. Finished and still-waiting
+-- runs are not in it, so a claim stays fast however many finished runs the
+-- table holds. Keep the expression and predicate identical to the macros.
+CREATE INDEX runs_claim ON runs ((CASE WHEN status = 'running' THEN lease_expires_at + 1 ELSE not_before END), id)
+    WHERE (status IN ('queued','waiting_takeover','running')
            OR (status = 'waiting_input' AND pending_input IS NOT NULL));
--- Expired leases, for the claim and the reaper.
+-- Expired leases, for the reaper.
 CREATE INDEX runs_lease ON runs (lease_expires_at) WHERE status = 'running';
 -- Listing by status. Running runs are left out on purpose: otherwise both
 -- planners pick this index for `status = 'running' AND lease_expires_at < now`
