@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use leasehold::bench::BENCH_PLUGIN;
-use leasehold::store::{Store, dialect_sql_for_bench};
+use leasehold::store::{Store, baseline_sql};
 
 fn bench_backend(c: &mut Criterion, name: &str, url: &str) {
     let rt = tokio::runtime::Runtime::new().unwrap();
@@ -33,7 +33,7 @@ fn bench_backend(c: &mut Criterion, name: &str, url: &str) {
             let store = store.clone();
             async move {
                 reload(&store, iters).await;
-                let sql = dialect_sql_for_bench(&store);
+                let sql = baseline_sql(&store, 1);
                 let start = Instant::now();
                 for _ in 0..iters {
                     let n = sqlx::query(sql).bind(1_i64).fetch_all(store.pool()).await.unwrap().len();

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use crate::store::{RunStatus, SqliteSync, Store, StoreError, StoreOptions, dialect_sql};
+use crate::store::{RunStatus, SqliteSync, Store, StoreError, StoreOptions};
 
 /// The plugin name of bench rows; the bench deletes only these.
 pub const BENCH_PLUGIN: &str = "__leasehold_bench__";
@@ -119,7 +119,7 @@ impl ClaimBench {
         self.say(format_args!("{name}: loading {} queued runs", self.runs));
         sqlx::query("DELETE FROM runs WHERE plugin = $1 AND status <> 'completed'")
             .bind(BENCH_PLUGIN)
-            .execute(store.pool())
+            .execute(store.writer())
             .await
             .map_err(StoreError::from)?;
         // Both phases start from the same table state: no dead rows left by
@@ -128,9 +128,9 @@ impl ClaimBench {
             crate::Backend::Postgres => "VACUUM ANALYZE runs",
             crate::Backend::Sqlite => "ANALYZE",
         };
-        sqlx::raw_sql(vacuum).execute(store.pool()).await.map_err(StoreError::from)?;
+        sqlx::raw_sql(vacuum).execute(store.writer()).await.map_err(StoreError::from)?;
         store.bulk_load_queued(self.runs, BENCH_PLUGIN).await?;
-        sqlx::raw_sql(vacuum).execute(store.pool()).await.map_err(StoreError::from)?;
+        sqlx::raw_sql(vacuum).execute(store.writer()).await.map_err(StoreError::from)?;
 
         let done = Arc::new(AtomicU64::new(0));
         let start = Instant::now();
@@ -184,7 +184,7 @@ impl ClaimBench {
     async fn clear(&self, store: &Store) -> Result<(), StoreError> {
         sqlx::query("DELETE FROM runs WHERE plugin = $1")
             .bind(BENCH_PLUGIN)
-            .execute(store.pool())
+            .execute(store.writer())
             .await?;
         Ok(())
     }
@@ -201,9 +201,9 @@ impl ClaimBench {
 async fn baseline_claim(store: &Store, batch: i64) -> Result<u64, StoreError> {
     store
         .retry(|| async move {
-            Ok(sqlx::query(dialect_sql!(store, baseline_claim))
+            Ok(sqlx::query(crate::store::baseline_sql(store, batch))
                 .bind(batch)
-                .fetch_all(store.pool())
+                .fetch_all(store.writer())
                 .await?
                 .len() as u64)
         })

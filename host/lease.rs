@@ -61,7 +61,7 @@ impl Store {
         }
         let thread_id = thread_id.as_str();
         self.retry(|| async move {
-            let mut tx = self.pool().begin().await?;
+            let mut tx = self.writer().begin().await?;
             let inserted = sqlx::query(sql!(
                 self,
                 "INSERT INTO runs (thread_id, plugin, plugin_digest, input, idempotency_key, status, \
@@ -147,11 +147,16 @@ impl Store {
     ) -> Result<Vec<Claimed>, StoreError> {
         let rows = self
             .retry(|| async move {
-                Ok(sqlx::query(dialect_sql!(self, claim))
+                let sql = if max == 1 {
+                    dialect_sql!(self, claim_one)
+                } else {
+                    dialect_sql!(self, claim)
+                };
+                Ok(sqlx::query(sql)
                     .bind(owner)
                     .bind(ms(ttl))
                     .bind(max)
-                    .fetch_all(self.pool())
+                    .fetch_all(self.writer())
                     .await?)
             })
             .await?;
@@ -186,7 +191,7 @@ impl Store {
                 .bind(&lease.owner)
                 .bind(lease.fence)
                 .bind(ms(ttl))
-                .fetch_optional(self.pool())
+                .fetch_optional(self.writer())
                 .await?)
             })
             .await?;
@@ -197,7 +202,7 @@ impl Store {
     /// log, and refreshes the heartbeat. Returns the delta's position.
     pub async fn emit(&self, lease: &Lease, delta: &str) -> Result<i64, StoreError> {
         self.retry(|| async move {
-            let mut tx = self.pool().begin().await?;
+            let mut tx = self.writer().begin().await?;
             let row = sqlx::query(sql!(
                 self,
                 "UPDATE runs SET partial = partial || $4, emit_pos = emit_pos + 1, \
@@ -232,7 +237,7 @@ impl Store {
             Outcome::Failed { error } => (RunStatus::Failed, None, Some(error.as_str())),
         };
         self.retry(|| async move {
-            let mut tx = self.pool().begin().await?;
+            let mut tx = self.writer().begin().await?;
             let thread_id: String = sqlx::query_scalar(sql!(
                 self,
                 "UPDATE runs SET status = $4, output = $5, error = $6, lease_owner = NULL, \
@@ -270,7 +275,7 @@ impl Store {
             Suspend::Sleep { delay_ms } => (RunStatus::Queued, (*delay_ms).max(0), None),
         };
         self.retry(|| async move {
-            let mut tx = self.pool().begin().await?;
+            let mut tx = self.writer().begin().await?;
             let row = sqlx::query(sql!(
                 self,
                 "UPDATE runs SET status = $4, lease_owner = NULL, lease_expires_at = NULL, \
@@ -308,7 +313,7 @@ impl Store {
     /// delivery is a `Conflict`, never an overwrite.
     pub async fn deliver_input(&self, run_id: i64, input: &str) -> Result<Run, StoreError> {
         self.retry(|| async move {
-            let mut tx = self.pool().begin().await?;
+            let mut tx = self.writer().begin().await?;
             let row = sqlx::query(sql!(
                 self,
                 "UPDATE runs SET pending_input = $2, updated_at = {now} \
@@ -346,7 +351,7 @@ impl Store {
     /// every later write of a segment still running fails its guard.
     pub async fn cancel(&self, run_id: i64) -> Result<Run, StoreError> {
         self.retry(|| async move {
-            let mut tx = self.pool().begin().await?;
+            let mut tx = self.writer().begin().await?;
             let row = sqlx::query(sql!(
                 self,
                 "UPDATE runs SET status = 'cancelled', fence = fence + 1, lease_owner = NULL, \

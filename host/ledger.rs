@@ -58,7 +58,7 @@ impl Store {
         class: EffectClass,
     ) -> Result<EffectRow, StoreError> {
         self.retry(|| async move {
-            let mut tx = self.pool().begin().await?;
+            let mut tx = self.writer().begin().await?;
             guard(self, &mut tx, lease).await?;
             let row = sqlx::query(sql!(
                 self,
@@ -101,7 +101,7 @@ impl Store {
             Completion::Failed(r) => (EffectState::Failed, r),
         };
         self.retry(|| async move {
-            let mut tx = self.pool().begin().await?;
+            let mut tx = self.writer().begin().await?;
             guard(self, &mut tx, lease).await?;
             let row = sqlx::query(sql!(
                 self,
@@ -130,7 +130,7 @@ impl Store {
     /// the same idempotency key. Unkeyed effects are never re-issued.
     pub async fn reissue_effect(&self, lease: &Lease, seq: i64) -> Result<EffectRow, StoreError> {
         self.retry(|| async move {
-            let mut tx = self.pool().begin().await?;
+            let mut tx = self.writer().begin().await?;
             guard(self, &mut tx, lease).await?;
             let row = sqlx::query(sql!(
                 self,
@@ -162,7 +162,7 @@ impl Store {
         op: &LocalOp,
     ) -> Result<EffectRow, StoreError> {
         self.retry(|| async move {
-            let mut tx = self.pool().begin().await?;
+            let mut tx = self.writer().begin().await?;
             guard(self, &mut tx, lease).await?;
             let result = match op {
                 LocalOp::KvGet { namespace, key } => {
@@ -230,7 +230,7 @@ impl Store {
     /// older fence becomes `in_doubt`. Idempotent; returns how many changed.
     pub async fn reconcile(&self, lease: &Lease) -> Result<u64, StoreError> {
         self.retry(|| async move {
-            let mut tx = self.pool().begin().await?;
+            let mut tx = self.writer().begin().await?;
             guard(self, &mut tx, lease).await?;
             let n = sqlx::query(sql!(
                 self,

@@ -97,7 +97,7 @@ pub async fn reap_run(
 ) -> Result<(), StoreError> {
     let outcome = store
         .retry(|| async move {
-            let mut tx = store.pool().begin().await?;
+            let mut tx = store.writer().begin().await?;
             // Re-check the candidate under the write lock, at the fence we
             // observed. A no-op write, so that it locks (PostgreSQL: the row;
             // SQLite: the database) before anything else is read.

@@ -66,11 +66,16 @@ pub struct Dialect {
     /// Claims up to `$3` claimable runs for owner `$1` with a lease of `$2` ms.
     /// Template: `{now}` is replaced by [`Dialect::now`].
     pub claim: &'static str,
+    /// The same for exactly one run (`$3` is 1), where a dialect has a
+    /// cheaper form.
+    pub claim_one: &'static str,
     /// Loads `$1` runs of plugin `$2` with status `$3` (bench and tests only).
     pub bulk_load: &'static str,
     /// The bench baseline: a plain `UPDATE … RETURNING` of up to `$1` queued
     /// runs that sets only the status (no fence, attempt or lease).
     pub baseline_claim: &'static str,
+    /// The baseline for exactly one run, in the same form as `claim_one`.
+    pub baseline_claim_one: &'static str,
 }
 
 /// Renders a statement template for both backends once per call site and
@@ -130,8 +135,8 @@ pub enum SqliteSync {
 /// How to connect. Every field documents its default.
 #[derive(Debug, Clone)]
 pub struct StoreOptions {
-    /// Pool size. Default: 16 for PostgreSQL, 8 for SQLite (SQLite has one
-    /// writer at a time anyway; extra connections only serve readers).
+    /// Pool size. Default: 16 for PostgreSQL; 8 readers for SQLite (which
+    /// also keeps one dedicated writer connection).
     pub max_connections: Option<u32>,
     /// SQLite only: `synchronous` mode. Default: `NORMAL`.
     pub sqlite_sync: SqliteSync,
@@ -159,7 +164,14 @@ impl Default for StoreOptions {
 /// A handle to the run store. Cheap to clone.
 #[derive(Clone, Debug)]
 pub struct Store {
+    /// Reads (and, on PostgreSQL, everything).
     pool: AnyPool,
+    /// Writes. On SQLite a one-connection pool: SQLite has one writer at a
+    /// time anyway, and writers queued on this pool's fair semaphore wait far
+    /// less than connections contending for the file lock, whose busy
+    /// handler sleeps in 1–100 ms steps. On PostgreSQL the same pool as
+    /// `pool`.
+    writer: AnyPool,
     backend: Backend,
 }
 
@@ -186,20 +198,37 @@ impl Store {
             Backend::Sqlite => 8,
             Backend::Postgres => 16,
         });
-        let mut pool = AnyPoolOptions::new()
-            .max_connections(max)
-            .acquire_timeout(opts.acquire_timeout);
-        if backend == Backend::Sqlite {
-            let pragmas = sqlite::pragmas(opts.sqlite_sync, opts.busy_timeout);
-            pool = pool.after_connect(move |conn, _| {
-                Box::pin(async move {
-                    conn.execute(pragmas).await?;
-                    Ok(())
-                })
-            });
-        }
-        let pool = pool.connect_with(connect).await?;
-        let store = Store { pool, backend };
+        let pool_options = |max: u32| {
+            let mut pool = AnyPoolOptions::new()
+                .max_connections(max)
+                .acquire_timeout(opts.acquire_timeout)
+                // The default pings every connection before each use: one
+                // extra round trip per statement. A dead connection fails the
+                // statement instead, which every caller already handles.
+                .test_before_acquire(false);
+            if backend == Backend::Sqlite {
+                let pragmas = sqlite::pragmas(opts.sqlite_sync, opts.busy_timeout);
+                pool = pool.after_connect(move |conn, _| {
+                    Box::pin(async move {
+                        conn.execute(pragmas).await?;
+                        Ok(())
+                    })
+                });
+            }
+            pool
+        };
+        let (pool, writer) = match backend {
+            Backend::Sqlite => {
+                // The writer first: it creates the file and switches it to WAL.
+                let writer = pool_options(1).connect_with(connect.clone()).await?;
+                (pool_options(max).connect_with(connect).await?, writer)
+            }
+            Backend::Postgres => {
+                let pool = pool_options(max).connect_with(connect).await?;
+                (pool.clone(), pool)
+            }
+        };
+        let store = Store { pool, writer, backend };
         if opts.migrate {
             store.migrate().await?;
         }
@@ -212,7 +241,7 @@ impl Store {
             Backend::Sqlite => sqlx::migrate!("migrations/sqlite"),
             Backend::Postgres => sqlx::migrate!("migrations/postgres"),
         };
-        migrator.run(&self.pool).await?;
+        migrator.run(&self.writer).await?;
         Ok(())
     }
 
@@ -220,9 +249,14 @@ impl Store {
         self.backend
     }
 
-    /// The pool, for tests, benches and operator tooling.
+    /// The read pool, for tests, benches and operator tooling.
     pub fn pool(&self) -> &AnyPool {
         &self.pool
+    }
+
+    /// The pool every protocol write goes through (see [`Store`]).
+    pub fn writer(&self) -> &AnyPool {
+        &self.writer
     }
 
     /// The database's clock, in epoch milliseconds.
@@ -234,6 +268,7 @@ impl Store {
 
     /// Closes the pool, waiting for connections to be returned.
     pub async fn shutdown(&self) {
+        self.writer.close().await;
         self.pool.close().await;
     }
 
@@ -297,15 +332,19 @@ impl Store {
             .bind(n)
             .bind(plugin)
             .bind(status.as_str())
-            .execute(&self.pool)
+            .execute(&self.writer)
             .await?;
         Ok(done.rows_affected())
     }
 }
 
-/// The bench baseline statement for `store`'s backend (see
-/// [`Dialect::baseline_claim`]); for the criterion bench.
+/// The bench baseline statement for `store`'s backend and a batch size (see
+/// [`Dialect::baseline_claim`]).
 #[doc(hidden)]
-pub fn dialect_sql_for_bench(store: &Store) -> &'static str {
-    dialect_sql!(store, baseline_claim)
+pub fn baseline_sql(store: &Store, batch: i64) -> &'static str {
+    if batch == 1 {
+        dialect_sql!(store, baseline_claim_one)
+    } else {
+        dialect_sql!(store, baseline_claim)
+    }
 }

@@ -4,20 +4,38 @@
 
 use super::Dialect;
 
+macro_rules! claim {
+    () => {
+        concat!(
+            "WITH c AS (SELECT id FROM runs WHERE ", crate::claimable!(),
+            " AND ", crate::eligible_at!(), " <= {now} AND attempt < max_attempts",
+            " ORDER BY ", crate::eligible_at!(), ", id LIMIT $3 FOR UPDATE SKIP LOCKED) ",
+            "UPDATE runs r SET status = 'running', lease_owner = $1, fence = r.fence + 1, ",
+            "attempt = r.attempt + 1, lease_expires_at = {now} + $2, heartbeat_at = {now}, updated_at = {now} ",
+            "FROM c WHERE r.id = c.id RETURNING r.*"
+        )
+    };
+}
+
+macro_rules! baseline {
+    () => {
+        concat!(
+            "WITH c AS (SELECT id FROM runs WHERE ", crate::claimable!(),
+            " AND ", crate::eligible_at!(), " <= {now}",
+            " ORDER BY ", crate::eligible_at!(), ", id LIMIT $1 FOR UPDATE SKIP LOCKED) ",
+            "UPDATE runs r SET status = 'running' FROM c WHERE r.id = c.id RETURNING r.id"
+        )
+    };
+}
+
 pub static DIALECT: Dialect = Dialect {
     // now() is the transaction's start: one consistent instant per statement.
     now: "(extract(epoch from now()) * 1000)::bigint",
     // Under READ COMMITTED, FOR UPDATE re-checks the WHERE clause on the
     // newest row version after locking it, so a run claimed or closed by a
     // concurrent transaction is skipped or dropped, never claimed twice.
-    claim: concat!(
-        "WITH c AS (SELECT id FROM runs WHERE ", crate::claimable!(),
-        " AND ", crate::eligible_at!(), " <= {now} AND attempt < max_attempts",
-        " ORDER BY ", crate::eligible_at!(), ", id LIMIT $3 FOR UPDATE SKIP LOCKED) ",
-        "UPDATE runs r SET status = 'running', lease_owner = $1, fence = r.fence + 1, ",
-        "attempt = r.attempt + 1, lease_expires_at = {now} + $2, heartbeat_at = {now}, updated_at = {now} ",
-        "FROM c WHERE r.id = c.id RETURNING r.*"
-    ),
+    claim: claim!(),
+    claim_one: claim!(),
     bulk_load: concat!(
         "INSERT INTO runs (thread_id, plugin, plugin_digest, input, status, max_attempts, not_before, created_at, updated_at) ",
         "SELECT 'bench-' || i, $2, '', '{}', $3, 3, {now}, {now}, {now} FROM generate_series(1, $1::bigint) AS s(i)"
@@ -26,10 +44,6 @@ pub static DIALECT: Dialect = Dialect {
     // the protocol adds: fence, attempt, lease and the returned row.
     // (Ordering by id instead let the planner walk the primary key past
     // every claimed row.)
-    baseline_claim: concat!(
-        "WITH c AS (SELECT id FROM runs WHERE ", crate::claimable!(),
-        " AND ", crate::eligible_at!(), " <= {now}",
-        " ORDER BY ", crate::eligible_at!(), ", id LIMIT $1 FOR UPDATE SKIP LOCKED) ",
-        "UPDATE runs r SET status = 'running' FROM c WHERE r.id = c.id RETURNING r.id"
-    ),
+    baseline_claim: baseline!(),
+    baseline_claim_one: baseline!(),
 };

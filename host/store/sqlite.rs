@@ -7,6 +7,33 @@ use std::time::Duration;
 
 use super::{Dialect, SqliteSync};
 
+macro_rules! claim_set {
+    () => {
+        "status = 'running', lease_owner = $1, fence = fence + 1, attempt = attempt + 1, \
+         lease_expires_at = {now} + $2, heartbeat_at = {now}, updated_at = {now}"
+    };
+}
+
+macro_rules! claim_select {
+    () => {
+        concat!(
+            "SELECT id FROM runs INDEXED BY runs_claim WHERE ", crate::claimable!(),
+            " AND ", crate::eligible_at!(), " <= {now} AND attempt < max_attempts",
+            " ORDER BY ", crate::eligible_at!(), ", id LIMIT $3"
+        )
+    };
+}
+
+macro_rules! baseline_select {
+    () => {
+        concat!(
+            "SELECT id FROM runs INDEXED BY runs_claim WHERE ", crate::claimable!(),
+            " AND ", crate::eligible_at!(), " BETWEEN 0 AND {now}",
+            " ORDER BY ", crate::eligible_at!(), ", id LIMIT $1"
+        )
+    };
+}
+
 pub static DIALECT: Dialect = Dialect {
     now: "CAST(unixepoch('subsec') * 1000 AS INTEGER)",
     // One statement: SQLite runs the sub-select and the update under the
@@ -16,11 +43,13 @@ pub static DIALECT: Dialect = Dialect {
     // index ever stops matching, the statement fails to prepare instead of
     // going slow.
     claim: concat!(
-        "UPDATE runs SET status = 'running', lease_owner = $1, fence = fence + 1, ",
-        "attempt = attempt + 1, lease_expires_at = {now} + $2, heartbeat_at = {now}, updated_at = {now} ",
-        "WHERE id IN (SELECT id FROM runs INDEXED BY runs_claim WHERE ", crate::claimable!(),
-        " AND ", crate::eligible_at!(), " <= {now} AND attempt < max_attempts",
-        " ORDER BY ", crate::eligible_at!(), ", id LIMIT $3) RETURNING *"
+        "UPDATE runs SET ", claim_set!(), " WHERE id IN (", claim_select!(), ") RETURNING *"
+    ),
+    // `id = (…)` lets SQLite update in one pass; `id IN (…)` first collects
+    // the ids, which costs more than the rest of the claim (measured: 124 µs
+    // against 53 µs per claim on the same machine).
+    claim_one: concat!(
+        "UPDATE runs SET ", claim_set!(), " WHERE id = (", claim_select!(), ") RETURNING *"
     ),
     bulk_load: concat!(
         "WITH RECURSIVE s(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM s WHERE i < $1) ",
@@ -28,11 +57,15 @@ pub static DIALECT: Dialect = Dialect {
         "SELECT 'bench-' || i, $2, '', '{}', $3, 3, {now}, {now}, {now} FROM s"
     ),
     // The claim's own index path (runs_claim), so the ratio measures what
-    // the protocol adds: fence, attempt, lease and the returned row.
+    // the protocol adds: fence, attempt, lease and the returned row. The
+    // baseline leaves lease_expires_at NULL, so its claimed rows keep a NULL
+    // key in runs_claim, which SQLite sorts first; the lower bound seeks past
+    // them (real claims always set a lease, so they leave no NULL keys).
     baseline_claim: concat!(
-        "UPDATE runs SET status = 'running' WHERE id IN (SELECT id FROM runs INDEXED BY runs_claim WHERE ",
-        crate::claimable!(), " AND ", crate::eligible_at!(), " <= {now}",
-        " ORDER BY ", crate::eligible_at!(), ", id LIMIT $1) RETURNING id"
+        "UPDATE runs SET status = 'running' WHERE id IN (", baseline_select!(), ") RETURNING id"
+    ),
+    baseline_claim_one: concat!(
+        "UPDATE runs SET status = 'running' WHERE id = (", baseline_select!(), ") RETURNING id"
     ),
 };
 
