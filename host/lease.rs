@@ -14,7 +14,7 @@ use sqlx::{AnyConnection, Row};
 
 use crate::events::{self, kind};
 use crate::store::{
-    Claimed, Lease, NewRun, Outcome, Run, RunStatus, Store, StoreError, Suspend, dialect_sql, sql,
+    Claimed, Lease, NewRun, Outcome, Run, RunStatus, Store, StoreError, Suspend, sql,
 };
 
 /// Checks (owner, fence) on `conn` and refreshes the heartbeat. The first
@@ -147,12 +147,7 @@ impl Store {
     ) -> Result<Vec<Claimed>, StoreError> {
         let rows = self
             .retry(|| async move {
-                let sql = if max == 1 {
-                    dialect_sql!(self, claim_one)
-                } else {
-                    dialect_sql!(self, claim)
-                };
-                Ok(sqlx::query(sql)
+                Ok(sqlx::query(crate::store::claim_sql(self, max))
                     .bind(owner)
                     .bind(ms(ttl))
                     .bind(max)

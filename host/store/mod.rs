@@ -348,3 +348,14 @@ pub fn baseline_sql(store: &Store, batch: i64) -> &'static str {
         dialect_sql!(store, baseline_claim)
     }
 }
+
+/// The claim statement for `store`'s backend and a batch size, for plan
+/// tests and operators who want to `EXPLAIN` it.
+#[doc(hidden)]
+pub fn claim_sql(store: &Store, batch: i64) -> &'static str {
+    if batch == 1 {
+        dialect_sql!(store, claim_one)
+    } else {
+        dialect_sql!(store, claim)
+    }
+}

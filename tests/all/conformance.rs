@@ -490,3 +490,42 @@ async fn zombie_case(db: &TestDb, successor: &str) -> Result<()> {
         Ok(())
     }
 
+
+both! {
+    async fn claim_uses_the_claim_index_when_the_table_is_full_of_finished_runs(db) {
+        // If the index predicate or expression and the claim's text drift
+        // apart, PostgreSQL silently falls back to scanning every finished
+        // run (SQLite's INDEXED BY fails loudly instead). The plan must name
+        // runs_claim, for both the one-run and the batched form.
+        let s = &db.store;
+        s.bulk_load(20_000, "done", RunStatus::Completed).await?;
+        s.bulk_load_queued(10, "p").await?;
+        sqlx::raw_sql("ANALYZE").execute(s.writer()).await?;
+        for batch in [1, 50] {
+            let sql = leasehold::store::claim_sql(s, batch);
+            let explain = match db.backend {
+                leasehold::Backend::Sqlite => format!("EXPLAIN QUERY PLAN {sql}"),
+                leasehold::Backend::Postgres => format!("EXPLAIN {sql}"),
+            };
+            let rows = sqlx::query(sqlx::AssertSqlSafe(explain))
+                .bind("w")
+                .bind(1000_i64)
+                .bind(batch)
+                .fetch_all(s.pool())
+                .await?;
+            let plan: Vec<String> = rows
+                .iter()
+                .map(|r| {
+                    use sqlx::Row;
+                    let col = if db.backend == leasehold::Backend::Sqlite { 3 } else { 0 };
+                    r.try_get::<String, _>(col).unwrap_or_default()
+                })
+                .collect();
+            let plan = plan.join("\n");
+            ensure!(plan.contains("runs_claim"), "batch {batch}: the claim does not use runs_claim:\n{plan}");
+        }
+        let c = s.claim_batch("w", TTL, 5).await?;
+        ensure!(c.len() == 5 && c.iter().all(|c| c.run.plugin == "p"));
+        Ok(())
+    }
+}
