@@ -100,7 +100,6 @@ macro_rules! dialect_sql {
             [$store.backend() as usize]
     }};
 }
-pub(crate) use dialect_sql;
 
 #[doc(hidden)]
 pub fn render_dialects(field: impl Fn(&Dialect) -> &'static str) -> [&'static str; 2] {
