@@ -30,7 +30,7 @@ pub enum Completion {
 /// as its `committed` ledger row, so exactly once.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum LocalOp {
-    /// Reads a key; the result is the value, or JSON `null`.
+    /// Reads a key; the result is the stored (JSON) value, or `null`.
     KvGet { namespace: String, key: String },
     /// Writes a key; the result is JSON `null`.
     KvPut {
@@ -38,9 +38,13 @@ pub enum LocalOp {
         key: String,
         value: String,
     },
-    /// Records an observation the guest must see again on replay (a clock
-    /// reading, a random seed, consumed input); the result is `value`.
+    /// Records an observation the guest must see again on replay (a timer's
+    /// wake time, a clock reading); the result is `value`.
     Record { value: String },
+    /// Consumes delivered input: records it (the result is `value`) and
+    /// clears the run's `pending_input` in the same transaction, so a later
+    /// `wait-input` never sees it again.
+    TakeInput { value: String },
 }
 
 pub fn idempotency_key(run_id: i64, seq: i64) -> String {
@@ -174,7 +178,7 @@ impl Store {
                     .bind(key)
                     .fetch_optional(&mut *tx)
                     .await?;
-                    serde_json::Value::from(value).to_string()
+                    value.unwrap_or_else(|| "null".to_string())
                 }
                 LocalOp::KvPut {
                     namespace,
@@ -195,6 +199,19 @@ impl Store {
                     "null".to_string()
                 }
                 LocalOp::Record { value } => value.clone(),
+                LocalOp::TakeInput { value } => {
+                    sqlx::query(sql!(
+                        self,
+                        "UPDATE runs SET pending_input = NULL, updated_at = {now} \
+                         WHERE id = $1 AND lease_owner = $2 AND fence = $3"
+                    ))
+                    .bind(lease.run_id)
+                    .bind(&lease.owner)
+                    .bind(lease.fence)
+                    .execute(&mut *tx)
+                    .await?;
+                    value.clone()
+                }
             };
             let row = sqlx::query(sql!(
                 self,

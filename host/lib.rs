@@ -36,10 +36,13 @@ macro_rules! eligible_at {
 }
 
 pub mod bench;
+pub mod effects;
 pub mod events;
+pub mod executor;
 pub mod lease;
 pub mod ledger;
 pub mod reaper;
+pub mod runtime;
 pub mod store;
 
 pub use store::{Backend, Store, StoreError, StoreOptions};

@@ -313,11 +313,11 @@ both! {
         let id = submit(s, 5).await?;
         let a = claim(s, "a").await?;
         let put = |v: &str| LocalOp::KvPut { namespace: "ns".into(), key: "note".into(), value: v.into() };
-        let row = s.local_effect(&a.lease, &call(0, "kv.put"), &put("first")).await?;
+        let row = s.local_effect(&a.lease, &call(0, "kv.put"), &put(r#""first""#)).await?;
         ensure!(row.state == EffectState::Committed && row.idempotency_key == format!("{id}:0"));
         ensure!(row.fence_started == a.lease.fence && row.fence_completed == Some(a.lease.fence));
         // Replaying the same position must not apply the effect again.
-        let dup = s.local_effect(&a.lease, &call(0, "kv.put"), &put("second")).await;
+        let dup = s.local_effect(&a.lease, &call(0, "kv.put"), &put(r#""second""#)).await;
         ensure!(matches!(dup, Err(StoreError::EffectExists { seq: 0, .. })), "{dup:?}");
         let got = s.local_effect(&a.lease, &call(1, "kv.get"), &LocalOp::KvGet { namespace: "ns".into(), key: "note".into() }).await?;
         ensure!(got.result.as_deref() == Some(r#""first""#), "{:?}", got.result);

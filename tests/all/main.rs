@@ -2,7 +2,9 @@
 //! against SQLite and PostgreSQL: see `harness::both!`.
 
 mod harness;
+mod plugins;
 
 mod concurrency;
 mod conformance;
 mod interleaving;
+mod runtime;

@@ -1,0 +1,356 @@
+//! The executor: runs one *segment* of a run (DESIGN.md §2, §4).
+//!
+//! claim → reconcile the ledger → instantiate → call `run(input)` → close or
+//! suspend. During the segment a renewal task keeps the lease; if a renewal
+//! is refused, or the lease would expire before a renewal lands, the guest is
+//! interrupted at its next epoch tick, the in-flight call (and any effect
+//! future in it) is dropped, and nothing more is written. The guest's
+//! deadline is the earlier of its slice budget and its lease.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use wasmtime::UpdateDeadline;
+
+use crate::runtime::host::{Interrupt, SegmentInit, SegmentState};
+use crate::runtime::{Plugin, Runtime};
+use crate::store::{Claimed, Lease, Outcome, RunStatus, Store, StoreError, Suspend};
+
+/// Executor settings. Every field documents its default.
+#[derive(Debug, Clone)]
+pub struct ExecutorConfig {
+    /// This worker's lease owner id. Default: `<hostname-or-"host">-<pid>`.
+    pub owner: String,
+    /// Lease length: how long one segment may go without a renewal before
+    /// another worker may take the run. Default: 30 s.
+    pub lease_ttl: Duration,
+    /// How often the lease is renewed during a segment. Default: a third of
+    /// `lease_ttl`.
+    pub renew_every: Option<Duration>,
+}
+
+impl Default for ExecutorConfig {
+    fn default() -> Self {
+        let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "host".to_string());
+        ExecutorConfig {
+            owner: format!("{host}-{}", std::process::id()),
+            lease_ttl: Duration::from_secs(30),
+            renew_every: None,
+        }
+    }
+}
+
+/// How a guest failed, as recorded in the run's `error` (`"<kind>: …"`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum GuestErrorKind {
+    /// The turn returned `err`.
+    TurnError,
+    /// Ran out of time without making progress (an infinite loop).
+    Timeout,
+    OutOfMemory,
+    OutputTooLarge,
+    /// A trap: unreachable, a bad memory access, a stack overflow…
+    Trap,
+    /// A recorded call differs from the one the turn now makes.
+    NonDeterminism,
+    /// Too many host calls in one segment.
+    HostCalls,
+    /// The run names a plugin this host does not have.
+    UnknownPlugin,
+}
+
+impl GuestErrorKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            GuestErrorKind::TurnError => "turn-error",
+            GuestErrorKind::Timeout => "timeout",
+            GuestErrorKind::OutOfMemory => "out-of-memory",
+            GuestErrorKind::OutputTooLarge => "output-too-large",
+            GuestErrorKind::Trap => "trap",
+            GuestErrorKind::NonDeterminism => "non-determinism",
+            GuestErrorKind::HostCalls => "host-calls",
+            GuestErrorKind::UnknownPlugin => "unknown-plugin",
+        }
+    }
+}
+
+/// What one segment did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SegmentOutcome {
+    Completed,
+    Failed(GuestErrorKind),
+    Suspended(RunStatus),
+    /// The lease was lost; the segment wrote nothing after that.
+    LeaseLost,
+    /// The database failed under the segment; the run was left as it was and
+    /// will be resumed when its lease expires.
+    Abandoned(String),
+}
+
+pub struct Executor {
+    store: Store,
+    runtime: Arc<Runtime>,
+    config: ExecutorConfig,
+}
+
+impl Executor {
+    pub fn new(store: Store, runtime: Arc<Runtime>, config: ExecutorConfig) -> Executor {
+        Executor { store, runtime, config }
+    }
+
+    pub fn config(&self) -> &ExecutorConfig {
+        &self.config
+    }
+
+    /// Claims one run and runs one segment of it. `None`: nothing to claim.
+    pub async fn run_once(&self) -> Result<Option<(i64, SegmentOutcome)>, StoreError> {
+        let Some(claimed) = self.store.claim(&self.config.owner, self.config.lease_ttl).await? else {
+            return Ok(None);
+        };
+        let id = claimed.run.id;
+        Ok(Some((id, self.run_segment(claimed).await?)))
+    }
+
+    /// Runs segments until nothing is claimable; returns what each did.
+    pub async fn drain(&self) -> Result<Vec<(i64, SegmentOutcome)>, StoreError> {
+        let mut done = Vec::new();
+        while let Some(outcome) = self.run_once().await? {
+            done.push(outcome);
+        }
+        Ok(done)
+    }
+
+    /// Runs one segment of a run this worker has claimed.
+    pub async fn run_segment(&self, claimed: Claimed) -> Result<SegmentOutcome, StoreError> {
+        let Claimed { run, lease } = claimed;
+        let Some(plugin) = self.runtime.plugin(&run.plugin) else {
+            let error = format!("unknown-plugin: no plugin named {:?} on this host", run.plugin);
+            return self.finish(&lease, Outcome::Failed { error }, GuestErrorKind::UnknownPlugin).await;
+        };
+        match self.store.reconcile(&lease).await {
+            Ok(_) => {}
+            Err(StoreError::LeaseLost(_)) => return Ok(SegmentOutcome::LeaseLost),
+            Err(e) => return Err(e),
+        }
+        let recorded = self.store.effects(run.id).await?;
+        let init = SegmentInit {
+            db: self.store.clone(),
+            lease: lease.clone(),
+            namespace: plugin.name.clone(),
+            limits: plugin.limits.clone(),
+            recorded,
+            pending_input: run.pending_input.clone(),
+            recorded_emit_pos: run.emit_pos,
+            created_at_ms: run.created_at,
+        };
+        let lease_expires_at = run.lease_expires_at.unwrap_or(0);
+        let claimed_at = run.heartbeat_at.unwrap_or(lease_expires_at);
+        let result = self
+            .guest_call(&plugin, init, &run.input, lease_expires_at - claimed_at)
+            .await;
+        self.settle(&plugin, &lease, result).await
+    }
+
+    /// Instantiates the plugin and calls `run`, with the renewal task and the
+    /// epoch deadline in force. Returns the call's result and the final state.
+    async fn guest_call(
+        &self,
+        plugin: &Plugin,
+        init: SegmentInit,
+        input: &str,
+        lease_left_ms: i64,
+    ) -> (wasmtime::Result<Result<String, String>>, SegmentState) {
+        let lease = init.lease.clone();
+        let lost = Arc::new(AtomicBool::new(false));
+        // The lease deadline as an offset from segment start, in ms; moved on
+        // by each renewal. Measured on this worker's monotonic clock only to
+        // stop its own guest early: the database decides who holds the lease.
+        let start = Instant::now();
+        let lease_deadline = Arc::new(AtomicI64::new(lease_left_ms.max(0)));
+        let renewer = tokio::spawn(renew_loop(
+            self.store.clone(),
+            lease,
+            self.config.lease_ttl,
+            self.config.renew_every.unwrap_or(self.config.lease_ttl / 3),
+            lost.clone(),
+            lease_deadline.clone(),
+            start,
+        ));
+
+        let mut store = wasmtime::Store::new(self.runtime.engine(), SegmentState::new(init));
+        store.limiter(|s| &mut s.limiter);
+        let budget = plugin.limits.segment_budget;
+        let (lost_cb, deadline_cb) = (lost.clone(), lease_deadline.clone());
+        store.set_epoch_deadline(1);
+        store.epoch_deadline_callback(move |mut ctx| {
+            let elapsed = start.elapsed();
+            let lease_gone = lost_cb.load(Ordering::Relaxed)
+                || elapsed.as_millis() as i64 >= deadline_cb.load(Ordering::Relaxed);
+            if lease_gone {
+                ctx.data_mut().interrupt = Some(Interrupt::LeaseLost);
+                return Ok(UpdateDeadline::Interrupt);
+            }
+            if elapsed >= budget {
+                ctx.data_mut().interrupt = Some(Interrupt::Slice);
+                return Ok(UpdateDeadline::Interrupt);
+            }
+            Ok(UpdateDeadline::Yield(1))
+        });
+
+        let call = async {
+            let turn = plugin.pre.instantiate_async(&mut store).await?;
+            turn.call_run(&mut store, input).await
+        };
+        // A lost lease drops the call mid-flight (an in-flight effect future
+        // with it) rather than waiting for the next epoch tick.
+        let lost_watch = async {
+            loop {
+                if lost.load(Ordering::Relaxed) {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        };
+        let result = tokio::select! {
+            r = call => r,
+            _ = lost_watch => {
+                store.data_mut().interrupt = Some(Interrupt::LeaseLost);
+                Err(wasmtime::Error::new(crate::runtime::host::Interrupted))
+            }
+        };
+        renewer.abort();
+        (result, store.into_data())
+    }
+
+    /// Turns the guest's result into the run's next state.
+    async fn settle(
+        &self,
+        plugin: &Plugin,
+        lease: &Lease,
+        (result, state): (wasmtime::Result<Result<String, String>>, SegmentState),
+    ) -> Result<SegmentOutcome, StoreError> {
+        let limits = &plugin.limits;
+        let too_large = |len: usize| Outcome::Failed {
+            error: format!(
+                "output-too-large: the turn returned {len} bytes, the cap is {}",
+                limits.max_output_bytes
+            ),
+        };
+        match (result, state.interrupt.clone()) {
+            (Ok(Ok(output)), _) if output.len() > limits.max_output_bytes => {
+                self.finish(lease, too_large(output.len()), GuestErrorKind::OutputTooLarge).await
+            }
+            (Ok(Ok(output)), _) => {
+                self.close(lease, Outcome::Completed { output }, SegmentOutcome::Completed).await
+            }
+            (Ok(Err(error)), _) if error.len() > limits.max_output_bytes => {
+                self.finish(lease, too_large(error.len()), GuestErrorKind::OutputTooLarge).await
+            }
+            (Ok(Err(error)), _) => {
+                let error = format!("turn-error: {error}");
+                self.finish(lease, Outcome::Failed { error }, GuestErrorKind::TurnError).await
+            }
+            (Err(_), Some(Interrupt::WaitInput { prompt })) => self.suspend(lease, Suspend::WaitInput { prompt }).await,
+            (Err(_), Some(Interrupt::Sleep { delay_ms })) => self.suspend(lease, Suspend::Sleep { delay_ms }).await,
+            (Err(_), Some(Interrupt::Slice)) => {
+                if state.new_rows > 0 {
+                    self.suspend(lease, Suspend::Takeover).await
+                } else {
+                    // Replay is deterministic: a slice that recorded nothing
+                    // would do exactly the same next time.
+                    let error = format!(
+                        "timeout: ran for {:?} without recording any progress",
+                        limits.segment_budget
+                    );
+                    self.finish(lease, Outcome::Failed { error }, GuestErrorKind::Timeout).await
+                }
+            }
+            (Err(_), Some(Interrupt::LeaseLost)) => Ok(SegmentOutcome::LeaseLost),
+            (Err(_), Some(Interrupt::Store(e))) => Ok(SegmentOutcome::Abandoned(e)),
+            (Err(_), Some(Interrupt::NonDeterminism(m))) => {
+                let error = format!("non-determinism: {m}");
+                self.finish(lease, Outcome::Failed { error }, GuestErrorKind::NonDeterminism).await
+            }
+            (Err(_), Some(Interrupt::Limit { kind, message })) => {
+                let k = if kind == "host-calls" { GuestErrorKind::HostCalls } else { GuestErrorKind::OutputTooLarge };
+                let error = format!("{}: {message}", k.as_str());
+                self.finish(lease, Outcome::Failed { error }, k).await
+            }
+            (Err(trap), None) => {
+                let (kind, detail) = if state.limiter.memory_refused {
+                    (GuestErrorKind::OutOfMemory, format!("{trap:#}"))
+                } else {
+                    (GuestErrorKind::Trap, trap_detail(&trap))
+                };
+                let error = format!("{}: {detail}", kind.as_str());
+                self.finish(lease, Outcome::Failed { error }, kind).await
+            }
+        }
+    }
+
+    async fn finish(&self, lease: &Lease, outcome: Outcome, kind: GuestErrorKind) -> Result<SegmentOutcome, StoreError> {
+        tracing::warn!(run_id = lease.run_id, kind = kind.as_str(), "run failed");
+        self.close(lease, outcome, SegmentOutcome::Failed(kind)).await
+    }
+
+    async fn close(&self, lease: &Lease, outcome: Outcome, done: SegmentOutcome) -> Result<SegmentOutcome, StoreError> {
+        match self.store.close(lease, &outcome).await {
+            Ok(()) => Ok(done),
+            Err(StoreError::LeaseLost(_)) => Ok(SegmentOutcome::LeaseLost),
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn suspend(&self, lease: &Lease, how: Suspend) -> Result<SegmentOutcome, StoreError> {
+        match self.store.suspend(lease, &how).await {
+            Ok(status) => Ok(SegmentOutcome::Suspended(status)),
+            Err(StoreError::LeaseLost(_)) => Ok(SegmentOutcome::LeaseLost),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+/// The first line of a trap with its wasm backtrace, for the run's error.
+fn trap_detail(trap: &wasmtime::Error) -> String {
+    match trap.downcast_ref::<wasmtime::Trap>() {
+        Some(t) => format!("{t}"),
+        None => format!("{trap:#}"),
+    }
+}
+
+/// Renews `lease` every `every` until aborted. A refused renewal, or a
+/// lease that runs out before a renewal lands, sets `lost`.
+async fn renew_loop(
+    store: Store,
+    lease: Lease,
+    ttl: Duration,
+    every: Duration,
+    lost: Arc<AtomicBool>,
+    deadline_ms: Arc<AtomicI64>,
+    start: Instant,
+) {
+    loop {
+        tokio::time::sleep(every).await;
+        let asked_at = start.elapsed().as_millis() as i64;
+        match store.renew(&lease, ttl).await {
+            Ok(_) => {
+                // The new expiry is ttl after the database's now, which is
+                // no earlier than when we asked.
+                deadline_ms.store(asked_at + ttl.as_millis() as i64, Ordering::Relaxed);
+            }
+            Err(StoreError::LeaseLost(_)) => {
+                tracing::warn!(run_id = lease.run_id, fence = lease.fence, "lease lost; stopping the guest");
+                lost.store(true, Ordering::Relaxed);
+                return;
+            }
+            Err(e) => {
+                // Keep trying until the lease runs out; the epoch callback
+                // stops the guest at the deadline.
+                tracing::warn!(run_id = lease.run_id, error = %e, "lease renewal failed; retrying");
+            }
+        }
+    }
+}

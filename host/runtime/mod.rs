@@ -1,0 +1,234 @@
+//! The Wasm runtime: one engine, a registry of compiled plugins, and the
+//! host side of the `leasehold:turn` world (DESIGN.md §5–6).
+//!
+//! * Epoch interruption is always on, driven by one ticker thread; a
+//!   segment's deadline follows its lease and its slice budget.
+//! * Instances come from the pooling allocator, with bounded totals.
+//! * Each plugin has [`Limits`] with documented defaults.
+//! * Compiled components are cached on disk, keyed by content digest and
+//!   engine compatibility, and reused across restarts.
+
+mod cache;
+pub mod host;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use sha2::{Digest, Sha256};
+use wasmtime::component::{Component, Linker};
+use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig};
+
+use self::host::{SegmentState, TurnPre};
+
+/// How often the epoch ticker advances. Deadlines are counted in ticks.
+pub const EPOCH_TICK: Duration = Duration::from_millis(10);
+
+/// Per-plugin sandbox limits. Every field documents its default.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    /// Linear memory per instance. Default: 256 MiB (a Python guest needs
+    /// about 40 MiB to start).
+    pub max_memory_bytes: usize,
+    /// Wasm stack. Default: 1 MiB.
+    pub max_wasm_stack: usize,
+    /// Host calls per segment (the host-call "fuel"). Default: 100,000.
+    pub max_host_calls: u64,
+    /// Bytes one turn may emit in total. Default: 4 MiB.
+    pub max_emit_bytes: usize,
+    /// Bytes of the final output (or error). Default: 1 MiB.
+    pub max_output_bytes: usize,
+    /// Bytes of one effect request or result. Default: 1 MiB.
+    pub max_effect_bytes: usize,
+    /// How long one segment may run before it is sliced (suspended as
+    /// `waiting_takeover` and resumed by replay). Default: 30 s.
+    pub segment_budget: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_memory_bytes: 256 << 20,
+            max_wasm_stack: 1 << 20,
+            max_host_calls: 100_000,
+            max_emit_bytes: 4 << 20,
+            max_output_bytes: 1 << 20,
+            max_effect_bytes: 1 << 20,
+            segment_budget: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Runtime settings. Every field documents its default.
+#[derive(Debug, Clone)]
+pub struct RuntimeConfig {
+    /// Where compiled components are cached. Default: `$TMPDIR/leasehold-cache`.
+    pub cache_dir: PathBuf,
+    /// Most instances alive at once (pooling allocator). Default: 64.
+    pub max_instances: u32,
+    /// Largest linear memory the pool reserves per instance; also the
+    /// ceiling of any plugin's `max_memory_bytes`. Default: 1 GiB of
+    /// (virtual, lazily committed) address space.
+    pub pool_max_memory_bytes: usize,
+}
+
+impl Default for RuntimeConfig {
+    fn default() -> Self {
+        RuntimeConfig {
+            cache_dir: std::env::temp_dir().join("leasehold-cache"),
+            max_instances: 64,
+            pool_max_memory_bytes: 1 << 30,
+        }
+    }
+}
+
+/// Why a plugin could not be loaded. Shaped for a 422 answer.
+#[derive(Debug, thiserror::Error)]
+pub enum PluginError {
+    #[error("not a valid component: {0}")]
+    Invalid(String),
+    /// The component imports something the host does not provide, or does
+    /// not export `run` with the right type.
+    #[error("component does not implement leasehold:turn/turn: {0}")]
+    Link(String),
+    #[error("component cache: {0}")]
+    Cache(#[from] std::io::Error),
+}
+
+/// A loaded plugin.
+pub struct Plugin {
+    pub name: String,
+    /// `sha256:<hex>` of the component bytes.
+    pub digest: String,
+    pub limits: Limits,
+    pub(crate) pre: TurnPre<SegmentState>,
+}
+
+/// The engine, the linker and the loaded plugins. Cheap to share (`Arc`).
+pub struct Runtime {
+    engine: Engine,
+    linker: Linker<SegmentState>,
+    cache: cache::Cache,
+    plugins: RwLock<HashMap<String, Arc<Plugin>>>,
+    _ticker: Ticker,
+}
+
+impl Runtime {
+    pub fn new(config: RuntimeConfig) -> anyhow::Result<Runtime> {
+        let mut pool = PoolingAllocationConfig::default();
+        pool.total_component_instances(config.max_instances)
+            .total_core_instances(config.max_instances * 4)
+            .total_memories(config.max_instances * 2)
+            .total_tables(config.max_instances * 4)
+            .max_memory_size(config.pool_max_memory_bytes)
+            .total_stacks(config.max_instances);
+        let mut wasm = Config::new();
+        wasm.epoch_interruption(true)
+            .wasm_component_model(true)
+            .max_wasm_stack(Limits::default().max_wasm_stack)
+            .allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
+        let engine = Engine::new(&wasm)?;
+        let mut linker = Linker::new(&engine);
+        wasmtime_wasi::p2::add_to_linker_async(&mut linker)?;
+        host::add_to_linker(&mut linker)?;
+        let cache = cache::Cache::new(&engine, config.cache_dir)?;
+        let ticker = Ticker::start(engine.clone());
+        Ok(Runtime {
+            engine,
+            linker,
+            cache,
+            plugins: RwLock::new(HashMap::new()),
+            _ticker: ticker,
+        })
+    }
+
+    pub fn engine(&self) -> &Engine {
+        &self.engine
+    }
+
+    /// Validates, compiles (or loads from the cache) and registers a plugin,
+    /// replacing any plugin of the same name.
+    pub fn add_plugin(
+        &self,
+        name: &str,
+        bytes: &[u8],
+        limits: Limits,
+    ) -> Result<Arc<Plugin>, PluginError> {
+        let digest = format!("sha256:{}", hex::encode(Sha256::digest(bytes)));
+        let component = match self.cache.load(&self.engine, &digest)? {
+            Some(c) => c,
+            None => {
+                // Compiling validates; a core module or garbage fails here.
+                let compiled = self
+                    .engine
+                    .precompile_component(bytes)
+                    .map_err(|e| PluginError::Invalid(format!("{e:#}")))?;
+                self.cache.store(&digest, &compiled)?;
+                self.cache
+                    .load(&self.engine, &digest)?
+                    .ok_or_else(|| PluginError::Invalid("cache write did not stick".into()))?
+            }
+        };
+        let pre = self
+            .linker
+            .instantiate_pre(&component)
+            .map_err(|e| PluginError::Link(format!("{e:#}")))?;
+        let pre = TurnPre::new(pre).map_err(|e| PluginError::Link(format!("{e:#}")))?;
+        let plugin = Arc::new(Plugin {
+            name: name.to_string(),
+            digest,
+            limits,
+            pre,
+        });
+        self.plugins
+            .write()
+            .expect("plugin registry lock")
+            .insert(name.to_string(), plugin.clone());
+        Ok(plugin)
+    }
+
+    pub fn plugin(&self, name: &str) -> Option<Arc<Plugin>> {
+        self.plugins.read().expect("plugin registry lock").get(name).cloned()
+    }
+
+    pub fn plugins(&self) -> Vec<Arc<Plugin>> {
+        let mut all: Vec<_> = self.plugins.read().expect("plugin registry lock").values().cloned().collect();
+        all.sort_by(|a, b| a.name.cmp(&b.name));
+        all
+    }
+
+    /// Compiles `bytes` without caching; for benches that measure compilation.
+    pub fn compile_uncached(&self, bytes: &[u8]) -> wasmtime::Result<Component> {
+        Component::new(&self.engine, bytes)
+    }
+}
+
+/// The one epoch ticker: advances the engine's epoch every [`EPOCH_TICK`]
+/// until dropped.
+struct Ticker {
+    stop: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Ticker {
+    fn start(engine: Engine) -> Ticker {
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = stop.clone();
+        std::thread::Builder::new()
+            .name("leasehold-epoch".into())
+            .spawn(move || {
+                while !flag.load(std::sync::atomic::Ordering::Relaxed) {
+                    std::thread::sleep(EPOCH_TICK);
+                    engine.increment_epoch();
+                }
+            })
+            .expect("spawning the epoch ticker");
+        Ticker { stop }
+    }
+}
+
+impl Drop for Ticker {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}

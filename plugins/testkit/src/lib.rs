@@ -1,0 +1,84 @@
+//! The test plugin. The input's `mode` picks the behaviour:
+//!
+//! * `steps` (default): `steps` times, `kv.put` key `<prefix>-<i>` then emit
+//!   `"step <i> "`; returns `"did <n> steps"`. Deterministic, one effect per
+//!   step: for crash, replay and bench tests.
+//! * `wait`: asks for input, returns `"hello <input>"`.
+//! * `sleep`: sleeps `ms`, returns `"woke"`.
+//! * `spin-then-put`: burns CPU for `spins` iterations, then `kv.put`.
+//! * hostile: `loop` (never returns), `oom` (allocates without bound),
+//!   `emit-bomb` (emits 1 MiB chunks forever), `trap` (unreachable),
+//!   `big-output` (returns 2 MiB), `fail` (returns an error).
+
+wit_bindgen::generate!({ path: "../../wit", world: "turn" });
+
+use leasehold::turn::host::{EffectError, effect, emit, sleep, wait_input};
+use serde_json::Value;
+
+struct Testkit;
+
+fn describe(e: EffectError) -> String {
+    match e {
+        EffectError::Failed(m) => format!("failed: {m}"),
+        EffectError::InDoubt(m) => format!("in-doubt: {m}"),
+        EffectError::Denied(m) => format!("denied: {m}"),
+    }
+}
+
+impl Guest for Testkit {
+    fn run(input: String) -> Result<String, String> {
+        let v: Value = serde_json::from_str(&input).map_err(|e| format!("bad input: {e}"))?;
+        match v["mode"].as_str().unwrap_or("steps") {
+            "steps" => {
+                let n = v["steps"].as_u64().unwrap_or(3);
+                let prefix = v["prefix"].as_str().unwrap_or("step");
+                for i in 0..n {
+                    let request = serde_json::json!({ "key": format!("{prefix}-{i}"), "value": i });
+                    effect("kv.put", &request.to_string()).map_err(describe)?;
+                    emit(&format!("step {i} "));
+                }
+                Ok(format!("did {n} steps"))
+            }
+            "wait" => {
+                let name = wait_input("What is your name?");
+                Ok(format!("hello {name}"))
+            }
+            "sleep" => {
+                sleep(v["ms"].as_u64().unwrap_or(1000));
+                Ok("woke".to_string())
+            }
+            "spin-then-put" => {
+                let mut x: u64 = 0;
+                for i in 0..v["spins"].as_u64().unwrap_or(1 << 32) {
+                    x = std::hint::black_box(x.wrapping_add(i));
+                }
+                effect("kv.put", r#"{"key":"after-spin","value":1}"#).map_err(describe)?;
+                Ok(format!("spun {x}"))
+            }
+            "loop" => {
+                let mut x: u64 = 0;
+                loop {
+                    x = std::hint::black_box(x.wrapping_add(1));
+                }
+            }
+            "oom" => {
+                let mut hoard: Vec<Vec<u8>> = Vec::new();
+                loop {
+                    hoard.push(std::hint::black_box(vec![1u8; 1 << 20]));
+                }
+            }
+            "emit-bomb" => {
+                let chunk = "x".repeat(1 << 20);
+                loop {
+                    emit(&chunk);
+                }
+            }
+            "trap" => std::process::abort(),
+            "big-output" => Ok("x".repeat(2 << 20)),
+            "fail" => Err("the turn gave up".to_string()),
+            other => Err(format!("unknown mode {other:?}")),
+        }
+    }
+}
+
+export!(Testkit);

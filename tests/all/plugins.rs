@@ -1,0 +1,68 @@
+//! Guest components for tests, built once per test process.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use anyhow::{Context, Result, bail};
+use leasehold::runtime::{Limits, Runtime, RuntimeConfig};
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Builds `plugins/<name>` (a Rust guest) for wasm32-wasip2 and returns the
+/// component's bytes.
+pub fn rust_plugin(name: &str) -> Result<Vec<u8>> {
+    static BUILT: Mutex<Vec<(String, Vec<u8>)>> = Mutex::new(Vec::new());
+    let mut built = BUILT.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, bytes)) = built.iter().find(|(n, _)| n == name) {
+        return Ok(bytes.clone());
+    }
+    let target_dir = root().join("target/plugins");
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = Command::new(cargo)
+        .args(["build", "--release", "--target", "wasm32-wasip2", "--manifest-path"])
+        .arg(root().join("plugins").join(name).join("Cargo.toml"))
+        .arg("--target-dir")
+        .arg(&target_dir)
+        .output()
+        .context("running cargo to build a test plugin")?;
+    if !out.status.success() {
+        bail!(
+            "building plugins/{name} failed (is the wasm32-wasip2 target installed? \
+             `rustup target add wasm32-wasip2`, or run ./scripts/test):\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let path: PathBuf = target_dir.join("wasm32-wasip2/release").join(format!("{name}.wasm"));
+    let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
+    built.push((name.to_string(), bytes.clone()));
+    Ok(bytes)
+}
+
+/// A runtime sized for tests, sharing one compiled-component cache.
+pub fn runtime() -> Result<Arc<Runtime>> {
+    static CACHE: OnceLock<PathBuf> = OnceLock::new();
+    let cache_dir = CACHE.get_or_init(|| root().join("target/component-cache")).clone();
+    Ok(Arc::new(Runtime::new(RuntimeConfig {
+        cache_dir,
+        max_instances: 8,
+        pool_max_memory_bytes: 256 << 20,
+    })?))
+}
+
+/// The test plugin's limits: small enough that hostile modes end quickly.
+pub fn test_limits() -> Limits {
+    Limits {
+        max_memory_bytes: 32 << 20,
+        max_emit_bytes: 256 << 10,
+        max_output_bytes: 64 << 10,
+        segment_budget: std::time::Duration::from_millis(500),
+        ..Limits::default()
+    }
+}
+
+pub fn hostile_wat(name: &str) -> Result<Vec<u8>> {
+    Ok(std::fs::read(root().join("plugins/hostile").join(name))?)
+}

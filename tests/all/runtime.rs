@@ -1,0 +1,204 @@
+//! Turns run as Wasm components: replay, suspension, lost leases and hostile
+//! guests, on both backends. The guest is `plugins/testkit`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Result, ensure};
+use leasehold::executor::{Executor, ExecutorConfig, GuestErrorKind, SegmentOutcome};
+use leasehold::runtime::{PluginError, Runtime};
+use leasehold::store::{EffectState, NewRun, RunStatus, Store};
+
+use crate::harness::{TestDb, both};
+use crate::plugins;
+
+fn setup(db: &TestDb) -> Result<(Arc<Runtime>, Executor)> {
+    let runtime = plugins::runtime()?;
+    runtime.add_plugin("testkit", &plugins::rust_plugin("testkit")?, plugins::test_limits())?;
+    let exec = Executor::new(db.store.clone(), runtime.clone(), worker("worker-a"));
+    Ok((runtime, exec))
+}
+
+fn worker(owner: &str) -> ExecutorConfig {
+    ExecutorConfig { owner: owner.into(), lease_ttl: Duration::from_secs(30), renew_every: None }
+}
+
+async fn submit(store: &Store, input: serde_json::Value) -> Result<i64> {
+    let mut new = NewRun::new("testkit", input.to_string());
+    new.max_attempts = Some(3);
+    Ok(store.create_run(&new).await?.0.id)
+}
+
+async fn kv_count(store: &Store) -> Result<i64> {
+    Ok(sqlx::query_scalar("SELECT COUNT(*) FROM kv").fetch_one(store.pool()).await?)
+}
+
+both! {
+    async fn a_turn_completes_recording_each_effect_and_streaming_its_output(db) {
+        let (_rt, exec) = setup(db)?;
+        let id = submit(&db.store, serde_json::json!({ "steps": 4 })).await?;
+        ensure!(exec.run_once().await? == Some((id, SegmentOutcome::Completed)));
+        let run = db.store.get_run(id).await?;
+        ensure!(run.status == RunStatus::Completed && run.output.as_deref() == Some("did 4 steps"), "{run:?}");
+        ensure!(run.partial == "step 0 step 1 step 2 step 3 ", "{:?}", run.partial);
+        let effects = db.store.effects(id).await?;
+        ensure!(effects.len() == 4 && effects.iter().all(|e| e.state == EffectState::Committed && e.name == "kv.put"));
+        ensure!(effects.iter().enumerate().all(|(i, e)| e.emit_pos == i as i64), "each row records the emit position");
+        ensure!(kv_count(&db.store).await? == 4);
+        Ok(())
+    }
+
+    async fn a_dead_segment_is_resumed_by_replay_without_repeating_committed_effects(db) {
+        let (rt, exec) = setup(db)?;
+        let id = submit(&db.store, serde_json::json!({ "steps": 300 })).await?;
+        // Worker A dies mid-turn: its segment future is dropped once some
+        // effects are committed (no graceful suspend, no close).
+        let task = tokio::spawn(async move { exec.run_once().await });
+        loop {
+            if db.store.effects(id).await?.len() >= 20 || task.is_finished() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        task.abort();
+        let _ = task.await;
+        db.backdate_lease(id, 60_000).await?;
+
+        // B claims: from here on every write of A's segment fails its guard,
+        // so this snapshot is final for fence 1.
+        let b = Executor::new(db.store.clone(), rt, worker("worker-b"));
+        let claimed = db.store.claim("worker-b", Duration::from_secs(30)).await?.unwrap();
+        let before = db.store.effects(id).await?;
+        ensure!(before.len() >= 20 && before.len() < 300, "A died mid-turn after {} effects", before.len());
+        ensure!(before.iter().all(|r| r.fence_started == 1));
+        // B resumes by replay; on a slow database it may need several
+        // slices (each suspends as waiting_takeover after progress).
+        let mut outcomes = vec![(id, b.run_segment(claimed).await?)];
+        outcomes.extend(b.drain().await?);
+        ensure!(outcomes.last() == Some(&(id, SegmentOutcome::Completed)), "B: {outcomes:?}");
+        ensure!(outcomes.iter().rev().skip(1).all(|o| o.1 == SegmentOutcome::Suspended(RunStatus::WaitingTakeover)), "{outcomes:?}");
+        let run = db.store.get_run(id).await?;
+        ensure!(run.output.as_deref() == Some("did 300 steps"), "{run:?}");
+        let after = db.store.effects(id).await?;
+        ensure!(after.len() == 300);
+        for row in &before {
+            if row.state == EffectState::Committed {
+                ensure!(after[row.seq as usize] == *row, "replay rewrote committed row {}", row.seq);
+            }
+        }
+        ensure!(after.iter().skip(before.len()).all(|r| r.fence_started >= 2), "new rows belong to B's segments");
+        ensure!(kv_count(&db.store).await? == 300);
+        let expected: String = (0..300).map(|i| format!("step {i} ")).collect();
+        ensure!(run.partial == expected, "the stream holds each step exactly once");
+        Ok(())
+    }
+
+    async fn wait_input_suspends_the_run_and_resumes_it_with_the_delivered_input(db) {
+        let (_rt, exec) = setup(db)?;
+        let id = submit(&db.store, serde_json::json!({ "mode": "wait" })).await?;
+        ensure!(exec.run_once().await? == Some((id, SegmentOutcome::Suspended(RunStatus::WaitingInput))));
+        ensure!(exec.run_once().await?.is_none(), "not claimable until input arrives");
+        db.store.deliver_input(id, "Ada").await?;
+        ensure!(exec.run_once().await? == Some((id, SegmentOutcome::Completed)));
+        let run = db.store.get_run(id).await?;
+        ensure!(run.output.as_deref() == Some("hello Ada") && run.pending_input.is_none(), "{run:?}");
+        Ok(())
+    }
+
+    async fn sleep_suspends_the_run_until_its_timer_is_due(db) {
+        let (_rt, exec) = setup(db)?;
+        let id = submit(&db.store, serde_json::json!({ "mode": "sleep", "ms": 3_600_000 })).await?;
+        ensure!(exec.run_once().await? == Some((id, SegmentOutcome::Suspended(RunStatus::Queued))));
+        ensure!(exec.run_once().await?.is_none(), "asleep");
+        db.advance_clock(3_600_001).await?;
+        // The recorded wake time is in the ledger: move it too.
+        sqlx::query("UPDATE effects SET result = CAST(CAST(result AS BIGINT) - 3600001 AS TEXT) WHERE name = 'sleep'")
+            .execute(db.store.pool()).await?;
+        ensure!(exec.run_once().await? == Some((id, SegmentOutcome::Completed)));
+        ensure!(db.store.get_run(id).await?.output.as_deref() == Some("woke"));
+        Ok(())
+    }
+
+    async fn a_turn_that_changes_its_calls_on_replay_fails_as_non_deterministic(db) {
+        let (_rt, exec) = setup(db)?;
+        // Record a ledger with one version of the turn's calls…
+        let recorded = submit(&db.store, serde_json::json!({ "steps": 2, "prefix": "a" })).await?;
+        ensure!(exec.run_once().await? == Some((recorded, SegmentOutcome::Completed)));
+        // …and give it to a run whose turn now makes different calls (as if
+        // the plugin's code changed mid-run).
+        let changed = submit(&db.store, serde_json::json!({ "steps": 2, "prefix": "b" })).await?;
+        sqlx::query(
+            "INSERT INTO effects (run_id, seq, name, request_hash, idempotency_key, class, state, result, \
+             emit_pos, fence_started, fence_completed, created_at, updated_at) \
+             SELECT $2, seq, name, request_hash, idempotency_key, class, state, result, emit_pos, 0, 0, \
+             created_at, updated_at FROM effects WHERE run_id = $1",
+        )
+        .bind(recorded)
+        .bind(changed)
+        .execute(db.store.pool())
+        .await?;
+        let out = exec.run_once().await?;
+        ensure!(out == Some((changed, SegmentOutcome::Failed(GuestErrorKind::NonDeterminism))), "{out:?}");
+        let run = db.store.get_run(changed).await?;
+        ensure!(run.error.as_deref().is_some_and(|e| e.starts_with("non-determinism: call 0")), "{:?}", run.error);
+        ensure!(kv_count(&db.store).await? == 2, "nothing of the changed turn was performed");
+        Ok(())
+    }
+
+    async fn hostile_guests_are_classified_and_neighbouring_runs_keep_completing(db) {
+        let (_rt, exec) = setup(db)?;
+        let cases = [
+            ("loop", GuestErrorKind::Timeout),
+            ("oom", GuestErrorKind::OutOfMemory),
+            ("emit-bomb", GuestErrorKind::OutputTooLarge),
+            ("big-output", GuestErrorKind::OutputTooLarge),
+            ("trap", GuestErrorKind::Trap),
+            ("fail", GuestErrorKind::TurnError),
+        ];
+        for (mode, kind) in cases {
+            let id = submit(&db.store, serde_json::json!({ "mode": mode })).await?;
+            let out = exec.run_once().await?;
+            ensure!(out == Some((id, SegmentOutcome::Failed(kind))), "{mode}: {out:?}");
+            let run = db.store.get_run(id).await?;
+            ensure!(run.status == RunStatus::Failed, "{mode}: {run:?}");
+            let error = run.error.unwrap_or_default();
+            ensure!(error.starts_with(kind.as_str()), "{mode}: error {error:?}");
+            // A neighbour right after each hostile guest still completes.
+            let ok = submit(&db.store, serde_json::json!({ "steps": 1, "prefix": mode })).await?;
+            ensure!(exec.run_once().await? == Some((ok, SegmentOutcome::Completed)), "{mode}: neighbour");
+        }
+        Ok(())
+    }
+
+    async fn a_guest_that_outlives_its_lease_is_stopped_and_writes_nothing(db) {
+        let runtime = plugins::runtime()?;
+        let mut limits = plugins::test_limits();
+        limits.segment_budget = Duration::from_secs(60);
+        runtime.add_plugin("testkit", &plugins::rust_plugin("testkit")?, limits)?;
+        // A 300 ms lease that is never renewed in time: the guest must be
+        // stopped at the lease deadline, before its effect.
+        let config = ExecutorConfig { owner: "slow".into(), lease_ttl: Duration::from_millis(300), renew_every: Some(Duration::from_secs(60)) };
+        let exec = Executor::new(db.store.clone(), runtime, config);
+        let id = submit(&db.store, serde_json::json!({ "mode": "spin-then-put" })).await?;
+        let out = exec.run_once().await?;
+        ensure!(out == Some((id, SegmentOutcome::LeaseLost)), "{out:?}");
+        ensure!(db.store.effects(id).await?.is_empty() && kv_count(&db.store).await? == 0);
+        let run = db.store.get_run(id).await?;
+        ensure!(run.status == RunStatus::Running && run.lease_owner.as_deref() == Some("slow"), "left for the reaper and the next claim");
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn components_that_are_not_turns_are_refused_with_a_reason() -> Result<()> {
+    let runtime = plugins::runtime()?;
+    let garbage = runtime.add_plugin("junk", b"not wasm at all", plugins::test_limits());
+    ensure!(matches!(garbage, Err(PluginError::Invalid(_))), "{:?}", garbage.err());
+    let missing = runtime.add_plugin("missing", &plugins::hostile_wat("missing-import.wat")?, plugins::test_limits());
+    match missing {
+        Err(PluginError::Link(reason)) => ensure!(reason.contains("not-provided"), "{reason}"),
+        other => anyhow::bail!("expected a link error, got {:?}", other.err()),
+    }
+    ensure!(runtime.plugin("missing").is_none() && runtime.plugin("junk").is_none());
+    Ok(())
+}
