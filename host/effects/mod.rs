@@ -4,10 +4,11 @@
 //! one (keyed or unkeyed, DESIGN.md §3), performed between its `started`
 //! and `committed` rows.
 //!
-//! Built so far: `kv.get` / `kv.put` (local). `http` and `model.chat`
-//! (keyed) are the next providers to add; until then they are unknown names
-//! and a guest calling them gets `denied`.
+//! Built so far: `kv.get` / `kv.put` (local), `http` (keyed) and
+//! `http.unkeyed` (unkeyed). `model.chat` is the next provider to add; until
+//! then it is an unknown name and a guest calling it gets `denied`.
 
+pub mod http;
 pub mod kv;
 
 use crate::ledger::LocalOp;
@@ -18,7 +19,21 @@ use crate::store::EffectClass;
 #[derive(Debug)]
 pub enum Effect {
     Local(LocalOp),
-    Remote { class: EffectClass, request: String },
+    Remote(Remote),
+}
+
+/// A remote effect, checked and ready to perform.
+#[derive(Debug)]
+pub enum Remote {
+    Http { name: &'static str, class: EffectClass, request: http::HttpRequest },
+}
+
+impl Remote {
+    pub fn class(&self) -> EffectClass {
+        match self {
+            Remote::Http { class, .. } => *class,
+        }
+    }
 }
 
 /// What a remote provider knows about the call it performs.
@@ -38,17 +53,35 @@ impl RemoteCtx {
     }
 }
 
-/// Resolves `name` for a plugin whose kv namespace is `namespace`.
-/// `Err` is a refusal, recorded like any result.
-pub fn resolve(name: &str, request: &str, namespace: &str) -> Result<Effect, EffectError> {
+/// What a plugin is granted: its kv namespace and its HTTP allow-list.
+pub struct Grants<'a> {
+    pub namespace: &'a str,
+    pub http_allow: &'a [String],
+}
+
+/// Resolves `name` for a plugin. `Err` is a refusal, recorded like any
+/// result, so replay returns it again.
+pub fn resolve(name: &str, request: &str, grants: &Grants<'_>) -> Result<Effect, EffectError> {
     match name {
-        "kv.get" | "kv.put" => kv::op(name, request, namespace).map(Effect::Local),
+        "kv.get" | "kv.put" => kv::op(name, request, grants.namespace).map(Effect::Local),
+        "http" => Ok(Effect::Remote(Remote::Http {
+            name: "http",
+            class: EffectClass::Keyed,
+            request: http::check(name, request, grants.http_allow)?,
+        })),
+        "http.unkeyed" => Ok(Effect::Remote(Remote::Http {
+            name: "http.unkeyed",
+            class: EffectClass::Unkeyed,
+            request: http::check(name, request, grants.http_allow)?,
+        })),
         _ => Err(EffectError::Denied(format!("unknown effect provider {name:?}"))),
     }
 }
 
-/// Performs a remote effect. No remote provider is built yet (see the
-/// module docs), so [`resolve`] never yields one and this refuses.
-pub async fn perform_remote(name: &str, _request: &str, _ctx: &RemoteCtx) -> Result<String, EffectError> {
-    Err(EffectError::Denied(format!("no remote provider {name:?} on this host")))
+/// Performs a remote effect. Dropping the future aborts the request (a
+/// courtesy; the ledger's `started` row is what makes it safe).
+pub async fn perform_remote(remote: Remote, ctx: &RemoteCtx) -> Result<String, EffectError> {
+    match remote {
+        Remote::Http { name, request, .. } => http::perform(name, request, ctx).await,
+    }
 }

@@ -233,7 +233,8 @@ impl SegmentState {
                 }
                 Err(e) => self.store_failed(e),
             },
-            Effect::Remote { class, request } => {
+            Effect::Remote(remote) => {
+                let class = remote.class();
                 let (db, lease, c) = (self.db.clone(), self.lease.clone(), call.clone());
                 let started = detached(async move {
                     if reissue {
@@ -253,7 +254,7 @@ impl SegmentState {
                     fence: self.lease.fence,
                     max_result_bytes: self.limits.max_effect_bytes,
                 };
-                let outcome = effects::perform_remote(&call.name, &request, &ctx).await;
+                let outcome = effects::perform_remote(remote, &ctx).await;
                 let completion = match &outcome {
                     Ok(result) => Completion::Committed(result.clone()),
                     Err(error) => Completion::Failed(encode_error(error)),
@@ -269,6 +270,13 @@ impl SegmentState {
 }
 
 impl SegmentState {
+    fn grants(&self) -> effects::Grants<'_> {
+        effects::Grants {
+            namespace: &self.namespace,
+            http_allow: &self.limits.http_allow,
+        }
+    }
+
     /// A local effect, run detached. Not an `async fn`: the future must not
     /// borrow `self`, which is not `Sync`.
     fn local(
@@ -292,7 +300,7 @@ impl leasehold::turn::host::Host for SegmentState {
                 (EffectState::InDoubt | EffectState::Started, EffectClass::Keyed) => {
                     // Re-issued with the same idempotency key: the remote
                     // side deduplicates.
-                    let effect = match effects::resolve(&name, &request, &self.namespace) {
+                    let effect = match effects::resolve(&name, &request, &self.grants()) {
                         Ok(e) => e,
                         Err(error) => return Ok(Err(error)),
                     };
@@ -312,7 +320,7 @@ impl leasehold::turn::host::Host for SegmentState {
             ));
             return self.refuse(&call, error).await;
         }
-        match effects::resolve(&name, &request, &self.namespace) {
+        match effects::resolve(&name, &request, &self.grants()) {
             Ok(effect) => self.perform(call, effect, false).await,
             Err(error) => self.refuse(&call, error).await,
         }

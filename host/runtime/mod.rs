@@ -44,6 +44,9 @@ pub struct Limits {
     /// How long one segment may run before it is sliced (suspended as
     /// `waiting_takeover` and resumed by replay). Default: 30 s.
     pub segment_budget: Duration,
+    /// Hosts (`host` or `host:port`) the `http` providers may reach; any
+    /// other is `denied`. Default: none.
+    pub http_allow: Vec<String>,
 }
 
 impl Default for Limits {
@@ -56,6 +59,7 @@ impl Default for Limits {
             max_output_bytes: 1 << 20,
             max_effect_bytes: 1 << 20,
             segment_budget: Duration::from_secs(30),
+            http_allow: Vec::new(),
         }
     }
 }

@@ -5,6 +5,8 @@ mod harness;
 mod plugins;
 
 mod concurrency;
+mod crash;
 mod conformance;
 mod interleaving;
 mod runtime;
+mod sink;

@@ -6,6 +6,9 @@
 //! * `wait`: asks for input, returns `"hello <input>"`.
 //! * `sleep`: sleeps `ms`, returns `"woke"`.
 //! * `spin-then-put`: burns CPU for `spins` iterations, then `kv.put`.
+//! * `http`: burns `spin_before` iterations, POSTs to `url` with `http` (or
+//!   `http.unkeyed` when `keyed` is false), burns `spin_after`, and returns
+//!   the result, or `"in-doubt: …"` when the host reports it in doubt.
 //! * hostile: `loop` (never returns), `oom` (allocates without bound),
 //!   `emit-bomb` (emits 1 MiB chunks forever), `trap` (unreachable),
 //!   `big-output` (returns 2 MiB), `fail` (returns an error).
@@ -55,6 +58,18 @@ impl Guest for Testkit {
                 effect("kv.put", r#"{"key":"after-spin","value":1}"#).map_err(describe)?;
                 Ok(format!("spun {x}"))
             }
+            "http" => {
+                spin(v["spin_before"].as_u64().unwrap_or(0));
+                let name = if v["keyed"].as_bool().unwrap_or(true) { "http" } else { "http.unkeyed" };
+                let request = serde_json::json!({ "method": "POST", "url": v["url"], "body": { "from": "testkit" } });
+                let out = match effect(name, &request.to_string()) {
+                    Ok(result) => result,
+                    Err(EffectError::InDoubt(m)) => format!("in-doubt: {m}"),
+                    Err(e) => return Err(describe(e)),
+                };
+                spin(v["spin_after"].as_u64().unwrap_or(0));
+                Ok(out)
+            }
             "loop" => {
                 let mut x: u64 = 0;
                 loop {
@@ -79,6 +94,14 @@ impl Guest for Testkit {
             other => Err(format!("unknown mode {other:?}")),
         }
     }
+}
+
+fn spin(n: u64) {
+    let mut x: u64 = 0;
+    for i in 0..n {
+        x = std::hint::black_box(x.wrapping_add(i));
+    }
+    std::hint::black_box(x);
 }
 
 export!(Testkit);

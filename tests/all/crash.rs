@@ -1,0 +1,143 @@
+//! Crash points (DESIGN.md §3): a worker dies before an effect is
+//! `started`, between `started` and `committed`, or after `committed` but
+//! before close; another worker resumes the run by replay. A counting HTTP
+//! sink shows what was applied. The worker "dies" by having its segment
+//! future dropped (its task aborted); the lease is then backdated instead of
+//! waited out.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Result, ensure};
+use leasehold::executor::{Executor, ExecutorConfig, SegmentOutcome};
+use leasehold::runtime::Runtime;
+use leasehold::store::{EffectState, NewRun, RunStatus};
+
+use crate::harness::{TestDb, both};
+use crate::plugins;
+use crate::sink::Sink;
+
+/// About half a second of guest CPU on this kind of machine: a window to
+/// kill the worker in.
+const SPIN: u64 = 1 << 28;
+
+fn runtime() -> Result<Arc<Runtime>> {
+    let rt = plugins::runtime()?;
+    let mut limits = plugins::test_limits();
+    limits.http_allow = vec!["127.0.0.1".into()];
+    limits.segment_budget = Duration::from_secs(20);
+    rt.add_plugin("testkit", &plugins::rust_plugin("testkit")?, limits)?;
+    Ok(rt)
+}
+
+fn worker(db: &TestDb, rt: &Arc<Runtime>, owner: &str) -> Executor {
+    let config = ExecutorConfig { owner: owner.into(), lease_ttl: Duration::from_secs(30), renew_every: None };
+    Executor::new(db.store.clone(), rt.clone(), config)
+}
+
+/// Starts worker A on a new run, waits until `dead_when` holds, kills A,
+/// then lets worker B resume the run to its end. Returns the run id.
+async fn kill_and_resume(
+    db: &TestDb,
+    input: serde_json::Value,
+    sink: &Sink,
+    dead_when: impl AsyncFn() -> Result<bool>,
+) -> Result<i64> {
+    let rt = runtime()?;
+    let id = db.store.create_run(&NewRun::new("testkit", input.to_string())).await?.0.id;
+    let a = worker(db, &rt, "worker-a");
+    let task = tokio::spawn(async move { a.run_once().await });
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while !dead_when().await? {
+        ensure!(!task.is_finished(), "worker A finished before it could be killed");
+        ensure!(std::time::Instant::now() < deadline, "the kill point was never reached");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    task.abort();
+    let _ = task.await;
+    sink.hold(false);
+    db.backdate_lease(id, 60_000).await?;
+    let outcomes = worker(db, &rt, "worker-b").drain().await?;
+    ensure!(outcomes.last() == Some(&(id, SegmentOutcome::Completed)), "B: {outcomes:?}");
+    Ok(id)
+}
+
+both! {
+    async fn a_worker_killed_before_its_effect_started_leaves_it_to_be_performed_once(db) {
+        let sink = Sink::start().await?;
+        let input = serde_json::json!({ "mode": "http", "url": sink.url, "spin_before": SPIN * 4 });
+        // Killed while spinning before the effect: claimed, nothing recorded.
+        let claimed_by_a = async || {
+            let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM runs WHERE lease_owner = 'worker-a'")
+                .fetch_one(db.store.pool()).await?;
+            if n == 1 {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Ok(n == 1)
+        };
+        let id = kill_and_resume(db, input, &sink, claimed_by_a).await?;
+        let hits = sink.hits();
+        ensure!(hits.len() == 1 && hits[0].key == format!("{id}:0") && hits[0].fence == "2", "{hits:?}");
+        Ok(())
+    }
+
+    async fn a_keyed_effect_in_flight_when_its_worker_dies_is_reissued_under_the_same_key(db) {
+        let sink = Sink::start().await?;
+        sink.hold(true);
+        let input = serde_json::json!({ "mode": "http", "url": sink.url, "keyed": true });
+        let id = kill_and_resume(db, input, &sink, async || Ok(!sink.hits().is_empty())).await?;
+        let hits = sink.hits();
+        ensure!(hits.len() == 2, "re-issued once: {hits:?}");
+        ensure!(hits.iter().all(|h| h.key == format!("{id}:0")), "one idempotency key: {hits:?}");
+        ensure!(hits[0].fence == "1" && hits[1].fence == "2", "{hits:?}");
+        let run = db.store.get_run(id).await?;
+        ensure!(run.output.as_deref().is_some_and(|o| o.contains("applied")), "{run:?}");
+        let ledger = db.store.effects(id).await?;
+        ensure!(ledger.len() == 1 && ledger[0].state == EffectState::Committed && ledger[0].fence_completed == Some(2));
+        Ok(())
+    }
+
+    async fn an_unkeyed_effect_in_flight_when_its_worker_dies_is_never_repeated_and_the_turn_sees_in_doubt(db) {
+        let sink = Sink::start().await?;
+        sink.hold(true);
+        let input = serde_json::json!({ "mode": "http", "url": sink.url, "keyed": false });
+        let id = kill_and_resume(db, input, &sink, async || Ok(!sink.hits().is_empty())).await?;
+        ensure!(sink.hits().len() == 1, "never repeated: {:?}", sink.hits());
+        let run = db.store.get_run(id).await?;
+        ensure!(run.status == RunStatus::Completed);
+        ensure!(run.output.as_deref().is_some_and(|o| o.starts_with("in-doubt: ")), "the turn saw in-doubt: {:?}", run.output);
+        ensure!(db.store.effects(id).await?[0].state == EffectState::InDoubt);
+        Ok(())
+    }
+
+    async fn an_effect_committed_before_its_worker_died_is_not_performed_again(db) {
+        for keyed in [true, false] {
+            let sink = Sink::start().await?;
+            let input = serde_json::json!({ "mode": "http", "url": sink.url, "keyed": keyed, "spin_after": SPIN * 4 });
+            let committed = async || {
+                let run: Option<i64> = sqlx::query_scalar("SELECT MAX(run_id) FROM effects WHERE state = 'committed'")
+                    .fetch_one(db.store.pool()).await?;
+                Ok(run.is_some() && sink.hits().len() == 1)
+            };
+            let id = kill_and_resume(db, input, &sink, committed).await?;
+            ensure!(sink.hits().len() == 1, "keyed={keyed}: replayed, not repeated: {:?}", sink.hits());
+            let ledger = db.store.effects(id).await?;
+            ensure!(ledger[0].fence_completed == Some(1), "keyed={keyed}: the committed row is A's: {ledger:?}");
+            sqlx::query("DELETE FROM effects").execute(db.store.writer()).await?;
+        }
+        Ok(())
+    }
+
+    async fn http_to_a_host_off_the_allow_list_is_denied_and_recorded(db) {
+        let rt = runtime()?;
+        let id = db.store.create_run(&NewRun::new("testkit",
+            serde_json::json!({ "mode": "http", "url": "http://10.0.0.1:9/effect" }).to_string())).await?.0.id;
+        let out = worker(db, &rt, "w").run_once().await?;
+        ensure!(out == Some((id, SegmentOutcome::Failed(leasehold::executor::GuestErrorKind::TurnError))), "{out:?}");
+        let run = db.store.get_run(id).await?;
+        ensure!(run.error.as_deref().is_some_and(|e| e.contains("denied") && e.contains("allow-list")), "{:?}", run.error);
+        let ledger = db.store.effects(id).await?;
+        ensure!(ledger.len() == 1 && ledger[0].state == EffectState::Failed, "the refusal is recorded for replay");
+        Ok(())
+    }
+}

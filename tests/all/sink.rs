@@ -1,0 +1,68 @@
+//! A counting HTTP effect sink: records every request's idempotency key and
+//! fence on arrival, and can hold its responses (to kill a worker while its
+//! request is in flight).
+
+use std::sync::{Arc, Mutex};
+
+use anyhow::Result;
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::routing::post;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hit {
+    pub key: String,
+    pub fence: String,
+}
+
+#[derive(Clone)]
+struct Shared {
+    hits: Arc<Mutex<Vec<Hit>>>,
+    open: tokio::sync::watch::Receiver<bool>,
+}
+
+pub struct Sink {
+    pub url: String,
+    hits: Arc<Mutex<Vec<Hit>>>,
+    gate: tokio::sync::watch::Sender<bool>,
+    server: tokio::task::JoinHandle<()>,
+}
+
+impl Sink {
+    pub async fn start() -> Result<Sink> {
+        let hits = Arc::new(Mutex::new(Vec::new()));
+        let (gate, open) = tokio::sync::watch::channel(true);
+        let app = axum::Router::new()
+            .route("/effect", post(hit))
+            .with_state(Shared { hits: hits.clone(), open });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let url = format!("http://{}/effect", listener.local_addr()?);
+        let server = tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        Ok(Sink { url, hits, gate, server })
+    }
+
+    /// While held, requests are counted but not answered.
+    pub fn hold(&self, held: bool) {
+        let _ = self.gate.send(!held);
+    }
+
+    pub fn hits(&self) -> Vec<Hit> {
+        self.hits.lock().unwrap().clone()
+    }
+}
+
+impl Drop for Sink {
+    fn drop(&mut self) {
+        self.server.abort();
+    }
+}
+
+async fn hit(State(s): State<Shared>, headers: HeaderMap) -> &'static str {
+    let get = |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
+    s.hits.lock().unwrap().push(Hit { key: get("idempotency-key"), fence: get("leasehold-fence") });
+    let mut open = s.open.clone();
+    let _ = open.wait_for(|open| *open).await;
+    "applied"
+}
