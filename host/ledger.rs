@@ -243,6 +243,47 @@ impl Store {
         .await
     }
 
+    /// Records a refusal (an effect the host declined without performing
+    /// anything: unknown provider, not allowed, over a cap) as a `failed`
+    /// row in one transaction, so replay returns the same refusal. Class
+    /// `local`: the decision was the host's own.
+    pub async fn record_refusal(
+        &self,
+        lease: &Lease,
+        call: &EffectCall,
+        result: &str,
+    ) -> Result<EffectRow, StoreError> {
+        self.retry(|| async move {
+            let mut tx = self.writer().begin().await?;
+            guard(self, &mut tx, lease).await?;
+            let row = sqlx::query(sql!(
+                self,
+                "INSERT INTO effects (run_id, seq, name, request_hash, idempotency_key, class, state, \
+                 result, emit_pos, fence_started, fence_completed, created_at, updated_at) \
+                 VALUES ($1, $2, $3, $4, $5, 'local', 'failed', $6, $7, $8, $8, {now}, {now}) \
+                 ON CONFLICT (run_id, seq) DO NOTHING RETURNING *"
+            ))
+            .bind(lease.run_id)
+            .bind(call.seq)
+            .bind(&call.name)
+            .bind(&call.request_hash)
+            .bind(idempotency_key(lease.run_id, call.seq))
+            .bind(result)
+            .bind(call.emit_pos)
+            .bind(lease.fence)
+            .fetch_optional(&mut *tx)
+            .await?
+            .ok_or(StoreError::EffectExists {
+                run_id: lease.run_id,
+                seq: call.seq,
+            })?;
+            let row = EffectRow::from_row(&row)?;
+            tx.commit().await?;
+            Ok(row)
+        })
+        .await
+    }
+
     /// Reconciles the ledger before a resume: every `started` row from an
     /// older fence becomes `in_doubt`. Idempotent; returns how many changed.
     pub async fn reconcile(&self, lease: &Lease) -> Result<u64, StoreError> {

@@ -210,11 +210,7 @@ impl SegmentState {
     /// Records a refusal at `call` (so replay returns it again) and returns it.
     async fn refuse(&mut self, call: &EffectCall, error: EffectError) -> wasmtime::Result<Result<String, EffectError>> {
         let (db, lease, call, failed) = (self.db.clone(), self.lease.clone(), call.clone(), encode_error(&error));
-        let done = detached(async move {
-            db.begin_effect(&lease, &call, EffectClass::Unkeyed).await?;
-            db.complete_effect(&lease, call.seq, &Completion::Failed(failed)).await
-        })
-        .await;
+        let done = detached(async move { db.record_refusal(&lease, &call, &failed).await }).await;
         match done {
             Ok(_) => {
                 self.new_rows += 1;
