@@ -34,6 +34,9 @@ pub struct ClaimBench {
     pub finished: i64,
     /// SQLite `synchronous`. Default: NORMAL.
     pub sqlite_sync: SqliteSync,
+    /// Rounds of (baseline, claim), alternating which goes first so drift on
+    /// a shared machine does not favour either. Default: 3.
+    pub rounds: usize,
     /// Print progress to stderr. Default: true.
     pub progress: bool,
 }
@@ -47,8 +50,10 @@ pub struct ClaimBenchResult {
     pub batch: i64,
     pub claims_per_sec: f64,
     pub baseline_per_sec: f64,
+    /// The median of the per-round ratios (each round pairs adjacent phases).
     pub ratio: f64,
     pub finished: i64,
+    pub rounds: usize,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub synchronous: Option<SqliteSync>,
 }
@@ -96,8 +101,21 @@ impl ClaimBench {
             store.bulk_load(self.finished, BENCH_PLUGIN, RunStatus::Completed).await?;
         }
 
-        let baseline = self.phase(&store, Phase::Baseline).await?;
-        let claims = self.phase(&store, Phase::Lease).await?;
+        let (mut claims, mut baselines, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+        for round in 0..self.rounds.max(1) {
+            let order = if round % 2 == 0 { [Phase::Baseline, Phase::Lease] } else { [Phase::Lease, Phase::Baseline] };
+            let (mut c, mut b) = (0.0, 0.0);
+            for phase in order {
+                let rate = self.phase(&store, phase).await?;
+                match phase {
+                    Phase::Lease => c = rate,
+                    Phase::Baseline => b = rate,
+                }
+            }
+            claims.push(c);
+            baselines.push(b);
+            ratios.push(c / b);
+        }
         self.clear(&store).await?;
         store.shutdown().await;
         Ok(ClaimBenchResult {
@@ -105,10 +123,11 @@ impl ClaimBench {
             runs: self.runs,
             concurrency: self.concurrency,
             batch: self.batch,
-            claims_per_sec: round(claims),
-            baseline_per_sec: round(baseline),
-            ratio: (claims / baseline * 1000.0).round() / 1000.0,
+            claims_per_sec: median(&mut claims).round(),
+            baseline_per_sec: median(&mut baselines).round(),
+            ratio: (median(&mut ratios) * 1000.0).round() / 1000.0,
             finished: self.finished,
+            rounds: self.rounds.max(1),
             synchronous: (store.backend() == crate::Backend::Sqlite).then_some(self.sqlite_sync),
         })
     }
@@ -210,6 +229,8 @@ async fn baseline_claim(store: &Store, batch: i64) -> Result<u64, StoreError> {
         .await
 }
 
-fn round(x: f64) -> f64 {
-    x.round()
+fn median(xs: &mut [f64]) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    let n = xs.len();
+    if n % 2 == 1 { xs[n / 2] } else { (xs[n / 2 - 1] + xs[n / 2]) / 2.0 }
 }

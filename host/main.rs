@@ -79,6 +79,9 @@ enum BenchCommand {
         /// SQLite only: PRAGMA synchronous.
         #[arg(long, default_value = "normal")]
         synchronous: SqliteSync,
+        /// Rounds of (baseline, claim), alternating order; medians are reported.
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
         /// No progress lines on stderr.
         #[arg(long)]
         quiet: bool,
@@ -116,8 +119,8 @@ async fn main() -> Result<()> {
     init_logs(cli.log_format);
     match cli.command {
         Command::Serve { database_url, reaper_interval_ms } => serve(&database_url, reaper_interval_ms).await,
-        Command::Bench { bench: BenchCommand::Claim { database_url, runs, concurrency, batch, finished, synchronous, quiet } } => {
-            anyhow::ensure!(runs > 0 && concurrency > 0 && batch > 0, "--runs, --concurrency and --batch must be positive");
+        Command::Bench { bench: BenchCommand::Claim { database_url, runs, concurrency, batch, finished, synchronous, rounds, quiet } } => {
+            anyhow::ensure!(runs > 0 && concurrency > 0 && batch > 0 && rounds > 0, "--runs, --concurrency, --batch and --rounds must be positive");
             let temp = database_url.is_none().then(|| {
                 std::env::temp_dir().join(format!("leasehold-bench-{}.db", std::process::id()))
             });
@@ -126,7 +129,7 @@ async fn main() -> Result<()> {
                 (None, Some(p)) => format!("sqlite://{}", p.display()),
                 (None, None) => unreachable!(),
             };
-            let bench = ClaimBench { database_url: url, runs, concurrency, batch, finished, sqlite_sync: synchronous, progress: !quiet };
+            let bench = ClaimBench { database_url: url, runs, concurrency, batch, finished, sqlite_sync: synchronous, rounds, progress: !quiet };
             let result = bench.run().await;
             if let Some(p) = temp {
                 remove_sqlite(&p);
