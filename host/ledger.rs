@@ -51,6 +51,46 @@ pub fn idempotency_key(run_id: i64, seq: i64) -> String {
     format!("{run_id}:{seq}")
 }
 
+/// Inserts the ledger row for `call` inside the caller's transaction (after
+/// its guard). `EffectExists` if the position is already recorded; the
+/// caller's transaction is then dropped, rolling back anything it did.
+async fn insert_row(
+    store: &Store,
+    conn: &mut sqlx::AnyConnection,
+    lease: &Lease,
+    call: &EffectCall,
+    class: EffectClass,
+    state: EffectState,
+    result: Option<&str>,
+) -> Result<EffectRow, StoreError> {
+    let completed = (state != EffectState::Started).then_some(lease.fence);
+    let row = sqlx::query(sql!(
+        store,
+        "INSERT INTO effects (run_id, seq, name, request_hash, idempotency_key, class, state, \
+         result, emit_pos, fence_started, fence_completed, created_at, updated_at) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, {now}, {now}) \
+         ON CONFLICT (run_id, seq) DO NOTHING RETURNING *"
+    ))
+    .bind(lease.run_id)
+    .bind(call.seq)
+    .bind(&call.name)
+    .bind(&call.request_hash)
+    .bind(idempotency_key(lease.run_id, call.seq))
+    .bind(class.as_str())
+    .bind(state.as_str())
+    .bind(result)
+    .bind(call.emit_pos)
+    .bind(lease.fence)
+    .bind(completed)
+    .fetch_optional(&mut *conn)
+    .await?
+    .ok_or(StoreError::EffectExists {
+        run_id: lease.run_id,
+        seq: call.seq,
+    })?;
+    EffectRow::from_row(&row)
+}
+
 impl Store {
     /// Writes a `started` row for a keyed or unkeyed effect, before it is
     /// performed. `EffectExists` means the position is already recorded and
@@ -64,28 +104,7 @@ impl Store {
         self.retry(|| async move {
             let mut tx = self.writer().begin().await?;
             guard(self, &mut tx, lease).await?;
-            let row = sqlx::query(sql!(
-                self,
-                "INSERT INTO effects (run_id, seq, name, request_hash, idempotency_key, class, state, \
-                 emit_pos, fence_started, created_at, updated_at) \
-                 VALUES ($1, $2, $3, $4, $5, $6, 'started', $7, $8, {now}, {now}) \
-                 ON CONFLICT (run_id, seq) DO NOTHING RETURNING *"
-            ))
-            .bind(lease.run_id)
-            .bind(call.seq)
-            .bind(&call.name)
-            .bind(&call.request_hash)
-            .bind(idempotency_key(lease.run_id, call.seq))
-            .bind(class.as_str())
-            .bind(call.emit_pos)
-            .bind(lease.fence)
-            .fetch_optional(&mut *tx)
-            .await?
-            .ok_or(StoreError::EffectExists {
-                run_id: lease.run_id,
-                seq: call.seq,
-            })?;
-            let row = EffectRow::from_row(&row)?;
+            let row = insert_row(self, &mut tx, lease, call, class, EffectState::Started, None).await?;
             tx.commit().await?;
             Ok(row)
         })
@@ -213,30 +232,9 @@ impl Store {
                     value.clone()
                 }
             };
-            let row = sqlx::query(sql!(
-                self,
-                "INSERT INTO effects (run_id, seq, name, request_hash, idempotency_key, class, state, \
-                 result, emit_pos, fence_started, fence_completed, created_at, updated_at) \
-                 VALUES ($1, $2, $3, $4, $5, 'local', 'committed', $6, $7, $8, $8, {now}, {now}) \
-                 ON CONFLICT (run_id, seq) DO NOTHING RETURNING *"
-            ))
-            .bind(lease.run_id)
-            .bind(call.seq)
-            .bind(&call.name)
-            .bind(&call.request_hash)
-            .bind(idempotency_key(lease.run_id, call.seq))
-            .bind(&result)
-            .bind(call.emit_pos)
-            .bind(lease.fence)
-            .fetch_optional(&mut *tx)
-            .await?;
             // On a duplicate position the transaction is dropped, which rolls
             // the effect back with it: nothing is applied twice.
-            let row = row.ok_or(StoreError::EffectExists {
-                run_id: lease.run_id,
-                seq: call.seq,
-            })?;
-            let row = EffectRow::from_row(&row)?;
+            let row = insert_row(self, &mut tx, lease, call, EffectClass::Local, EffectState::Committed, Some(&result)).await?;
             tx.commit().await?;
             Ok(row)
         })
@@ -256,28 +254,7 @@ impl Store {
         self.retry(|| async move {
             let mut tx = self.writer().begin().await?;
             guard(self, &mut tx, lease).await?;
-            let row = sqlx::query(sql!(
-                self,
-                "INSERT INTO effects (run_id, seq, name, request_hash, idempotency_key, class, state, \
-                 result, emit_pos, fence_started, fence_completed, created_at, updated_at) \
-                 VALUES ($1, $2, $3, $4, $5, 'local', 'failed', $6, $7, $8, $8, {now}, {now}) \
-                 ON CONFLICT (run_id, seq) DO NOTHING RETURNING *"
-            ))
-            .bind(lease.run_id)
-            .bind(call.seq)
-            .bind(&call.name)
-            .bind(&call.request_hash)
-            .bind(idempotency_key(lease.run_id, call.seq))
-            .bind(result)
-            .bind(call.emit_pos)
-            .bind(lease.fence)
-            .fetch_optional(&mut *tx)
-            .await?
-            .ok_or(StoreError::EffectExists {
-                run_id: lease.run_id,
-                seq: call.seq,
-            })?;
-            let row = EffectRow::from_row(&row)?;
+            let row = insert_row(self, &mut tx, lease, call, EffectClass::Local, EffectState::Failed, Some(result)).await?;
             tx.commit().await?;
             Ok(row)
         })
