@@ -53,10 +53,14 @@ impl Cache {
     }
 
     /// Writes a compiled component: to a temporary file, then renamed, so a
-    /// crash never leaves a half-written entry behind.
+    /// crash never leaves a half-written entry behind. The temporary name is
+    /// unique per write: runtimes compiling the same component at once (in
+    /// one process or several) each rename a complete file of their own.
     pub(super) fn store(&self, digest: &str, compiled: &[u8]) -> std::io::Result<()> {
+        static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let path = self.path(digest);
-        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+        let tmp = path.with_extension(format!("tmp-{}-{n}", std::process::id()));
         std::fs::write(&tmp, compiled)?;
         std::fs::rename(&tmp, &path)
     }

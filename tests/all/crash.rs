@@ -128,6 +128,34 @@ both! {
         Ok(())
     }
 
+    async fn a_sliced_run_completes_over_several_segments_with_the_same_output_as_an_unsliced_one(db) {
+        // Each step waits 150 ms on the sink; a 400 ms budget slices the
+        // turn. Slices end between host calls, after their effects commit,
+        // so replay skips them and no step reaches the sink twice.
+        let sink = Sink::start_with_delay(Duration::from_millis(150)).await?;
+        let input = serde_json::json!({ "mode": "http-steps", "steps": 6, "url": sink.url });
+        let mut results = Vec::new();
+        for budget in [Duration::from_millis(400), Duration::from_secs(30)] {
+            let rt = plugins::runtime()?;
+            let mut limits = plugins::test_limits();
+            limits.http_allow = vec!["127.0.0.1".into()];
+            limits.segment_budget = budget;
+            rt.add_plugin("testkit", &plugins::rust_plugin("testkit")?, limits)?;
+            let id = db.store.create_run(&NewRun::new("testkit", input.to_string())).await?.0.id;
+            let outcomes = worker(db, &rt, "w").drain().await?;
+            let run = db.store.get_run(id).await?;
+            let keys: Vec<String> = sink.hits().into_iter().map(|h| h.key).filter(|k| k.starts_with(&format!("{id}:"))).collect();
+            ensure!(keys.len() == 6, "budget {budget:?}: each step reached the sink once: {keys:?}");
+            results.push((outcomes.len(), run.output, run.partial, run.status));
+        }
+        let (sliced, whole) = (&results[0], &results[1]);
+        ensure!(sliced.0 >= 2 && whole.0 == 1, "segments: sliced {}, unsliced {}", sliced.0, whole.0);
+        ensure!(sliced.3 == RunStatus::Completed && whole.3 == RunStatus::Completed);
+        ensure!(sliced.1 == whole.1 && sliced.2 == whole.2, "same output and stream: {sliced:?} vs {whole:?}");
+        ensure!(whole.1.as_deref() == Some("did 6 http steps"));
+        Ok(())
+    }
+
     async fn http_to_a_host_off_the_allow_list_is_denied_and_recorded(db) {
         let rt = runtime()?;
         let id = db.store.create_run(&NewRun::new("testkit",

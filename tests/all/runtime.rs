@@ -189,6 +189,44 @@ both! {
     }
 }
 
+#[test]
+fn runtimes_compiling_the_same_component_at_once_both_load_it() -> Result<()> {
+    // Regression: the cache's temporary file was named by process id only,
+    // so two runtimes of one process caching the same new component raced
+    // on it ("cache write did not stick", or ENOENT on rename).
+    let bytes = plugins::rust_plugin("testkit")?;
+    let dir = tempfile::tempdir()?;
+    let config = || leasehold::runtime::RuntimeConfig {
+        cache_dir: dir.path().to_path_buf(),
+        max_instances: 1,
+        pool_max_memory_bytes: 64 << 20,
+    };
+    const THREADS: usize = 8;
+    let start = std::sync::Barrier::new(THREADS);
+    let loaded: Vec<Result<String, String>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..THREADS)
+            .map(|_| {
+                let (bytes, config, start) = (&bytes, config(), &start);
+                scope.spawn(move || {
+                    let rt = Runtime::new(config).map_err(|e| e.to_string())?;
+                    // Compile and cache at the same moment in every thread.
+                    start.wait();
+                    rt.add_plugin("testkit", bytes, plugins::test_limits())
+                        .map(|p| p.digest.clone())
+                        .map_err(|e| e.to_string())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for r in &loaded {
+        ensure!(r.is_ok(), "{loaded:?}");
+    }
+    let cached = std::fs::read_dir(dir.path())?.count();
+    ensure!(cached == 1, "one cache entry, no temporary files left: {cached}");
+    Ok(())
+}
+
 #[tokio::test]
 async fn components_that_are_not_turns_are_refused_with_a_reason() -> Result<()> {
     let runtime = plugins::runtime()?;

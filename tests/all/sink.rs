@@ -19,6 +19,7 @@ pub struct Hit {
 struct Shared {
     hits: Arc<Mutex<Vec<Hit>>>,
     open: tokio::sync::watch::Receiver<bool>,
+    delay: std::time::Duration,
 }
 
 pub struct Sink {
@@ -30,11 +31,16 @@ pub struct Sink {
 
 impl Sink {
     pub async fn start() -> Result<Sink> {
+        Sink::start_with_delay(std::time::Duration::ZERO).await
+    }
+
+    /// A sink that takes `delay` to answer each request.
+    pub async fn start_with_delay(delay: std::time::Duration) -> Result<Sink> {
         let hits = Arc::new(Mutex::new(Vec::new()));
         let (gate, open) = tokio::sync::watch::channel(true);
         let app = axum::Router::new()
             .route("/effect", post(hit))
-            .with_state(Shared { hits: hits.clone(), open });
+            .with_state(Shared { hits: hits.clone(), open, delay });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let url = format!("http://{}/effect", listener.local_addr()?);
         let server = tokio::spawn(async move {
@@ -64,5 +70,6 @@ async fn hit(State(s): State<Shared>, headers: HeaderMap) -> &'static str {
     s.hits.lock().unwrap().push(Hit { key: get("idempotency-key"), fence: get("leasehold-fence") });
     let mut open = s.open.clone();
     let _ = open.wait_for(|open| *open).await;
+    tokio::time::sleep(s.delay).await;
     "applied"
 }

@@ -9,6 +9,8 @@
 //! * `http`: burns `spin_before` iterations, POSTs to `url` with `http` (or
 //!   `http.unkeyed` when `keyed` is false), burns `spin_after`, and returns
 //!   the result, or `"in-doubt: …"` when the host reports it in doubt.
+//! * `http-steps`: `steps` times, POSTs `{"step": i}` to `url` with `http`
+//!   then emits `"step <i> "`; returns `"did <n> http steps"`.
 //! * hostile: `loop` (never returns), `oom` (allocates without bound),
 //!   `emit-bomb` (emits 1 MiB chunks forever), `trap` (unreachable),
 //!   `big-output` (returns 2 MiB), `fail` (returns an error).
@@ -69,6 +71,15 @@ impl Guest for Testkit {
                 };
                 spin(v["spin_after"].as_u64().unwrap_or(0));
                 Ok(out)
+            }
+            "http-steps" => {
+                let n = v["steps"].as_u64().unwrap_or(3);
+                for i in 0..n {
+                    let request = serde_json::json!({ "method": "POST", "url": v["url"], "body": { "step": i } });
+                    effect("http", &request.to_string()).map_err(describe)?;
+                    emit(&format!("step {i} "));
+                }
+                Ok(format!("did {n} http steps"))
             }
             "loop" => {
                 let mut x: u64 = 0;
