@@ -164,7 +164,10 @@ impl Executor {
         lease_left_ms: i64,
     ) -> (wasmtime::Result<Result<String, String>>, SegmentState) {
         let lease = init.lease.clone();
+        // `lost` is read by the epoch callback (sync); `lost_now` wakes the
+        // select below at once.
         let lost = Arc::new(AtomicBool::new(false));
+        let lost_now = Arc::new(tokio::sync::Notify::new());
         // The lease deadline as an offset from segment start, in ms; moved on
         // by each renewal. Measured on this worker's monotonic clock only to
         // stop its own guest early: the database decides who holds the lease.
@@ -176,6 +179,7 @@ impl Executor {
             self.config.lease_ttl,
             self.config.renew_every.unwrap_or(self.config.lease_ttl / 3),
             lost.clone(),
+            lost_now.clone(),
             lease_deadline.clone(),
             start,
         ));
@@ -206,17 +210,9 @@ impl Executor {
         };
         // A lost lease drops the call mid-flight (an in-flight effect future
         // with it) rather than waiting for the next epoch tick.
-        let lost_watch = async {
-            loop {
-                if lost.load(Ordering::Relaxed) {
-                    return;
-                }
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
-        };
         let result = tokio::select! {
             r = call => r,
-            _ = lost_watch => {
+            _ = lost_now.notified() => {
                 store.data_mut().interrupt = Some(Interrupt::LeaseLost);
                 Err(wasmtime::Error::new(crate::runtime::host::Interrupted))
             }
@@ -275,9 +271,8 @@ impl Executor {
                 self.finish(lease, Outcome::Failed { error }, GuestErrorKind::NonDeterminism).await
             }
             (Err(_), Some(Interrupt::Limit { kind, message })) => {
-                let k = if kind == "host-calls" { GuestErrorKind::HostCalls } else { GuestErrorKind::OutputTooLarge };
-                let error = format!("{}: {message}", k.as_str());
-                self.finish(lease, Outcome::Failed { error }, k).await
+                let error = format!("{}: {message}", kind.as_str());
+                self.finish(lease, Outcome::Failed { error }, kind).await
             }
             (Err(trap), None) => {
                 let (kind, detail) = if state.limiter.memory_refused {
@@ -329,6 +324,7 @@ async fn renew_loop(
     ttl: Duration,
     every: Duration,
     lost: Arc<AtomicBool>,
+    lost_now: Arc<tokio::sync::Notify>,
     deadline_ms: Arc<AtomicI64>,
     start: Instant,
 ) {
@@ -344,6 +340,8 @@ async fn renew_loop(
             Err(StoreError::LeaseLost(_)) => {
                 tracing::warn!(run_id = lease.run_id, fence = lease.fence, "lease lost; stopping the guest");
                 lost.store(true, Ordering::Relaxed);
+                // notify_one keeps a permit if the select is not waiting yet.
+                lost_now.notify_one();
                 return;
             }
             Err(e) => {

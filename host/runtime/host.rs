@@ -16,6 +16,7 @@ use wasmtime::component::{HasSelf, Linker, ResourceTable};
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 
 use crate::effects::{self, Effect};
+use crate::executor::GuestErrorKind;
 use crate::ledger::{Completion, EffectCall, LocalOp};
 use crate::runtime::Limits;
 use crate::store::{EffectClass, EffectRow, EffectState, Lease, Store, StoreError};
@@ -43,7 +44,7 @@ pub enum Interrupt {
     /// A recorded call differs from the one the turn now makes.
     NonDeterminism(String),
     /// A sandbox limit: host calls, emit bytes.
-    Limit { kind: &'static str, message: String },
+    Limit { kind: GuestErrorKind, message: String },
     /// The database failed under the segment (not a lease loss). The run is
     /// left as it is; its lease expires and another segment resumes it.
     Store(String),
@@ -172,7 +173,7 @@ impl SegmentState {
         self.host_calls += 1;
         if self.host_calls > self.limits.max_host_calls {
             let message = format!("more than {} host calls in one segment", self.limits.max_host_calls);
-            return self.stop(Interrupt::Limit { kind: "host-calls", message });
+            return self.stop(Interrupt::Limit { kind: GuestErrorKind::HostCalls, message });
         }
         Ok(())
     }
@@ -329,7 +330,7 @@ impl leasehold::turn::host::Host for SegmentState {
         self.emitted_bytes += delta.len();
         if self.emitted_bytes > self.limits.max_emit_bytes {
             let message = format!("emitted more than {} bytes", self.limits.max_emit_bytes);
-            return self.stop(Interrupt::Limit { kind: "output-too-large", message });
+            return self.stop(Interrupt::Limit { kind: GuestErrorKind::OutputTooLarge, message });
         }
         if pos < self.recorded_emit_pos {
             return Ok(()); // already in the stream
