@@ -173,15 +173,18 @@ impl Executor {
         // stop its own guest early: the database decides who holds the lease.
         let start = Instant::now();
         let lease_deadline = Arc::new(AtomicI64::new(lease_left_ms.max(0)));
+        let watch = LeaseWatch {
+            lost: lost.clone(),
+            lost_now: lost_now.clone(),
+            deadline_ms: lease_deadline.clone(),
+            start,
+        };
         let renewer = tokio::spawn(renew_loop(
             self.store.clone(),
             lease,
             self.config.lease_ttl,
             self.config.renew_every.unwrap_or(self.config.lease_ttl / 3),
-            lost.clone(),
-            lost_now.clone(),
-            lease_deadline.clone(),
-            start,
+            watch,
         ));
 
         let mut store = wasmtime::Store::new(self.runtime.engine(), SegmentState::new(init));
@@ -316,18 +319,22 @@ fn trap_detail(trap: &wasmtime::Error) -> String {
     }
 }
 
-/// Renews `lease` every `every` until aborted. A refused renewal, or a
-/// lease that runs out before a renewal lands, sets `lost`.
-async fn renew_loop(
-    store: Store,
-    lease: Lease,
-    ttl: Duration,
-    every: Duration,
+/// What the renewer shares with the running segment.
+struct LeaseWatch {
+    /// Set when a renewal is refused; read by the epoch callback.
     lost: Arc<AtomicBool>,
+    /// Wakes the segment's select at once when the lease is lost.
     lost_now: Arc<tokio::sync::Notify>,
+    /// The lease deadline, in ms after `start`; moved on by each renewal.
     deadline_ms: Arc<AtomicI64>,
     start: Instant,
-) {
+}
+
+/// Renews `lease` every `every` until aborted. A refused renewal sets
+/// `lost`; a lease that runs out before a renewal lands is caught by the
+/// epoch callback through `deadline_ms`.
+async fn renew_loop(store: Store, lease: Lease, ttl: Duration, every: Duration, watch: LeaseWatch) {
+    let LeaseWatch { lost, lost_now, deadline_ms, start } = watch;
     loop {
         tokio::time::sleep(every).await;
         let asked_at = start.elapsed().as_millis() as i64;
