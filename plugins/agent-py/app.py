@@ -1,0 +1,110 @@
+"""An example agent turn for leasehold, in Python (componentize-py).
+
+One turn: ask the model, POST its answer to a tool, store the tool's reply in
+kv, optionally ask the user for more, and finish with a summary. Deterministic:
+the same calls with the same arguments in the same order given the same
+results, because the host replays recorded results on resume.
+
+Requests are compact JSON with keys in a fixed order, and strings escaped
+exactly as the JS and C agents escape them (\\" \\\\ \\b \\f \\n \\r \\t, other
+control characters as lowercase \\u00xx, everything else as raw UTF-8).
+"""
+
+import json
+import re
+
+import wit_world
+from wit_world.imports import host
+from wit_world.imports.host import EffectError_Failed, EffectError_InDoubt, EffectError_Denied
+from componentize_py_types import Err
+
+
+def _reject_constant(name):
+    # json.loads accepts NaN/Infinity by default; JSON does not.
+    raise ValueError("not JSON: " + name)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _well_formed(s):
+    # A lone surrogate (from a "\ud800" escape) cannot cross the component
+    # boundary; replace it with U+FFFD as the JS and C agents do. (json.loads
+    # joins escaped surrogate pairs, so any surrogate left is a lone one.
+    # No codecs here: the componentized stdlib lacks e.g. utf-16.)
+    return _SURROGATE.sub("\ufffd", s)
+
+
+def _parse(text):
+    """Parses JSON text; returns (ok, value)."""
+    try:
+        return True, json.loads(text, parse_constant=_reject_constant)
+    except Exception:  # ValueError, RecursionError
+        return False, None
+
+
+def _dumps(value):
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def _string_field(text, key):
+    """The string `key` of the JSON object `text`, or None."""
+    ok, value = _parse(text)
+    if not ok or not isinstance(value, dict):
+        return None
+    field = value.get(key)
+    if not isinstance(field, str):
+        return None
+    return _well_formed(field)
+
+
+def _effect(name, request):
+    """Calls effect `name`; raises Err("<name>: <message>") on failure."""
+    try:
+        return host.effect(name, _dumps(request))
+    except Err as e:
+        error = e.value
+        if isinstance(error, (EffectError_Failed, EffectError_InDoubt, EffectError_Denied)):
+            raise Err(name + ": " + error.value)
+        raise Err(name + ": " + str(error))
+
+
+class WitWorld(wit_world.WitWorld):
+    def run(self, input: str) -> str:
+        host.log(2, "agent: start")
+
+        ok, args = _parse(input)
+        if not ok:
+            raise Err("bad input: not valid JSON")
+        if not isinstance(args, dict):
+            raise Err("bad input: not a JSON object")
+        prompt = args.get("prompt")
+        if not isinstance(prompt, str):
+            raise Err('bad input: "prompt" must be a string')
+        tool_url = args.get("tool_url")
+        if not isinstance(tool_url, str):
+            raise Err('bad input: "tool_url" must be a string')
+        ask = args.get("ask")
+        if ask is None:
+            ask = False
+        elif not isinstance(ask, bool):
+            raise Err('bad input: "ask" must be a boolean')
+        prompt = _well_formed(prompt)
+        tool_url = _well_formed(tool_url)
+
+        chat = _effect("model.chat", {"messages": [{"role": "user", "content": prompt}]})
+        content = _string_field(chat, "content")
+        if content is None:
+            raise Err('model.chat: result has no string "content"')
+
+        reply = _effect("http", {"method": "POST", "url": tool_url, "body": content})
+        tool_body = _string_field(reply, "body")
+        if tool_body is None:
+            raise Err('http: result has no string "body"')
+
+        _effect("kv.put", {"key": "note", "value": tool_body})
+
+        message = content + "\ntool: " + tool_body
+        if ask:
+            message += "\nyou: " + host.wait_input("Anything to add?")
+        return _dumps({"message": message})
