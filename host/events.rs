@@ -20,6 +20,29 @@ pub mod kind {
     pub const INPUT: &str = "input";
     /// The run was cancelled.
     pub const CANCELLED: &str = "cancelled";
+    /// Stream positions `from..to` of this run, written by a segment that
+    /// died, are void; payload `{from, to}`. Readers drop those deltas.
+    pub const RETRACT: &str = "retract";
+}
+
+/// Applies a run's `delta` and `retract` events, in log order, as a reader
+/// should: returns the deltas that stand, by position.
+pub fn replay_stream<'a>(events: impl IntoIterator<Item = (&'a str, &'a str)>) -> Vec<String> {
+    let mut stream: Vec<String> = Vec::new();
+    for (kind, payload) in events {
+        let v: serde_json::Value = serde_json::from_str(payload).unwrap_or_default();
+        match kind {
+            kind::DELTA => {
+                let pos = v["pos"].as_i64().unwrap_or(0).max(0) as usize;
+                let delta = v["delta"].as_str().unwrap_or_default().to_string();
+                stream.truncate(pos);
+                stream.push(delta);
+            }
+            kind::RETRACT => stream.truncate(v["from"].as_i64().unwrap_or(0).max(0) as usize),
+            _ => {}
+        }
+    }
+    stream
 }
 
 /// Appends one event to `thread_id`'s log on `conn` (inside the caller's

@@ -13,7 +13,7 @@
 //! flight, the next segment re-issues it with the same key. `http.unkeyed`
 //! is for endpoints that cannot deduplicate: it is never re-issued, and the
 //! turn receives `in-doubt` instead. Redirects are not followed (they could
-//! leave the allow-list). Plain `http://` only for now; TLS is not built yet.
+//! leave the allow-list). `https://` uses rustls with the system's roots.
 
 use std::collections::BTreeMap;
 use std::sync::OnceLock;
@@ -46,9 +46,9 @@ pub fn check(name: &str, request: &str, allow: &[String]) -> Result<HttpRequest,
         .map_err(|e| EffectError::Failed(format!("{name}: bad request: {e}")))?;
     let url = reqwest::Url::parse(&req.url)
         .map_err(|e| EffectError::Failed(format!("{name}: bad url {:?}: {e}", req.url)))?;
-    if url.scheme() != "http" {
+    if url.scheme() != "http" && url.scheme() != "https" {
         return Err(EffectError::Denied(format!(
-            "{name}: only http:// URLs are supported by this host, not {:?}",
+            "{name}: only http:// and https:// URLs are allowed, not {:?}",
             url.scheme()
         )));
     }
@@ -62,15 +62,26 @@ pub fn check(name: &str, request: &str, allow: &[String]) -> Result<HttpRequest,
     Ok(req)
 }
 
-fn client() -> &'static reqwest::Client {
+pub(crate) fn client() -> &'static reqwest::Client {
     static CLIENT: OnceLock<reqwest::Client> = OnceLock::new();
     CLIENT.get_or_init(|| {
+        install_tls();
         reqwest::Client::builder()
             .redirect(reqwest::redirect::Policy::none())
             .timeout(TIMEOUT)
             .build()
             .expect("building the HTTP client")
     })
+}
+
+/// Installs the process's TLS crypto provider (ring), once. Every reqwest
+/// client of the process needs it before it is built.
+pub fn install_tls() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // Err means another provider is already installed: fine.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    });
 }
 
 pub async fn perform(name: &str, req: HttpRequest, ctx: &RemoteCtx) -> Result<String, EffectError> {

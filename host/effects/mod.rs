@@ -4,12 +4,12 @@
 //! one (keyed or unkeyed, DESIGN.md §3), performed between its `started`
 //! and `committed` rows.
 //!
-//! Built so far: `kv.get` / `kv.put` (local), `http` (keyed) and
-//! `http.unkeyed` (unkeyed). `model.chat` is the next provider to add; until
-//! then it is an unknown name and a guest calling it gets `denied`.
+//! Providers: `kv.get` / `kv.put` (local), `http` and `model.chat` (keyed)
+//! and `http.unkeyed` (unkeyed). Any other name is `denied`.
 
 pub mod http;
 pub mod kv;
+pub mod model;
 
 use crate::ledger::LocalOp;
 use crate::runtime::host::EffectError;
@@ -26,12 +26,14 @@ pub enum Effect {
 #[derive(Debug)]
 pub enum Remote {
     Http { name: &'static str, class: EffectClass, request: http::HttpRequest },
+    Chat { request: model::ChatRequest },
 }
 
 impl Remote {
     pub fn class(&self) -> EffectClass {
         match self {
             Remote::Http { class, .. } => *class,
+            Remote::Chat { .. } => EffectClass::Keyed,
         }
     }
 }
@@ -53,10 +55,12 @@ impl RemoteCtx {
     }
 }
 
-/// What a plugin is granted: its kv namespace and its HTTP allow-list.
+/// What a plugin is granted: its kv namespace, its HTTP allow-list and the
+/// host's model endpoint.
 pub struct Grants<'a> {
     pub namespace: &'a str,
     pub http_allow: &'a [String],
+    pub model: Option<&'a model::ModelConfig>,
 }
 
 /// Resolves `name` for a plugin. `Err` is a refusal, recorded like any
@@ -74,14 +78,27 @@ pub fn resolve(name: &str, request: &str, grants: &Grants<'_>) -> Result<Effect,
             class: EffectClass::Unkeyed,
             request: http::check(name, request, grants.http_allow)?,
         })),
+        "model.chat" => Ok(Effect::Remote(Remote::Chat {
+            request: model::check(request, grants.model)?,
+        })),
         _ => Err(EffectError::Denied(format!("unknown effect provider {name:?}"))),
     }
 }
 
 /// Performs a remote effect. Dropping the future aborts the request (a
 /// courtesy; the ledger's `started` row is what makes it safe).
-pub async fn perform_remote(remote: Remote, ctx: &RemoteCtx) -> Result<String, EffectError> {
+/// `sink` receives streamed deltas (`model.chat`).
+pub async fn perform_remote(
+    remote: Remote,
+    ctx: &RemoteCtx,
+    model: Option<&model::ModelConfig>,
+    sink: &mut impl model::DeltaSink,
+) -> Result<String, EffectError> {
     match remote {
         Remote::Http { name, request, .. } => http::perform(name, request, ctx).await,
+        Remote::Chat { request } => match model {
+            Some(config) => model::perform(request, config, ctx, sink).await,
+            None => Err(EffectError::Denied("model.chat: no model endpoint is configured".into())),
+        },
     }
 }

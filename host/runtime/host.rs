@@ -9,12 +9,14 @@
 //! [`SegmentState::interrupt`] and traps; the executor reads the reason.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use sha2::{Digest, Sha256};
 use wasmtime::component::{HasSelf, Linker, ResourceTable};
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 
+use crate::effects::model::{DeltaSink, ModelConfig};
 use crate::effects::{self, Effect};
 use crate::executor::GuestErrorKind;
 use crate::ledger::{Completion, EffectCall, LocalOp};
@@ -39,6 +41,8 @@ pub enum Interrupt {
     Sleep { delay_ms: i64 },
     /// The slice budget is used up: suspend as `waiting_takeover`.
     Slice,
+    /// The host is shutting down: suspend as `waiting_takeover`.
+    Shutdown,
     /// A guarded write failed: stop, write nothing else.
     LeaseLost,
     /// A recorded call differs from the one the turn now makes.
@@ -91,16 +95,14 @@ pub struct SegmentState {
     /// The plugin name: the kv namespace.
     namespace: String,
     limits: Limits,
+    model: Option<Arc<ModelConfig>>,
     /// Ledger rows recorded before this segment, by seq.
     recorded: HashMap<i64, EffectRow>,
     next_seq: i64,
     /// Input delivered to the run and not yet consumed by a `wait-input`.
     pending_input: Option<String>,
-    /// The guest's emit position, and the run's at segment start: positions
-    /// below the latter are already in the stream and are not written again.
-    emit_pos: i64,
-    recorded_emit_pos: i64,
-    emitted_bytes: usize,
+    /// The turn's output stream (`emit` and `model.chat` deltas).
+    stream: Stream,
     host_calls: u64,
     /// Ledger rows this segment wrote (progress).
     pub(crate) new_rows: u64,
@@ -113,6 +115,8 @@ pub struct SegmentInit {
     pub lease: Lease,
     pub namespace: String,
     pub limits: Limits,
+    /// The host's `model.chat` endpoint, if any.
+    pub model: Option<Arc<ModelConfig>>,
     pub recorded: Vec<EffectRow>,
     pub pending_input: Option<String>,
     pub recorded_emit_pos: i64,
@@ -138,16 +142,23 @@ impl SegmentState {
                 max_memory: init.limits.max_memory_bytes,
                 memory_refused: false,
             },
+            stream: Stream {
+                db: init.db.clone(),
+                lease: init.lease.clone(),
+                pos: 0,
+                recorded: init.recorded_emit_pos,
+                bytes: 0,
+                cap: init.limits.max_emit_bytes,
+                stopped: None,
+            },
             db: init.db,
             lease: init.lease,
             namespace: init.namespace,
             limits: init.limits,
+            model: init.model,
             recorded: init.recorded.into_iter().map(|r| (r.seq, r)).collect(),
             next_seq: 0,
             pending_input: init.pending_input,
-            emit_pos: 0,
-            recorded_emit_pos: init.recorded_emit_pos,
-            emitted_bytes: 0,
             host_calls: 0,
             new_rows: 0,
             interrupt: None,
@@ -185,7 +196,7 @@ impl SegmentState {
             seq,
             name: name.to_string(),
             request_hash: request_hash(name, request),
-            emit_pos: self.emit_pos,
+            emit_pos: self.stream.pos,
         }
     }
 
@@ -251,7 +262,14 @@ impl SegmentState {
                     fence: self.lease.fence,
                     max_result_bytes: self.limits.max_effect_bytes,
                 };
-                let outcome = effects::perform_remote(remote, &ctx).await;
+                let outcome =
+                    effects::perform_remote(remote, &ctx, self.model.as_deref(), &mut self.stream).await;
+                if let Some(why) = self.stream.stopped.take() {
+                    // The lease is lost or the emit cap is reached mid-call:
+                    // stop without recording an outcome. The `started` row
+                    // stays, so a keyed call is re-issued on resume.
+                    return self.stop(why);
+                }
                 let completion = match &outcome {
                     Ok(result) => Completion::Committed(result.clone()),
                     Err(error) => Completion::Failed(encode_error(error)),
@@ -271,6 +289,7 @@ impl SegmentState {
         effects::Grants {
             namespace: &self.namespace,
             http_allow: &self.limits.http_allow,
+            model: self.model.as_deref(),
         }
     }
 
@@ -292,7 +311,17 @@ impl leasehold::turn::host::Host for SegmentState {
         let call = self.call(&name, &request);
         if let Some(row) = self.replayed(&call)? {
             return match (row.state, row.class) {
-                (EffectState::Committed, _) => Ok(Ok(row.result.unwrap_or_default())),
+                (EffectState::Committed, _) => {
+                    let result = row.result.unwrap_or_default();
+                    if name == "model.chat" {
+                        // Its deltas are already in the stream: move the
+                        // position past them.
+                        let (deltas, bytes) = effects::model::recorded_deltas(&result);
+                        self.stream.pos += deltas;
+                        self.stream.bytes += bytes;
+                    }
+                    Ok(Ok(result))
+                }
                 (EffectState::Failed, _) => Ok(Err(decode_error(row.result.as_deref().unwrap_or("")))),
                 (EffectState::InDoubt | EffectState::Started, EffectClass::Keyed) => {
                     // Re-issued with the same idempotency key: the remote
@@ -325,21 +354,11 @@ impl leasehold::turn::host::Host for SegmentState {
 
     async fn emit(&mut self, delta: String) -> wasmtime::Result<()> {
         self.charge()?;
-        let pos = self.emit_pos;
-        self.emit_pos += 1;
-        self.emitted_bytes += delta.len();
-        if self.emitted_bytes > self.limits.max_emit_bytes {
-            let message = format!("emitted more than {} bytes", self.limits.max_emit_bytes);
-            return self.stop(Interrupt::Limit { kind: GuestErrorKind::OutputTooLarge, message });
+        if self.stream.delta(delta).await.is_err() {
+            let why = self.stream.stopped.take().unwrap_or(Interrupt::LeaseLost);
+            return self.stop(why);
         }
-        if pos < self.recorded_emit_pos {
-            return Ok(()); // already in the stream
-        }
-        let (db, lease) = (self.db.clone(), self.lease.clone());
-        match detached(async move { db.emit(&lease, &delta).await }).await {
-            Ok(_) => Ok(()),
-            Err(e) => self.store_failed(e),
-        }
+        Ok(())
     }
 
     async fn wait_input(&mut self, prompt: String) -> wasmtime::Result<String> {
@@ -406,6 +425,48 @@ impl WasiView for SegmentState {
         WasiCtxView {
             ctx: &mut self.wasi,
             table: &mut self.table,
+        }
+    }
+}
+
+/// The turn's output stream. Each delta has a position; positions below
+/// `recorded` (the run's `emit_pos` at segment start) are already in the
+/// stream from an earlier segment and are not written again.
+struct Stream {
+    db: Store,
+    lease: Lease,
+    pos: i64,
+    recorded: i64,
+    bytes: usize,
+    cap: usize,
+    /// Why the last delta was refused.
+    stopped: Option<Interrupt>,
+}
+
+impl DeltaSink for Stream {
+    async fn delta(&mut self, text: String) -> Result<(), ()> {
+        let pos = self.pos;
+        self.pos += 1;
+        self.bytes += text.len();
+        if self.bytes > self.cap {
+            let message = format!("emitted more than {} bytes", self.cap);
+            self.stopped = Some(Interrupt::Limit { kind: GuestErrorKind::OutputTooLarge, message });
+            return Err(());
+        }
+        if pos < self.recorded {
+            return Ok(()); // already in the stream
+        }
+        let (db, lease) = (self.db.clone(), self.lease.clone());
+        match detached(async move { db.emit(&lease, &text).await }).await {
+            Ok(_) => Ok(()),
+            Err(StoreError::LeaseLost(_)) => {
+                self.stopped = Some(Interrupt::LeaseLost);
+                Err(())
+            }
+            Err(e) => {
+                self.stopped = Some(Interrupt::Store(e.to_string()));
+                Err(())
+            }
         }
     }
 }

@@ -75,6 +75,9 @@ pub struct RuntimeConfig {
     /// ceiling of any plugin's `max_memory_bytes`. Default: 1 GiB of
     /// (virtual, lazily committed) address space.
     pub pool_max_memory_bytes: usize,
+    /// The limits of a plugin registered without its own. Default:
+    /// [`Limits::default`].
+    pub default_limits: Limits,
 }
 
 impl Default for RuntimeConfig {
@@ -83,6 +86,7 @@ impl Default for RuntimeConfig {
             cache_dir: std::env::temp_dir().join("leasehold-cache"),
             max_instances: 64,
             pool_max_memory_bytes: 1 << 30,
+            default_limits: Limits::default(),
         }
     }
 }
@@ -115,16 +119,23 @@ pub struct Runtime {
     linker: Linker<SegmentState>,
     cache: cache::Cache,
     plugins: RwLock<HashMap<String, Arc<Plugin>>>,
+    default_limits: Limits,
     _ticker: Ticker,
 }
 
 impl Runtime {
     pub fn new(config: RuntimeConfig) -> anyhow::Result<Runtime> {
         let mut pool = PoolingAllocationConfig::default();
+        // Per component instance: a Rust or C guest is 1 to 4 core instances
+        // with one memory; componentize-py's Python guest is 38 core
+        // instances with 10 memories. The totals leave room for that.
         pool.total_component_instances(config.max_instances)
-            .total_core_instances(config.max_instances * 4)
-            .total_memories(config.max_instances * 2)
-            .total_tables(config.max_instances * 4)
+            .max_core_instances_per_component(64)
+            .max_memories_per_component(16)
+            .max_tables_per_component(64)
+            .total_core_instances(config.max_instances * 48)
+            .total_memories(config.max_instances * 12)
+            .total_tables(config.max_instances * 48)
             .max_memory_size(config.pool_max_memory_bytes)
             .total_stacks(config.max_instances);
         let mut wasm = Config::new();
@@ -143,8 +154,13 @@ impl Runtime {
             linker,
             cache,
             plugins: RwLock::new(HashMap::new()),
+            default_limits: config.default_limits.clone(),
             _ticker: ticker,
         })
+    }
+
+    pub fn default_limits(&self) -> &Limits {
+        &self.default_limits
     }
 
     pub fn engine(&self) -> &Engine {
@@ -200,6 +216,27 @@ impl Runtime {
         let mut all: Vec<_> = self.plugins.read().expect("plugin registry lock").values().cloned().collect();
         all.sort_by(|a, b| a.name.cmp(&b.name));
         all
+    }
+
+    /// Instantiates `plugin` and calls `run(input)` once, with no lease
+    /// renewal and no slice deadline: for benches of the bare guest path
+    /// (the executor adds renewal and deadlines around the same calls).
+    #[doc(hidden)]
+    pub async fn call_bare(
+        &self,
+        plugin: &Plugin,
+        init: host::SegmentInit,
+        input: &str,
+    ) -> (wasmtime::Result<Result<String, String>>, SegmentState) {
+        let mut store = wasmtime::Store::new(&self.engine, SegmentState::new(init));
+        store.limiter(|s| &mut s.limiter);
+        store.set_epoch_deadline(u64::MAX / 2);
+        let result = async {
+            let turn = plugin.pre.instantiate_async(&mut store).await?;
+            turn.call_run(&mut store, input).await
+        }
+        .await;
+        (result, store.into_data())
     }
 
     /// Compiles `bytes` without caching; for benches that measure compilation.

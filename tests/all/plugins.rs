@@ -35,10 +35,24 @@ pub fn rust_plugin(name: &str) -> Result<Vec<u8>> {
             String::from_utf8_lossy(&out.stderr)
         );
     }
-    let path: PathBuf = target_dir.join("wasm32-wasip2/release").join(format!("{name}.wasm"));
+    let file = format!("{}.wasm", name.replace('-', "_"));
+    let path: PathBuf = target_dir.join("wasm32-wasip2/release").join(file);
     let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
     built.push((name.to_string(), bytes.clone()));
     Ok(bytes)
+}
+
+/// An example agent component: `agent-rust` is built here; the others
+/// (`agent-py`, `agent-js`, `agent-c`) by `scripts/build-plugins`, which
+/// `scripts/test` runs first, into `target/plugins/<name>.wasm`.
+pub fn example_plugin(name: &str) -> Result<Vec<u8>> {
+    if name == "agent-rust" {
+        return rust_plugin(name);
+    }
+    let path = root().join("target/plugins").join(format!("{name}.wasm"));
+    std::fs::read(&path).with_context(|| {
+        format!("reading {}: build the example plugins first with ./scripts/build-plugins", path.display())
+    })
 }
 
 /// A runtime sized for tests, sharing one compiled-component cache.
@@ -49,6 +63,7 @@ pub fn runtime() -> Result<Arc<Runtime>> {
         cache_dir,
         max_instances: 8,
         pool_max_memory_bytes: 256 << 20,
+        ..RuntimeConfig::default()
     })?))
 }
 

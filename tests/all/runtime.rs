@@ -20,7 +20,7 @@ fn setup(db: &TestDb) -> Result<(Arc<Runtime>, Executor)> {
 }
 
 fn worker(owner: &str) -> ExecutorConfig {
-    ExecutorConfig { owner: owner.into(), lease_ttl: Duration::from_secs(30), renew_every: None }
+    ExecutorConfig { owner: owner.into(), lease_ttl: Duration::from_secs(30), renew_every: None, model: None }
 }
 
 async fn submit(store: &Store, input: serde_json::Value) -> Result<i64> {
@@ -177,7 +177,7 @@ both! {
         runtime.add_plugin("testkit", &plugins::rust_plugin("testkit")?, limits)?;
         // A 300 ms lease that is never renewed in time: the guest must be
         // stopped at the lease deadline, before its effect.
-        let config = ExecutorConfig { owner: "slow".into(), lease_ttl: Duration::from_millis(300), renew_every: Some(Duration::from_secs(60)) };
+        let config = ExecutorConfig { owner: "slow".into(), lease_ttl: Duration::from_millis(300), renew_every: Some(Duration::from_secs(60)), model: None };
         let exec = Executor::new(db.store.clone(), runtime, config);
         let id = submit(&db.store, serde_json::json!({ "mode": "spin-then-put" })).await?;
         let out = exec.run_once().await?;
@@ -200,6 +200,7 @@ fn runtimes_compiling_the_same_component_at_once_both_load_it() -> Result<()> {
         cache_dir: dir.path().to_path_buf(),
         max_instances: 1,
         pool_max_memory_bytes: 64 << 20,
+        ..Default::default()
     };
     const THREADS: usize = 8;
     let start = std::sync::Barrier::new(THREADS);

@@ -11,6 +11,7 @@
 //!   the result, or `"in-doubt: …"` when the host reports it in doubt.
 //! * `http-steps`: `steps` times, POSTs `{"step": i}` to `url` with `http`
 //!   then emits `"step <i> "`; returns `"did <n> http steps"`.
+//! * `calls`: makes `n` `log` calls at trace level (host-call overhead).
 //! * hostile: `loop` (never returns), `oom` (allocates without bound),
 //!   `emit-bomb` (emits 1 MiB chunks forever), `trap` (unreachable),
 //!   `big-output` (returns 2 MiB), `fail` (returns an error).
@@ -43,6 +44,13 @@ impl Guest for Testkit {
                     emit(&format!("step {i} "));
                 }
                 Ok(format!("did {n} steps"))
+            }
+            "calls" => {
+                let n = v["n"].as_u64().unwrap_or(0);
+                for _ in 0..n {
+                    leasehold::turn::host::log(0, "");
+                }
+                Ok(format!("made {n} calls"))
             }
             "wait" => {
                 let name = wait_input("What is your name?");

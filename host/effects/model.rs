@@ -1,0 +1,219 @@
+//! `model.chat`: an OpenAI-compatible chat completion
+//! (`POST {base_url}/chat/completions` with `"stream": true`). Its deltas are
+//! mirrored into the turn's `emit` stream as they arrive, which also
+//! refreshes the heartbeat.
+//!
+//! Request (JSON): an OpenAI chat request; `messages` is required, `model`
+//! defaults to the host's configured model, and every other field
+//! (`temperature`, `max_tokens`, `tools`, …) is passed through. `stream` is
+//! always set to `true`. Result:
+//! `{"content": "<the whole text>", "finish_reason": "stop", "model": "…", "deltas": N}`,
+//! where `deltas` is how many emits the call made (the host uses it to keep
+//! stream positions right on replay).
+//!
+//! Class: keyed. A chat has no side effect beyond its cost, so a call whose
+//! segment died is re-issued (with the same `Idempotency-Key`, for gateways
+//! that deduplicate); the half-streamed text of the dead segment is
+//! retracted from the thread log first (DESIGN.md §4).
+
+use std::time::Duration;
+
+use serde_json::{Map, Value};
+
+use super::RemoteCtx;
+use crate::runtime::host::EffectError;
+
+/// Where `model.chat` goes. Every field documents its default.
+#[derive(Debug, Clone)]
+pub struct ModelConfig {
+    /// The API base, up to and including `/v1`, e.g.
+    /// `http://127.0.0.1:11434/v1`. No default: without it `model.chat` is
+    /// `denied`. Env: `LEASEHOLD_MODEL_BASE_URL`.
+    pub base_url: String,
+    /// Sent as `Authorization: Bearer …` when set. Env:
+    /// `LEASEHOLD_MODEL_API_KEY`, else `OPENAI_API_KEY`. Default: none.
+    pub api_key: Option<String>,
+    /// Used when a request names no `model`. Env: `LEASEHOLD_MODEL`.
+    /// Default: `gpt-4o-mini`.
+    pub default_model: String,
+    /// The whole call, first byte to last. Default: 120 s.
+    pub timeout: Duration,
+}
+
+impl ModelConfig {
+    /// The configuration from the environment, if a base URL is set there.
+    pub fn from_env() -> Option<ModelConfig> {
+        let base_url = std::env::var("LEASEHOLD_MODEL_BASE_URL").ok().filter(|s| !s.is_empty())?;
+        Some(ModelConfig::new(base_url))
+    }
+
+    /// A configuration for `base_url` with the other fields from the
+    /// environment or their defaults.
+    pub fn new(base_url: impl Into<String>) -> ModelConfig {
+        let env = |k: &str| std::env::var(k).ok().filter(|s| !s.is_empty());
+        ModelConfig {
+            base_url: base_url.into(),
+            api_key: env("LEASEHOLD_MODEL_API_KEY").or_else(|| env("OPENAI_API_KEY")),
+            default_model: env("LEASEHOLD_MODEL").unwrap_or_else(|| "gpt-4o-mini".to_string()),
+            timeout: Duration::from_secs(120),
+        }
+    }
+}
+
+/// A checked chat request: the JSON body to send.
+#[derive(Debug)]
+pub struct ChatRequest {
+    body: Map<String, Value>,
+}
+
+/// Parses and checks a request. `Err` is a recorded refusal.
+pub fn check(request: &str, config: Option<&ModelConfig>) -> Result<ChatRequest, EffectError> {
+    let Some(config) = config else {
+        return Err(EffectError::Denied(
+            "model.chat: no model endpoint is configured on this host \
+             (set --model-base-url or LEASEHOLD_MODEL_BASE_URL)"
+                .to_string(),
+        ));
+    };
+    let bad = |m: &str| EffectError::Failed(format!("model.chat: bad request: {m}"));
+    let mut body = match serde_json::from_str::<Value>(request) {
+        Ok(Value::Object(map)) => map,
+        Ok(_) => return Err(bad("expected a JSON object")),
+        Err(e) => return Err(bad(&e.to_string())),
+    };
+    match body.get("messages") {
+        Some(Value::Array(m)) if !m.is_empty() => {}
+        _ => return Err(bad("`messages` must be a non-empty array")),
+    }
+    body.entry("model").or_insert_with(|| Value::String(config.default_model.clone()));
+    body.insert("stream".into(), Value::Bool(true));
+    Ok(ChatRequest { body })
+}
+
+/// Receives the deltas of a streaming call as they arrive. `Err` stops the
+/// call at once (the lease is lost, or the emit cap is reached); the reason
+/// is kept by the sink.
+pub trait DeltaSink: Send {
+    fn delta(&mut self, text: String) -> impl std::future::Future<Output = Result<(), ()>> + Send;
+}
+
+/// What a finished call produced.
+#[derive(Debug, Default)]
+struct Reply {
+    content: String,
+    finish_reason: Option<String>,
+    model: Option<String>,
+    deltas: u64,
+}
+
+pub async fn perform(
+    req: ChatRequest,
+    config: &ModelConfig,
+    ctx: &RemoteCtx,
+    sink: &mut impl DeltaSink,
+) -> Result<String, EffectError> {
+    let failed = |m: String| EffectError::Failed(format!("model.chat: {m}"));
+    let url = format!("{}/chat/completions", config.base_url.trim_end_matches('/'));
+    let mut builder = super::http::client()
+        .post(&url)
+        .timeout(config.timeout)
+        .header("Content-Type", "application/json")
+        .header("Accept", "text/event-stream")
+        .header("Idempotency-Key", ctx.idempotency_key())
+        .header("Leasehold-Fence", ctx.fence.to_string())
+        .body(Value::Object(req.body).to_string());
+    if let Some(key) = &config.api_key {
+        builder = builder.bearer_auth(key);
+    }
+    let mut response = builder.send().await.map_err(|e| failed(format!("request to {url} failed: {e}")))?;
+    let status = response.status().as_u16();
+    let streaming = response
+        .headers()
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/event-stream"));
+    let mut reply = Reply::default();
+    let mut buf: Vec<u8> = Vec::new();
+    let mut body_len = 0usize;
+    let mut done = false;
+    while !done {
+        let Some(chunk) = response.chunk().await.map_err(|e| failed(format!("reading the response: {e}")))? else {
+            break;
+        };
+        body_len += chunk.len();
+        if body_len > ctx.max_result_bytes.saturating_mul(4) || reply.content.len() > ctx.max_result_bytes {
+            return Err(failed(format!("response is over the {}-byte cap", ctx.max_result_bytes)));
+        }
+        buf.extend_from_slice(&chunk);
+        if status >= 400 || !streaming {
+            continue; // read whole below
+        }
+        // Server-sent events: one `data: …` line per chunk of the answer.
+        while let Some(nl) = buf.iter().position(|&b| b == b'\n') {
+            let line: Vec<u8> = buf.drain(..=nl).collect();
+            let line = String::from_utf8_lossy(&line);
+            let Some(data) = line.trim_end().strip_prefix("data:") else { continue };
+            let data = data.trim();
+            if data == "[DONE]" {
+                done = true;
+                break;
+            }
+            let event: Value =
+                serde_json::from_str(data).map_err(|e| failed(format!("bad stream event {data:?}: {e}")))?;
+            if let Some(err) = event.get("error") {
+                return Err(failed(format!("the model returned an error: {err}")));
+            }
+            if let Some(m) = event["model"].as_str() {
+                reply.model = Some(m.to_string());
+            }
+            let choice = &event["choices"][0];
+            if let Some(r) = choice["finish_reason"].as_str() {
+                reply.finish_reason = Some(r.to_string());
+            }
+            if let Some(text) = choice["delta"]["content"].as_str().filter(|t| !t.is_empty()) {
+                reply.content.push_str(text);
+                reply.deltas += 1;
+                if sink.delta(text.to_string()).await.is_err() {
+                    return Err(failed("stopped by the host".to_string()));
+                }
+            }
+        }
+    }
+    if status >= 400 {
+        let body = String::from_utf8_lossy(&buf);
+        let start: String = body.chars().take(300).collect();
+        return Err(failed(format!("HTTP {status} from {url}: {start}")));
+    }
+    if !streaming {
+        // A server that ignores `stream`: one JSON body, mirrored as one delta.
+        let body: Value = serde_json::from_slice(&buf).map_err(|e| failed(format!("bad response body: {e}")))?;
+        let choice = &body["choices"][0];
+        let content = choice["message"]["content"].as_str().unwrap_or_default().to_string();
+        reply.model = body["model"].as_str().map(str::to_string);
+        reply.finish_reason = choice["finish_reason"].as_str().map(str::to_string);
+        if !content.is_empty() {
+            reply.deltas = 1;
+            if sink.delta(content.clone()).await.is_err() {
+                return Err(failed("stopped by the host".to_string()));
+            }
+        }
+        reply.content = content;
+    } else if !done {
+        return Err(failed("the stream ended before `data: [DONE]`".to_string()));
+    }
+    Ok(serde_json::json!({
+        "content": reply.content,
+        "finish_reason": reply.finish_reason,
+        "model": reply.model,
+        "deltas": reply.deltas,
+    })
+    .to_string())
+}
+
+/// How many emits a recorded `model.chat` result made.
+pub fn recorded_deltas(result: &str) -> (i64, usize) {
+    let v: Value = serde_json::from_str(result).unwrap_or_default();
+    let deltas = v["deltas"].as_i64().unwrap_or(0);
+    let bytes = v["content"].as_str().map_or(0, str::len);
+    (deltas, bytes)
+}

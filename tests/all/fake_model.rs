@@ -1,0 +1,137 @@
+//! A fake OpenAI-compatible model server: answers `POST /v1/chat/completions`
+//! with a scripted answer streamed as server-sent events, records every
+//! request, and can stop mid-stream (to kill a worker while it streams).
+
+use std::sync::{Arc, Mutex};
+
+use anyhow::Result;
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::Response;
+use axum::routing::post;
+use serde_json::{Value, json};
+
+/// One request as the server saw it.
+#[derive(Debug, Clone)]
+pub struct ChatHit {
+    pub body: Value,
+    pub authorization: String,
+    pub key: String,
+    pub fence: String,
+}
+
+/// The answer to call number `n` (from 0), as the chunks to stream.
+pub type Script = Arc<dyn Fn(usize, &Value) -> Vec<String> + Send + Sync>;
+
+#[derive(Clone)]
+struct Shared {
+    hits: Arc<Mutex<Vec<ChatHit>>>,
+    script: Script,
+    /// While the gate is closed, a stream stops after this many chunks.
+    hold_after: usize,
+    open: tokio::sync::watch::Receiver<bool>,
+}
+
+pub struct FakeModel {
+    /// `http://127.0.0.1:<port>/v1`
+    pub base_url: String,
+    hits: Arc<Mutex<Vec<ChatHit>>>,
+    gate: tokio::sync::watch::Sender<bool>,
+    server: tokio::task::JoinHandle<()>,
+}
+
+/// Answers `echo: <the last message>` in three chunks.
+pub fn echo() -> Script {
+    Arc::new(|_, body: &Value| {
+        let said = body["messages"].as_array().and_then(|m| m.last()).map_or("", |m| {
+            m["content"].as_str().unwrap_or_default()
+        });
+        let answer = format!("echo: {said}");
+        let (a, b) = answer.split_at(answer.len() / 2);
+        vec!["".to_string(), a.to_string(), b.to_string()]
+    })
+}
+
+impl FakeModel {
+    pub async fn start(script: Script) -> Result<FakeModel> {
+        FakeModel::start_holding(script, usize::MAX).await
+    }
+
+    /// While [`FakeModel::hold`] is on, each stream pauses after
+    /// `hold_after` chunks.
+    pub async fn start_holding(script: Script, hold_after: usize) -> Result<FakeModel> {
+        let hits = Arc::new(Mutex::new(Vec::new()));
+        let (gate, open) = tokio::sync::watch::channel(true);
+        let app = axum::Router::new()
+            .route("/v1/chat/completions", post(chat))
+            .with_state(Shared { hits: hits.clone(), script, hold_after, open });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let base_url = format!("http://{}/v1", listener.local_addr()?);
+        let server = tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        Ok(FakeModel { base_url, hits, gate, server })
+    }
+
+    pub fn hold(&self, held: bool) {
+        let _ = self.gate.send(!held);
+    }
+
+    pub fn hits(&self) -> Vec<ChatHit> {
+        self.hits.lock().unwrap().clone()
+    }
+}
+
+impl Drop for FakeModel {
+    fn drop(&mut self) {
+        self.server.abort();
+    }
+}
+
+fn event(data: Value) -> Result<axum::body::Bytes, std::convert::Infallible> {
+    Ok(format!("data: {data}\n\n").into())
+}
+
+async fn chat(State(s): State<Shared>, headers: HeaderMap, body: String) -> Response {
+    let get = |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
+    let body: Value = serde_json::from_str(&body).unwrap_or_default();
+    let n = {
+        let mut hits = s.hits.lock().unwrap();
+        hits.push(ChatHit {
+            body: body.clone(),
+            authorization: get("authorization"),
+            key: get("idempotency-key"),
+            fence: get("leasehold-fence"),
+        });
+        hits.len() - 1
+    };
+    let chunks = (s.script)(n, &body);
+    let model = body["model"].clone();
+    let stream = futures::stream::unfold(0usize, move |i| {
+        let (chunks, model, mut open, hold_after) = (chunks.clone(), model.clone(), s.open.clone(), s.hold_after);
+        async move {
+            if i == hold_after {
+                let _ = open.wait_for(|open| *open).await;
+            }
+            let chunk = |delta: Value, finish: Value| {
+                event(json!({
+                    "id": "chatcmpl-fake", "object": "chat.completion.chunk", "model": model,
+                    "choices": [{ "index": 0, "delta": delta, "finish_reason": finish }],
+                }))
+            };
+            match i.cmp(&chunks.len()) {
+                std::cmp::Ordering::Less => {
+                    Some((chunk(json!({ "content": chunks[i] }), Value::Null), i + 1))
+                }
+                std::cmp::Ordering::Equal => Some((chunk(json!({}), json!("stop")), i + 1)),
+                _ if i == chunks.len() + 1 => Some((Ok("data: [DONE]\n\n".into()), i + 1)),
+                _ => None,
+            }
+        }
+    });
+    Response::builder()
+        .header("content-type", "text/event-stream")
+        .body(Body::from_stream(stream))
+        .unwrap()
+}

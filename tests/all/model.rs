@@ -1,0 +1,194 @@
+//! `model.chat` and the example agents: a streamed answer mirrored into the
+//! run's output, a tool call, a kv note and a question to the user; and the
+//! stream cut (`retract`) after a worker dies mid-answer. The model is a
+//! fake OpenAI-compatible server started by each test.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result, ensure};
+use leasehold::effects::model::ModelConfig;
+use leasehold::events::replay_stream;
+use leasehold::executor::{Executor, ExecutorConfig, SegmentOutcome};
+use leasehold::runtime::Runtime;
+use leasehold::store::{NewRun, RunStatus, Store};
+use serde_json::{Value, json};
+
+use crate::fake_model::{FakeModel, echo};
+use crate::harness::{TestDb, both};
+use crate::plugins;
+use crate::sink::Sink;
+
+fn runtime_with(names: &[&str]) -> Result<Arc<Runtime>> {
+    let rt = plugins::runtime()?;
+    for name in names {
+        let mut limits = plugins::test_limits();
+        limits.http_allow = vec!["127.0.0.1".into()];
+        limits.max_memory_bytes = 128 << 20; // Python and JS guests
+        limits.segment_budget = Duration::from_secs(20);
+        rt.add_plugin(name, &plugins::example_plugin(name)?, limits)?;
+    }
+    Ok(rt)
+}
+
+fn worker(db: &TestDb, rt: &Arc<Runtime>, owner: &str, model: &FakeModel) -> Executor {
+    let mut config = ModelConfig::new(&model.base_url);
+    config.api_key = Some("sk-test".into());
+    config.default_model = "fake-1".into();
+    config.timeout = Duration::from_secs(20);
+    let config = ExecutorConfig {
+        owner: owner.into(),
+        lease_ttl: Duration::from_secs(30),
+        renew_every: None,
+        model: Some(Arc::new(config)),
+    };
+    Executor::new(db.store.clone(), rt.clone(), config)
+}
+
+async fn submit(store: &Store, plugin: &str, input: Value) -> Result<i64> {
+    Ok(store.create_run(&NewRun::new(plugin, input.to_string())).await?.0.id)
+}
+
+async fn note(store: &Store, plugin: &str) -> Result<Option<String>> {
+    Ok(sqlx::query_scalar("SELECT value FROM kv WHERE namespace = $1 AND key = 'note'")
+        .bind(plugin)
+        .fetch_optional(store.pool())
+        .await?)
+}
+
+/// What a reader of the thread log sees once it applies `retract` events.
+async fn streamed(store: &Store, run_id: i64) -> Result<String> {
+    let events = store.run_events(run_id).await?;
+    Ok(replay_stream(events.iter().map(|e| (e.kind.as_str(), e.payload.as_str()))).concat())
+}
+
+/// The behaviour every example agent must have, in any language: ask the
+/// model, call the tool, store a note, ask the user, answer.
+async fn agent_behaviour(db: &TestDb, plugin: &str) -> Result<()> {
+    let rt = runtime_with(&[plugin])?;
+    let (model, tool) = (FakeModel::start(echo()).await?, Sink::start().await?);
+    let exec = worker(db, &rt, "worker-a", &model);
+    let input = json!({ "prompt": "say \"hi\"\n", "tool_url": tool.url, "ask": true });
+    let id = submit(&db.store, plugin, input).await?;
+
+    let first = exec.run_once().await?;
+    ensure!(
+        first == Some((id, SegmentOutcome::Suspended(RunStatus::WaitingInput))),
+        "{plugin}: {first:?}: {:?}",
+        db.store.get_run(id).await?.error
+    );
+    let run = db.store.get_run(id).await?;
+    ensure!(run.partial == "echo: say \"hi\"\n", "{plugin}: streamed {:?}", run.partial);
+    db.store.deliver_input(id, "thanks").await?;
+    let second = exec.run_once().await?;
+    ensure!(second == Some((id, SegmentOutcome::Completed)), "{plugin}: {second:?} {:?}", db.store.get_run(id).await?.error);
+
+    let run = db.store.get_run(id).await?;
+    let output: Value = serde_json::from_str(run.output.as_deref().unwrap_or_default())
+        .with_context(|| format!("{plugin}: output {:?}", run.output))?;
+    ensure!(
+        output == json!({ "message": "echo: say \"hi\"\n\ntool: applied\nyou: thanks" }),
+        "{plugin}: output {output}"
+    );
+    ensure!(run.partial == "echo: say \"hi\"\n", "{plugin}: replay streamed again: {:?}", run.partial);
+    ensure!(streamed(&db.store, id).await? == run.partial, "{plugin}: thread log differs from partial");
+    ensure!(note(&db.store, plugin).await?.as_deref() == Some("\"applied\""), "{plugin}: note");
+
+    // Replay performed nothing twice.
+    let chats = model.hits();
+    ensure!(chats.len() == 1, "{plugin}: model called {} times", chats.len());
+    ensure!(chats[0].body["stream"] == json!(true) && chats[0].body["model"] == json!("fake-1"), "{:?}", chats[0].body);
+    ensure!(chats[0].authorization == "Bearer sk-test" && chats[0].key == format!("{id}:0"), "{:?}", chats[0]);
+    let tools = tool.hits();
+    ensure!(tools.len() == 1 && tools[0].key == format!("{id}:1"), "{plugin}: tool hits {tools:?}");
+    Ok(())
+}
+
+both! {
+    async fn a_rust_agent_streams_the_model_answer_calls_its_tool_and_asks_the_user(db) {
+        agent_behaviour(db, "agent-rust").await
+    }
+
+    async fn a_python_agent_behaves_like_the_rust_one(db) {
+        agent_behaviour(db, "agent-py").await
+    }
+
+    async fn a_javascript_agent_behaves_like_the_rust_one(db) {
+        agent_behaviour(db, "agent-js").await
+    }
+
+    async fn a_c_agent_behaves_like_the_rust_one(db) {
+        agent_behaviour(db, "agent-c").await
+    }
+
+    async fn a_worker_dying_mid_answer_has_its_half_answer_retracted(db) {
+        let rt = runtime_with(&["agent-rust"])?;
+        // The dead segment streams two chunks of one answer; the re-issued
+        // call (same idempotency key) streams another.
+        let script: crate::fake_model::Script = Arc::new(|n, _| {
+            let words: &[&str] = if n == 0 { &["dead ", "half ", "answer"] } else { &["the ", "whole ", "answer"] };
+            words.iter().map(|w| w.to_string()).collect()
+        });
+        let (model, tool) = (FakeModel::start_holding(script, 2).await?, Sink::start().await?);
+        model.hold(true);
+        let input = json!({ "prompt": "go", "tool_url": tool.url });
+        let id = submit(&db.store, "agent-rust", input).await?;
+        let a = worker(db, &rt, "worker-a", &model);
+        let task = tokio::spawn(async move { a.run_once().await });
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while db.store.get_run(id).await?.emit_pos < 2 {
+            ensure!(std::time::Instant::now() < deadline && !task.is_finished(), "A never streamed");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        task.abort();
+        let _ = task.await;
+        ensure!(db.store.get_run(id).await?.partial == "dead half ");
+        model.hold(false);
+        db.backdate_lease(id, 60_000).await?;
+        let done = worker(db, &rt, "worker-b", &model).drain().await?;
+        ensure!(done == vec![(id, SegmentOutcome::Completed)], "{done:?}");
+
+        let run = db.store.get_run(id).await?;
+        ensure!(run.partial == "the whole answer", "partial {:?}", run.partial);
+        ensure!(streamed(&db.store, id).await? == "the whole answer", "a reader sees a half answer");
+        let events = db.store.run_events(id).await?;
+        let retracts: Vec<_> = events.iter().filter(|e| e.kind == "retract").collect();
+        ensure!(retracts.len() == 1, "{events:?}");
+        let cut: Value = serde_json::from_str(&retracts[0].payload)?;
+        ensure!(cut == json!({ "from": 0, "to": 2 }) && retracts[0].fence == 2, "{cut} {:?}", retracts[0]);
+        let keys: Vec<_> = model.hits().iter().map(|h| (h.key.clone(), h.fence.clone())).collect();
+        ensure!(keys == vec![(format!("{id}:0"), "1".into()), (format!("{id}:0"), "2".into())], "{keys:?}");
+        ensure!(tool.hits().len() == 1);
+        Ok(())
+    }
+
+    async fn a_graceful_suspend_replays_a_recorded_answer_without_retracting_it(db) {
+        // After `wait-input` the stream is whole: nothing is cut, the model
+        // is not asked again, and the resumed segment does not re-stream.
+        let rt = runtime_with(&["agent-rust"])?;
+        let (model, tool) = (FakeModel::start(echo()).await?, Sink::start().await?);
+        let exec = worker(db, &rt, "worker-a", &model);
+        let id = submit(&db.store, "agent-rust", json!({ "prompt": "x", "tool_url": tool.url, "ask": true })).await?;
+        exec.run_once().await?;
+        db.store.deliver_input(id, "ok").await?;
+        exec.run_once().await?;
+        let events = db.store.run_events(id).await?;
+        ensure!(events.iter().all(|e| e.kind != "retract"), "{events:?}");
+        ensure!(events.iter().filter(|e| e.kind == "delta").count() == 2, "{events:?}");
+        Ok(())
+    }
+
+    async fn model_chat_without_a_configured_endpoint_is_denied(db) {
+        let rt = runtime_with(&["agent-rust"])?;
+        let tool = Sink::start().await?;
+        let config = ExecutorConfig { owner: "w".into(), lease_ttl: Duration::from_secs(30), renew_every: None, model: None };
+        let exec = Executor::new(db.store.clone(), rt, config);
+        let id = submit(&db.store, "agent-rust", json!({ "prompt": "x", "tool_url": tool.url })).await?;
+        exec.run_once().await?;
+        let run = db.store.get_run(id).await?;
+        let error = run.error.unwrap_or_default();
+        ensure!(run.status == RunStatus::Failed && error.contains("no model endpoint is configured"), "{error}");
+        ensure!(tool.hits().is_empty());
+        Ok(())
+    }
+}
