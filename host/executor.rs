@@ -14,9 +14,10 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use wasmtime::UpdateDeadline;
 
+use crate::effects::model::ModelConfig;
 use crate::runtime::host::{Interrupt, SegmentInit, SegmentState};
 use crate::runtime::{Plugin, Runtime};
-use crate::store::{Claimed, Lease, Outcome, RunStatus, Store, StoreError, Suspend};
+use crate::store::{Claimed, EffectState, Lease, Outcome, RunStatus, Store, StoreError, Suspend};
 
 /// Executor settings. Every field documents its default.
 #[derive(Debug, Clone)]
@@ -29,6 +30,10 @@ pub struct ExecutorConfig {
     /// How often the lease is renewed during a segment. Default: a third of
     /// `lease_ttl`.
     pub renew_every: Option<Duration>,
+    /// Where `model.chat` goes. Default: from the environment
+    /// ([`ModelConfig::from_env`]); none (so `model.chat` is `denied`) when
+    /// `LEASEHOLD_MODEL_BASE_URL` is unset.
+    pub model: Option<Arc<ModelConfig>>,
 }
 
 impl Default for ExecutorConfig {
@@ -38,6 +43,7 @@ impl Default for ExecutorConfig {
             owner: format!("{host}-{}", std::process::id()),
             lease_ttl: Duration::from_secs(30),
             renew_every: None,
+            model: ModelConfig::from_env().map(Arc::new),
         }
     }
 }
@@ -94,11 +100,29 @@ pub struct Executor {
     store: Store,
     runtime: Arc<Runtime>,
     config: ExecutorConfig,
+    stop: Arc<StopSignal>,
+}
+
+/// Tells running guests to stop at once (shutdown after the grace period).
+#[derive(Default)]
+struct StopSignal {
+    stopped: AtomicBool,
+    notify: tokio::sync::Notify,
 }
 
 impl Executor {
     pub fn new(store: Store, runtime: Arc<Runtime>, config: ExecutorConfig) -> Executor {
-        Executor { store, runtime, config }
+        Executor { store, runtime, config, stop: Arc::default() }
+    }
+
+    /// Stops every running segment of this executor at once: each suspends
+    /// its run as `waiting_takeover` (releasing the lease) so another worker
+    /// resumes it by replay. An effect in flight is dropped: its ledger row
+    /// stays `started`, as after a crash. Used at shutdown, after the grace
+    /// period. Segments started afterwards stop at their first check.
+    pub fn stop_guests(&self) {
+        self.stop.stopped.store(true, Ordering::SeqCst);
+        self.stop.notify.notify_waiters();
     }
 
     pub fn config(&self) -> &ExecutorConfig {
@@ -107,11 +131,27 @@ impl Executor {
 
     /// Claims one run and runs one segment of it. `None`: nothing to claim.
     pub async fn run_once(&self) -> Result<Option<(i64, SegmentOutcome)>, StoreError> {
-        let Some(claimed) = self.store.claim(&self.config.owner, self.config.lease_ttl).await? else {
+        let metrics = crate::metrics::global();
+        let asked = Instant::now();
+        let claimed = self.store.claim(&self.config.owner, self.config.lease_ttl).await?;
+        metrics.claim_latency.observe(asked.elapsed());
+        let Some(claimed) = claimed else {
             return Ok(None);
         };
+        metrics.claims.fetch_add(1, Ordering::Relaxed);
         let id = claimed.run.id;
-        Ok(Some((id, self.run_segment(claimed).await?)))
+        let started = Instant::now();
+        let outcome = self.run_segment(claimed).await;
+        metrics.segment_duration.observe(started.elapsed());
+        let counter = match &outcome {
+            Ok(SegmentOutcome::Completed) => &metrics.segments_completed,
+            Ok(SegmentOutcome::Failed(_)) => &metrics.segments_failed,
+            Ok(SegmentOutcome::Suspended(_)) => &metrics.segments_suspended,
+            Ok(SegmentOutcome::LeaseLost) => &metrics.leases_lost,
+            Ok(SegmentOutcome::Abandoned(_)) | Err(_) => &metrics.segments_abandoned,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        Ok(Some((id, outcome?)))
     }
 
     /// Runs segments until nothing is claimable; returns what each did.
@@ -126,9 +166,17 @@ impl Executor {
     /// Runs one segment of a run this worker has claimed.
     pub async fn run_segment(&self, claimed: Claimed) -> Result<SegmentOutcome, StoreError> {
         let Claimed { run, lease } = claimed;
-        let Some(plugin) = self.runtime.plugin(&run.plugin) else {
-            let error = format!("unknown-plugin: no plugin named {:?} on this host", run.plugin);
-            return self.finish(&lease, Outcome::Failed { error }, GuestErrorKind::UnknownPlugin).await;
+        let plugin = match crate::plugins::resolve(&self.store, &self.runtime, &run.plugin, &run.plugin_digest).await {
+            Ok(Some(plugin)) => plugin,
+            Ok(None) => {
+                let error = format!("unknown-plugin: no plugin named {:?} is registered", run.plugin);
+                return self.finish(&lease, Outcome::Failed { error }, GuestErrorKind::UnknownPlugin).await;
+            }
+            Err(crate::plugins::RegisterError::Store(e)) => return Err(e),
+            Err(e) => {
+                let error = format!("unknown-plugin: plugin {:?} could not be loaded: {e}", run.plugin);
+                return self.finish(&lease, Outcome::Failed { error }, GuestErrorKind::UnknownPlugin).await;
+            }
         };
         match self.store.reconcile(&lease).await {
             Ok(_) => {}
@@ -136,14 +184,31 @@ impl Executor {
             Err(e) => return Err(e),
         }
         let recorded = self.store.effects(run.id).await?;
+        // After a death, the stream is kept only up to the first call whose
+        // outcome was never recorded: past it, the replay may see another
+        // result (a re-issued chat, `in-doubt`) and stream something else.
+        let mut emit_pos = run.emit_pos;
+        let unsettled = recorded
+            .iter()
+            .filter(|r| matches!(r.state, EffectState::Started | EffectState::InDoubt))
+            .map(|r| r.emit_pos)
+            .min();
+        if let Some(cut) = unsettled.filter(|cut| *cut < emit_pos) {
+            emit_pos = match self.store.retract(&lease, cut).await {
+                Ok(pos) => pos,
+                Err(StoreError::LeaseLost(_)) => return Ok(SegmentOutcome::LeaseLost),
+                Err(e) => return Err(e),
+            };
+        }
         let init = SegmentInit {
             db: self.store.clone(),
             lease: lease.clone(),
             namespace: plugin.name.clone(),
             limits: plugin.limits.clone(),
+            model: self.config.model.clone(),
             recorded,
             pending_input: run.pending_input.clone(),
-            recorded_emit_pos: run.emit_pos,
+            recorded_emit_pos: emit_pos,
             created_at_ms: run.created_at,
         };
         let lease_expires_at = run.lease_expires_at.unwrap_or(0);
@@ -190,7 +255,7 @@ impl Executor {
         let mut store = wasmtime::Store::new(self.runtime.engine(), SegmentState::new(init));
         store.limiter(|s| &mut s.limiter);
         let budget = plugin.limits.segment_budget;
-        let (lost_cb, deadline_cb) = (lost.clone(), lease_deadline.clone());
+        let (lost_cb, deadline_cb, stop_cb) = (lost.clone(), lease_deadline.clone(), self.stop.clone());
         store.set_epoch_deadline(1);
         store.epoch_deadline_callback(move |mut ctx| {
             let elapsed = start.elapsed();
@@ -198,6 +263,10 @@ impl Executor {
                 || elapsed.as_millis() as i64 >= deadline_cb.load(Ordering::Relaxed);
             if lease_gone {
                 ctx.data_mut().interrupt = Some(Interrupt::LeaseLost);
+                return Ok(UpdateDeadline::Interrupt);
+            }
+            if stop_cb.stopped.load(Ordering::Relaxed) {
+                ctx.data_mut().interrupt = Some(Interrupt::Shutdown);
                 return Ok(UpdateDeadline::Interrupt);
             }
             if elapsed >= budget {
@@ -213,10 +282,23 @@ impl Executor {
         };
         // A lost lease drops the call mid-flight (an in-flight effect future
         // with it) rather than waiting for the next epoch tick.
+        let stop = self.stop.clone();
+        let stopped = async move {
+            let notified = stop.notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if !stop.stopped.load(Ordering::SeqCst) {
+                notified.await;
+            }
+        };
         let result = tokio::select! {
             r = call => r,
             _ = lost_now.notified() => {
                 store.data_mut().interrupt = Some(Interrupt::LeaseLost);
+                Err(wasmtime::Error::new(crate::runtime::host::Interrupted))
+            }
+            _ = stopped => {
+                store.data_mut().interrupt = Some(Interrupt::Shutdown);
                 Err(wasmtime::Error::new(crate::runtime::host::Interrupted))
             }
         };
@@ -267,6 +349,7 @@ impl Executor {
                     self.finish(lease, Outcome::Failed { error }, GuestErrorKind::Timeout).await
                 }
             }
+            (Err(_), Some(Interrupt::Shutdown)) => self.suspend(lease, Suspend::Takeover).await,
             (Err(_), Some(Interrupt::LeaseLost)) => Ok(SegmentOutcome::LeaseLost),
             (Err(_), Some(Interrupt::Store(e))) => Ok(SegmentOutcome::Abandoned(e)),
             (Err(_), Some(Interrupt::NonDeterminism(m))) => {
@@ -291,6 +374,7 @@ impl Executor {
 
     async fn finish(&self, lease: &Lease, outcome: Outcome, kind: GuestErrorKind) -> Result<SegmentOutcome, StoreError> {
         tracing::warn!(run_id = lease.run_id, kind = kind.as_str(), "run failed");
+        crate::metrics::global().guest_error(kind);
         self.close(lease, outcome, SegmentOutcome::Failed(kind)).await
     }
 

@@ -60,7 +60,7 @@ impl Store {
             )));
         }
         let thread_id = thread_id.as_str();
-        self.retry(|| async move {
+        let created = self.retry(|| async move {
             let mut tx = self.writer().begin().await?;
             let inserted = sqlx::query(sql!(
                 self,
@@ -93,7 +93,11 @@ impl Store {
             tx.commit().await?;
             Ok((run, true))
         })
-        .await
+        .await?;
+        if created.1 {
+            self.signal_work(true).await;
+        }
+        Ok(created)
     }
 
     /// The run with `id`.
@@ -107,6 +111,9 @@ impl Store {
     }
 
     /// Runs, newest first, optionally filtered; `before` is a cursor (an id).
+    ///
+    /// One fixed statement per combination of filters, rather than
+    /// `($1 IS NULL OR status = $1)`, so each can use its index.
     pub async fn list_runs(
         &self,
         status: Option<RunStatus>,
@@ -114,17 +121,30 @@ impl Store {
         before: Option<i64>,
         limit: i64,
     ) -> Result<Vec<Run>, StoreError> {
-        let rows = sqlx::query(sql!(
-            self,
-            "SELECT * FROM runs WHERE ($1 IS NULL OR status = $1) AND ($2 IS NULL OR plugin = $2) \
-             AND id < $3 ORDER BY id DESC LIMIT $4"
-        ))
-        .bind(status.map(|s| s.as_str()))
-        .bind(plugin)
-        .bind(before.unwrap_or(i64::MAX))
-        .bind(limit)
-        .fetch_all(self.pool())
-        .await?;
+        let before = before.unwrap_or(i64::MAX);
+        let query = match (status, plugin) {
+            (None, None) => sqlx::query(sql!(self, "SELECT * FROM runs WHERE id < $1 ORDER BY id DESC LIMIT $2")),
+            (Some(_), None) => sqlx::query(sql!(
+                self,
+                "SELECT * FROM runs WHERE id < $1 AND status = $3 ORDER BY id DESC LIMIT $2"
+            )),
+            (None, Some(_)) => sqlx::query(sql!(
+                self,
+                "SELECT * FROM runs WHERE id < $1 AND plugin = $3 ORDER BY id DESC LIMIT $2"
+            )),
+            (Some(_), Some(_)) => sqlx::query(sql!(
+                self,
+                "SELECT * FROM runs WHERE id < $1 AND status = $3 AND plugin = $4 ORDER BY id DESC LIMIT $2"
+            )),
+        };
+        let mut query = query.bind(before).bind(limit);
+        if let Some(s) = status {
+            query = query.bind(s.as_str());
+        }
+        if let Some(p) = plugin {
+            query = query.bind(p);
+        }
+        let rows = query.fetch_all(self.pool()).await?;
         rows.iter().map(Run::from_row).collect()
     }
 
@@ -223,6 +243,54 @@ impl Store {
         .await
     }
 
+    /// After a death: cuts the run's stream back to position `cut` (every
+    /// delta from `cut` on came from a dead segment after a call whose result
+    /// was never recorded, so the replay may stream something else there).
+    /// Rebuilds `partial` from the kept deltas and appends a `retract` event
+    /// `{from, to}` that voids the earlier deltas at positions `from..to`.
+    /// Returns the new `emit_pos`; a no-op when nothing is past `cut`.
+    pub async fn retract(&self, lease: &Lease, cut: i64) -> Result<i64, StoreError> {
+        self.retry(|| async move {
+            let mut tx = self.writer().begin().await?;
+            guard(self, &mut tx, lease).await?;
+            let (thread_id, emit_pos): (String, i64) =
+                sqlx::query_as(sql!(self, "SELECT thread_id, emit_pos FROM runs WHERE id = $1"))
+                    .bind(lease.run_id)
+                    .fetch_one(&mut *tx)
+                    .await?;
+            if emit_pos <= cut {
+                tx.rollback().await?;
+                return Ok(emit_pos);
+            }
+            let payloads: Vec<(String, String)> = sqlx::query_as(sql!(
+                self,
+                "SELECT kind, payload FROM events WHERE run_id = $1 AND kind IN ('delta', 'retract') ORDER BY seq"
+            ))
+            .bind(lease.run_id)
+            .fetch_all(&mut *tx)
+            .await?;
+            let kept = events::replay_stream(payloads.iter().map(|(k, p)| (k.as_str(), p.as_str())));
+            let partial: String = kept.iter().take(cut.max(0) as usize).map(String::as_str).collect();
+            sqlx::query(sql!(
+                self,
+                "UPDATE runs SET partial = $4, emit_pos = $5, updated_at = {now} \
+                 WHERE id = $1 AND lease_owner = $2 AND fence = $3 AND status = 'running'"
+            ))
+            .bind(lease.run_id)
+            .bind(&lease.owner)
+            .bind(lease.fence)
+            .bind(&partial)
+            .bind(cut)
+            .execute(&mut *tx)
+            .await?;
+            let payload = json!({ "from": cut, "to": emit_pos });
+            events::append(self, &mut tx, &thread_id, lease.run_id, lease.fence, kind::RETRACT, &payload).await?;
+            tx.commit().await?;
+            Ok(cut)
+        })
+        .await
+    }
+
     /// Statement 4: finishes the turn. Sets the final status and output (or
     /// error), appends the final `message` event and clears the lease, in one
     /// transaction.
@@ -269,7 +337,7 @@ impl Store {
             Suspend::Takeover => (RunStatus::WaitingTakeover, 0, None),
             Suspend::Sleep { delay_ms } => (RunStatus::Queued, (*delay_ms).max(0), None),
         };
-        self.retry(|| async move {
+        let status = self.retry(|| async move {
             let mut tx = self.writer().begin().await?;
             let row = sqlx::query(sql!(
                 self,
@@ -298,7 +366,11 @@ impl Store {
             tx.commit().await?;
             Ok(status)
         })
-        .await
+        .await?;
+        if status == RunStatus::WaitingTakeover {
+            self.signal_work(false).await;
+        }
+        Ok(status)
     }
 
     /// Delivers input to a `waiting_input` run, making it claimable.
@@ -307,7 +379,7 @@ impl Store {
     /// state instead (`waiting_input`, no owner, no input yet), so a second
     /// delivery is a `Conflict`, never an overwrite.
     pub async fn deliver_input(&self, run_id: i64, input: &str) -> Result<Run, StoreError> {
-        self.retry(|| async move {
+        let run = self.retry(|| async move {
             let mut tx = self.writer().begin().await?;
             let row = sqlx::query(sql!(
                 self,
@@ -339,7 +411,9 @@ impl Store {
             tx.commit().await?;
             Ok(run)
         })
-        .await
+        .await?;
+        self.signal_work(true).await;
+        Ok(run)
     }
 
     /// Statement 6: cancels a run that is not terminal. Bumps the fence, so

@@ -35,12 +35,16 @@ macro_rules! eligible_at {
     };
 }
 
+pub mod api;
 pub mod bench;
 pub mod effects;
 pub mod events;
 pub mod executor;
 pub mod lease;
 pub mod ledger;
+pub mod metrics;
+pub mod plugins;
+pub mod pool;
 pub mod reaper;
 pub mod runtime;
 pub mod store;

@@ -1,13 +1,25 @@
 //! The `leasehold` binary.
 
+mod cli;
+mod config;
+
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
+use leasehold::api::{self, ApiConfig, AppState};
 use leasehold::bench::ClaimBench;
+use leasehold::effects::model::ModelConfig;
+use leasehold::executor::{Executor, ExecutorConfig};
+use leasehold::plugins::{self, PluginSettings};
+use leasehold::pool::{PoolConfig, WorkerPool};
 use leasehold::reaper::{self, ReaperConfig};
-use leasehold::store::{RunStatus, SqliteSync, Store};
+use leasehold::runtime::{Runtime, RuntimeConfig};
+use leasehold::store::{SqliteSync, Store, StoreError};
+use tokio::sync::watch;
 
 #[derive(Parser)]
 #[command(name = "leasehold", version, about = "A WebAssembly-plugin workflow host with fenced leases")]
@@ -27,31 +39,49 @@ enum LogFormat {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Run the service: open (or create) the database, apply migrations and
-    /// run the reaper until SIGTERM or Ctrl-C.
+    /// Run the service: the HTTP API, the worker pool and the reaper, on one
+    /// database, until SIGTERM or Ctrl-C. Several hosts may share one
+    /// PostgreSQL database.
     Serve {
-        /// Database URL: sqlite://PATH (created if missing) or postgres://….
-        #[arg(long, env = "LEASEHOLD_DATABASE_URL", default_value = "sqlite://leasehold.db")]
-        database_url: String,
-        /// How often the reaper looks for expired leases, in milliseconds.
-        #[arg(long, env = "LEASEHOLD_REAPER_INTERVAL_MS", default_value_t = 5_000)]
-        reaper_interval_ms: u64,
+        /// A TOML file with any of the options below (snake_case keys);
+        /// flags and environment variables take precedence.
+        #[arg(long, env = "LEASEHOLD_CONFIG")]
+        config: Option<PathBuf>,
+        #[command(flatten)]
+        options: config::ServeOptions,
     },
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
         bench: BenchCommand,
     },
-    /// Inspect runs.
-    Runs {
-        /// Database URL.
-        #[arg(long, env = "LEASEHOLD_DATABASE_URL", default_value = "sqlite://leasehold.db")]
-        database_url: String,
-        /// Print JSON instead of a table.
-        #[arg(long)]
-        json: bool,
+    /// Register or list plugins (through the API).
+    Plugins {
+        #[command(flatten)]
+        api: cli::Api,
         #[command(subcommand)]
-        command: RunsCommand,
+        command: cli::PluginsCommand,
+    },
+    /// Submit a run (through the API).
+    Submit {
+        #[command(flatten)]
+        api: cli::Api,
+        #[command(flatten)]
+        args: cli::SubmitArgs,
+    },
+    /// Inspect, answer and cancel runs (through the API).
+    Runs {
+        #[command(flatten)]
+        api: cli::Api,
+        #[command(subcommand)]
+        command: cli::RunsCommand,
+    },
+    /// Print a thread's events; --follow streams new ones.
+    Events {
+        #[command(flatten)]
+        api: cli::Api,
+        #[command(flatten)]
+        args: cli::EventsArgs,
     },
 }
 
@@ -88,21 +118,6 @@ enum BenchCommand {
     },
 }
 
-#[derive(Subcommand)]
-enum RunsCommand {
-    /// List runs, newest first.
-    List {
-        #[arg(long)]
-        status: Option<String>,
-        #[arg(long)]
-        plugin: Option<String>,
-        #[arg(long, default_value_t = 50)]
-        limit: i64,
-    },
-    /// Show one run.
-    Show { id: i64 },
-}
-
 fn init_logs(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("LEASEHOLD_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
@@ -118,7 +133,7 @@ async fn main() -> Result<()> {
     let cli = Cli::parse();
     init_logs(cli.log_format);
     match cli.command {
-        Command::Serve { database_url, reaper_interval_ms } => serve(&database_url, reaper_interval_ms).await,
+        Command::Serve { config, options } => serve(options.resolve(config.as_deref())?).await,
         Command::Bench { bench: BenchCommand::Claim { database_url, runs, concurrency, batch, finished, synchronous, rounds, quiet } } => {
             anyhow::ensure!(runs > 0 && concurrency > 0 && batch > 0 && rounds > 0, "--runs, --concurrency, --batch and --rounds must be positive");
             let temp = database_url.is_none().then(|| {
@@ -137,7 +152,10 @@ async fn main() -> Result<()> {
             println!("{}", serde_json::to_string(&result?)?);
             Ok(())
         }
-        Command::Runs { database_url, json, command } => runs(&database_url, json, command).await,
+        Command::Plugins { api, command } => cli::plugins(&api, command).await,
+        Command::Submit { api, args } => cli::submit(&api, args).await,
+        Command::Runs { api, command } => cli::runs(&api, command).await,
+        Command::Events { api, args } => cli::events(&api, args).await,
     }
 }
 
@@ -149,32 +167,134 @@ fn remove_sqlite(path: &std::path::Path) {
     }
 }
 
-async fn serve(database_url: &str, reaper_interval_ms: u64) -> Result<()> {
-    let store = Store::connect(database_url)
+async fn serve(cfg: config::Serve) -> Result<()> {
+    let store = connect_with_retry(&cfg.database_url).await?;
+    let runtime = Arc::new(Runtime::new(RuntimeConfig {
+        cache_dir: cfg.cache_dir.clone(),
+        max_instances: cfg.max_instances,
+        ..RuntimeConfig::default()
+    })?);
+    if cfg.plugins_dir.is_dir() {
+        let settings = PluginSettings { http_allow: cfg.http_allow.clone() };
+        let loaded = plugins::load_dir(&store, &runtime, &cfg.plugins_dir, &settings)
+            .await
+            .with_context(|| format!("reading {}", cfg.plugins_dir.display()))?;
+        tracing::info!(dir = %cfg.plugins_dir.display(), plugins = ?loaded, "plugins directory loaded");
+    } else {
+        tracing::info!(dir = %cfg.plugins_dir.display(), "no plugins directory; register plugins with `leasehold plugins add`");
+    }
+    let model = cfg.model_base_url.clone().map(|url| {
+        let mut m = ModelConfig::new(url);
+        if let Some(name) = &cfg.model {
+            m.default_model = name.clone();
+        }
+        Arc::new(m)
+    });
+    if model.is_none() {
+        tracing::info!("no --model-base-url: model.chat is denied to plugins");
+    }
+    let mut exec_config = ExecutorConfig { lease_ttl: cfg.lease_ttl, model, ..ExecutorConfig::default() };
+    if let Some(owner) = &cfg.owner {
+        exec_config.owner = owner.clone();
+    }
+    let owner = exec_config.owner.clone();
+    let executor = Arc::new(Executor::new(store.clone(), runtime.clone(), exec_config));
+    let pool = WorkerPool::start(store.clone(), executor, PoolConfig { workers: cfg.workers, poll: cfg.poll });
+
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let reaper = tokio::spawn(reaper_loop(store.clone(), cfg.reaper_interval, stop_rx.clone()));
+    let state = AppState {
+        store: store.clone(),
+        runtime,
+        config: Arc::new(ApiConfig {
+            token: cfg.api_token.clone(),
+            max_body_bytes: cfg.max_body_bytes,
+            max_component_bytes: cfg.max_component_bytes,
+            request_timeout: cfg.request_timeout,
+            ..ApiConfig::default()
+        }),
+        shutdown: stop_rx.clone(),
+    };
+    let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await
-        .with_context(|| format!("opening the database {database_url}"))?;
-    tracing::info!(database = %database_url, backend = store.backend().name(), "leasehold is up");
-    tracing::warn!("no plugins yet: the Wasm runtime and the HTTP API are not built yet; running the reaper only");
-    let config = ReaperConfig::default();
-    let mut tick = tokio::time::interval(Duration::from_millis(reaper_interval_ms.max(10)));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let shutdown = shutdown_signal();
-    tokio::pin!(shutdown);
+        .with_context(|| format!("listening on {}", cfg.listen))?;
+    let mut server_stop = stop_rx.clone();
+    let server = tokio::spawn(
+        axum::serve(listener, api::router(state))
+            .with_graceful_shutdown(async move {
+                let _ = server_stop.wait_for(|s| *s).await;
+            })
+            .into_future(),
+    );
+    tracing::info!(
+        listen = %cfg.listen,
+        backend = store.backend().name(),
+        workers = cfg.workers,
+        owner = %owner,
+        auth = cfg.api_token.is_some(),
+        "leasehold is up"
+    );
+    shutdown_signal().await;
+    tracing::info!(grace = ?cfg.shutdown_grace, "shutting down: no new claims");
+    let _ = stop_tx.send(true);
+    pool.shutdown(cfg.shutdown_grace).await;
+    let _ = reaper.await;
+    match server.await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::error!(error = %e, "HTTP server error"),
+        Err(e) => tracing::error!(error = %e, "HTTP server task failed"),
+    }
+    store.shutdown().await;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// Opens the database, retrying with backoff while it is unreachable (a
+/// host may start before its database). Ctrl-C gives up.
+async fn connect_with_retry(url: &str) -> Result<Store> {
+    let mut backoff = Duration::from_millis(500);
+    let give_up = shutdown_signal();
+    tokio::pin!(give_up);
     loop {
-        tokio::select! {
-            _ = &mut shutdown => break,
-            _ = tick.tick() => {
-                if let Err(e) = reaper::tick(&store, &config).await {
-                    // A database hiccup must not take the service down; the
-                    // next tick tries again.
-                    tracing::error!(error = %e, "reaper tick failed");
+        match Store::connect(url).await {
+            Ok(store) => return Ok(store),
+            Err(e @ (StoreError::Config(_) | StoreError::Migrate(_))) => {
+                return Err(anyhow::Error::new(e).context(format!("opening the database {url}")));
+            }
+            Err(e) => {
+                tracing::warn!(database = %url, error = %e, ?backoff, "database unreachable; retrying");
+                tokio::select! {
+                    _ = tokio::time::sleep(backoff) => {}
+                    _ = &mut give_up => anyhow::bail!("interrupted while waiting for the database {url}"),
                 }
+                backoff = (backoff * 2).min(Duration::from_secs(10));
             }
         }
     }
-    tracing::info!("shutting down");
-    store.shutdown().await;
-    Ok(())
+}
+
+/// Every write of the reaper is fenced, so any number of hosts may run it.
+async fn reaper_loop(store: Store, every: Duration, mut stop: watch::Receiver<bool>) {
+    let config = ReaperConfig::default();
+    let mut tick = tokio::time::interval(every.max(Duration::from_millis(10)));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let metrics = leasehold::metrics::global();
+    loop {
+        tokio::select! {
+            _ = async { let _ = stop.wait_for(|s| *s).await; } => return,
+            _ = tick.tick() => match reaper::tick(&store, &config).await {
+                Ok(report) => {
+                    metrics.reaped_resumable.fetch_add(report.resumable.len() as u64, Ordering::Relaxed);
+                    metrics.reaped_aborted.fetch_add(report.aborted.len() as u64, Ordering::Relaxed);
+                    if !report.resumable.is_empty() || !report.aborted.is_empty() {
+                        tracing::info!(resumable = ?report.resumable, aborted = ?report.aborted, "reaped expired runs");
+                    }
+                }
+                // A database hiccup must not take the service down.
+                Err(e) => tracing::warn!(error = %e, "reaper tick failed"),
+            },
+        }
+    }
 }
 
 async fn shutdown_signal() {
@@ -190,32 +310,4 @@ async fn shutdown_signal() {
     }
     #[cfg(not(unix))]
     let _ = ctrl_c.await;
-}
-
-async fn runs(database_url: &str, json: bool, command: RunsCommand) -> Result<()> {
-    let store = Store::connect(database_url)
-        .await
-        .with_context(|| format!("opening the database {database_url}"))?;
-    match command {
-        RunsCommand::List { status, plugin, limit } => {
-            let status = status
-                .map(|s| s.parse::<RunStatus>())
-                .transpose()
-                .context("--status must be one of queued, running, waiting_input, waiting_takeover, completed, failed, aborted, cancelled")?;
-            let runs = store.list_runs(status, plugin.as_deref(), None, limit).await?;
-            if json {
-                println!("{}", serde_json::to_string_pretty(&runs)?);
-            } else {
-                println!("{:>8}  {:<16}  {:<20}  {:>5}  {:>7}  THREAD", "ID", "STATUS", "PLUGIN", "FENCE", "ATTEMPT");
-                for r in runs {
-                    println!("{:>8}  {:<16}  {:<20}  {:>5}  {:>3}/{:<3}  {}", r.id, r.status, r.plugin, r.fence, r.attempt, r.max_attempts, r.thread_id);
-                }
-            }
-        }
-        RunsCommand::Show { id } => {
-            let run = store.get_run(id).await?;
-            println!("{}", serde_json::to_string_pretty(&run)?);
-        }
-    }
-    Ok(())
 }

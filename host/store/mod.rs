@@ -172,7 +172,15 @@ pub struct Store {
     /// `pool`.
     writer: AnyPool,
     backend: Backend,
+    /// Wakes this process's idle workers when work arrives (a submit, a
+    /// delivered input, a suspended run). Other hosts on PostgreSQL hear of
+    /// it through `NOTIFY` (see [`WORK_CHANNEL`]).
+    work: std::sync::Arc<tokio::sync::Notify>,
+    url: std::sync::Arc<str>,
 }
+
+/// The PostgreSQL `LISTEN`/`NOTIFY` channel announcing new work.
+pub const WORK_CHANNEL: &str = "leasehold_work";
 
 static DRIVERS: OnceLock<()> = OnceLock::new();
 
@@ -227,7 +235,13 @@ impl Store {
                 (pool.clone(), pool)
             }
         };
-        let store = Store { pool, writer, backend };
+        let store = Store {
+            pool,
+            writer,
+            backend,
+            work: Default::default(),
+            url: url.as_str().into(),
+        };
         if opts.migrate {
             store.migrate().await?;
         }
@@ -256,6 +270,28 @@ impl Store {
     /// The pool every protocol write goes through (see [`Store`]).
     pub fn writer(&self) -> &AnyPool {
         &self.writer
+    }
+
+    /// The URL this store was opened with.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// Notified when work arrives in this process (see [`Store::signal_work`]).
+    pub fn work_signal(&self) -> &tokio::sync::Notify {
+        &self.work
+    }
+
+    /// Wakes idle workers: those of this process at once, and on PostgreSQL
+    /// those of other hosts through `NOTIFY`. Best effort: workers also poll.
+    pub async fn signal_work(&self, other_hosts: bool) {
+        self.work.notify_waiters();
+        if other_hosts && self.backend == Backend::Postgres {
+            let sent = sqlx::query("SELECT pg_notify($1, '')").bind(WORK_CHANNEL).execute(&self.pool).await;
+            if let Err(e) = sent {
+                tracing::debug!(error = %e, "NOTIFY failed; other hosts will find the work by polling");
+            }
+        }
     }
 
     /// The database's clock, in epoch milliseconds.

@@ -4,8 +4,11 @@
 mod harness;
 mod plugins;
 
+mod api;
 mod concurrency;
 mod crash;
+mod fake_model;
+mod model;
 mod conformance;
 mod interleaving;
 mod runtime;

@@ -1,0 +1,68 @@
+//! API errors: `{"error": {"code", "message"}}` with a 4xx or 5xx status.
+
+use axum::Json;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+
+use crate::plugins::RegisterError;
+use crate::runtime::PluginError;
+use crate::store::StoreError;
+
+#[derive(Debug)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub code: &'static str,
+    pub message: String,
+}
+
+impl ApiError {
+    pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> ApiError {
+        ApiError { status, code, message: message.into() }
+    }
+    pub fn bad_request(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::BAD_REQUEST, "bad_request", message)
+    }
+    pub fn not_found(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::NOT_FOUND, "not_found", message)
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        if self.status.is_server_error() {
+            tracing::error!(code = self.code, message = %self.message, "request failed");
+        }
+        let body = json!({ "error": { "code": self.code, "message": self.message } });
+        (self.status, Json(body)).into_response()
+    }
+}
+
+impl From<StoreError> for ApiError {
+    fn from(e: StoreError) -> ApiError {
+        match e {
+            StoreError::RunNotFound(_) => ApiError::not_found(e.to_string()),
+            StoreError::Conflict { .. } | StoreError::LeaseLost(_) => {
+                ApiError::new(StatusCode::CONFLICT, "conflict", e.to_string())
+            }
+            StoreError::Config(_) => ApiError::bad_request(e.to_string()),
+            // The database is down or failing: the request may be retried.
+            _ => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "database_unavailable", e.to_string()),
+        }
+    }
+}
+
+impl From<RegisterError> for ApiError {
+    fn from(e: RegisterError) -> ApiError {
+        match e {
+            RegisterError::BadName(_) => ApiError::bad_request(e.to_string()),
+            RegisterError::Plugin(PluginError::Cache(_)) => {
+                ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "cache", e.to_string())
+            }
+            RegisterError::Plugin(p) => {
+                ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_component", p.to_string())
+            }
+            RegisterError::Store(s) => s.into(),
+        }
+    }
+}

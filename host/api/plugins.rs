@@ -1,0 +1,54 @@
+//! `/v1/plugins`: register and list components.
+
+use axum::Json;
+use axum::extract::{Request, State};
+use axum::http::StatusCode;
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use super::{ApiError, AppState, Params, QueryParams, body_bytes};
+use crate::plugins::PluginSettings;
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PutQuery {
+    /// Comma-separated hosts the plugin's `http` effects may reach.
+    http_allow: Option<String>,
+}
+
+/// `PUT /v1/plugins/{name}?http_allow=host:port,…` with the component's
+/// bytes: 201 `{name, digest}`; 422 with the reason when the bytes are not a
+/// component implementing `leasehold:turn/turn`.
+pub async fn put(
+    State(s): State<AppState>,
+    Params(name): Params<String>,
+    QueryParams(q): QueryParams<PutQuery>,
+    req: Request,
+) -> Result<(StatusCode, Json<Value>), ApiError> {
+    if !crate::plugins::valid_name(&name) {
+        return Err(crate::plugins::RegisterError::BadName(name).into());
+    }
+    let bytes = body_bytes(req, &()).await?;
+    if bytes.is_empty() {
+        return Err(ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_component", "the body is empty"));
+    }
+    let http_allow: Vec<String> = q
+        .http_allow
+        .unwrap_or_default()
+        .split(',')
+        .map(str::trim)
+        .filter(|h| !h.is_empty())
+        .map(str::to_string)
+        .collect();
+    if http_allow.iter().any(|h| h.len() > 255 || h.contains(['/', '\0', ' '])) {
+        return Err(ApiError::bad_request("http_allow entries must be host or host:port"));
+    }
+    let settings = PluginSettings { http_allow };
+    let plugin = crate::plugins::register(&s.store, &s.runtime, &name, bytes.to_vec(), settings).await?;
+    tracing::info!(plugin = %name, digest = %plugin.digest, "plugin registered");
+    Ok((StatusCode::CREATED, Json(json!({ "name": name, "digest": plugin.digest }))))
+}
+
+pub async fn list(State(s): State<AppState>) -> Result<Json<Value>, ApiError> {
+    Ok(Json(json!({ "plugins": s.store.list_plugins().await? })))
+}

@@ -1,0 +1,330 @@
+//! The operator commands that talk to a running `leasehold serve` over its
+//! HTTP API: plugins, submit, runs, events. Output is a table or text for a
+//! terminal; `--json` prints the API's JSON for scripts. An API error is
+//! printed with its code and the command exits non-zero.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use serde_json::{Value, json};
+
+/// Where the API is.
+#[derive(clap::Args)]
+pub struct Api {
+    /// The service's base URL.
+    #[arg(long, env = "LEASEHOLD_SERVER", default_value = "http://127.0.0.1:8080", global = true)]
+    server: String,
+    /// Bearer token, if the service requires one.
+    #[arg(long, env = "LEASEHOLD_API_TOKEN", hide_env_values = true, global = true)]
+    token: Option<String>,
+    /// Print JSON instead of text.
+    #[arg(long, global = true)]
+    json: bool,
+}
+
+#[derive(clap::Subcommand)]
+pub enum PluginsCommand {
+    /// Register a component (a .wasm file) under NAME, replacing any earlier version.
+    Add {
+        name: String,
+        file: PathBuf,
+        /// Comma-separated hosts (host or host:port) its `http` effects may reach.
+        #[arg(long, default_value = "")]
+        http_allow: String,
+    },
+    /// List registered plugins.
+    List,
+}
+
+#[derive(clap::Args)]
+pub struct SubmitArgs {
+    /// The plugin to run.
+    plugin: String,
+    /// The input, as JSON (a bare word is sent as a JSON string). Default: null.
+    input: Option<String>,
+    /// Thread to append to. Default: a new thread.
+    #[arg(long)]
+    thread: Option<String>,
+    /// Submitting the same key again returns the same run.
+    #[arg(long)]
+    idempotency_key: Option<String>,
+    /// Failed segments allowed before the run is aborted. Default: 3.
+    #[arg(long)]
+    max_attempts: Option<i64>,
+    /// Stream the run's events until it finishes or waits for input.
+    #[arg(long)]
+    follow: bool,
+}
+
+#[derive(clap::Subcommand)]
+pub enum RunsCommand {
+    /// List runs, newest first.
+    List {
+        #[arg(long)]
+        status: Option<String>,
+        #[arg(long)]
+        plugin: Option<String>,
+        #[arg(long, default_value_t = 50)]
+        limit: i64,
+        /// Show runs older than this id (from a previous page).
+        #[arg(long)]
+        cursor: Option<i64>,
+    },
+    /// Show one run.
+    Show { id: i64 },
+    /// Show a run's effect ledger.
+    Effects { id: i64 },
+    /// Deliver input to a run waiting for it.
+    Input { id: i64, input: String },
+    /// Cancel a run.
+    Cancel { id: i64 },
+}
+
+#[derive(clap::Args)]
+pub struct EventsArgs {
+    thread: String,
+    /// Only events after this seq.
+    #[arg(long, default_value_t = 0)]
+    after: i64,
+    /// Keep streaming new events (Ctrl-C to stop).
+    #[arg(long, short)]
+    follow: bool,
+}
+
+impl Api {
+    fn client(&self) -> reqwest::Client {
+        leasehold::effects::http::install_tls();
+        reqwest::Client::new()
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{}", self.server.trim_end_matches('/'), path)
+    }
+
+    fn auth(&self, b: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
+        match &self.token {
+            Some(t) => b.bearer_auth(t),
+            None => b,
+        }
+    }
+
+    async fn send(&self, b: reqwest::RequestBuilder) -> Result<Value> {
+        let resp = self
+            .auth(b)
+            .send()
+            .await
+            .with_context(|| format!("could not reach leasehold at {} (is `leasehold serve` running?)", self.server))?;
+        let status = resp.status();
+        let body = resp.text().await.context("reading the response")?;
+        let value: Value = serde_json::from_str(&body).unwrap_or(Value::String(body));
+        if !status.is_success() {
+            let code = value["error"]["code"].as_str().unwrap_or("error");
+            let message = value["error"]["message"].as_str().map(str::to_string).unwrap_or_else(|| value.to_string());
+            bail!("{status}: {code}: {message}");
+        }
+        Ok(value)
+    }
+
+    fn print(&self, v: &Value, text: impl FnOnce(&Value)) {
+        if self.json {
+            println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
+        } else {
+            text(v);
+        }
+    }
+}
+
+pub async fn plugins(api: &Api, command: PluginsCommand) -> Result<()> {
+    match command {
+        PluginsCommand::Add { name, file, http_allow } => {
+            let bytes = std::fs::read(&file).with_context(|| format!("reading {}", file.display()))?;
+            let req = api
+                .client()
+                .put(api.url(&format!("/v1/plugins/{name}")))
+                .query(&[("http_allow", http_allow)])
+                .body(bytes);
+            let v = api.send(req).await?;
+            api.print(&v, |v| println!("registered {} {}", v["name"].as_str().unwrap_or(""), v["digest"].as_str().unwrap_or("")));
+        }
+        PluginsCommand::List => {
+            let v = api.send(api.client().get(api.url("/v1/plugins"))).await?;
+            api.print(&v, |v| {
+                println!("{:<20}  {:>10}  {:<20}  HTTP_ALLOW", "NAME", "BYTES", "DIGEST");
+                for p in v["plugins"].as_array().into_iter().flatten() {
+                    let digest = p["digest"].as_str().unwrap_or("");
+                    println!(
+                        "{:<20}  {:>10}  {:<20}  {}",
+                        p["name"].as_str().unwrap_or(""),
+                        p["size"],
+                        &digest[..digest.len().min(19)],
+                        p["settings"]["http_allow"].as_array().map(|a| a.iter().filter_map(|h| h.as_str()).collect::<Vec<_>>().join(",")).unwrap_or_default()
+                    );
+                }
+            });
+        }
+    }
+    Ok(())
+}
+
+fn parse_input(s: &str) -> Value {
+    serde_json::from_str(s).unwrap_or_else(|_| Value::String(s.to_string()))
+}
+
+pub async fn submit(api: &Api, args: SubmitArgs) -> Result<()> {
+    let body = json!({
+        "plugin": args.plugin,
+        "input": args.input.as_deref().map(parse_input).unwrap_or(Value::Null),
+        "thread_id": args.thread,
+        "idempotency_key": args.idempotency_key,
+        "max_attempts": args.max_attempts,
+    });
+    let run = api.send(api.client().post(api.url("/v1/runs")).json(&body)).await?;
+    api.print(&run, |r| println!("run {} queued on thread {}", r["id"], r["thread_id"].as_str().unwrap_or("")));
+    if args.follow {
+        let thread = run["thread_id"].as_str().unwrap_or_default().to_string();
+        let id = run["id"].as_i64().unwrap_or_default();
+        follow(api, &thread, 0, Some(id)).await?;
+    }
+    Ok(())
+}
+
+fn run_line(r: &Value) -> String {
+    format!(
+        "{:>8}  {:<16}  {:<16}  {:>5}  {:>3}/{:<3}  {}",
+        r["id"],
+        r["status"].as_str().unwrap_or(""),
+        r["plugin"].as_str().unwrap_or(""),
+        r["fence"],
+        r["attempt"],
+        r["max_attempts"],
+        r["thread_id"].as_str().unwrap_or("")
+    )
+}
+
+pub async fn runs(api: &Api, command: RunsCommand) -> Result<()> {
+    let c = api.client();
+    match command {
+        RunsCommand::List { status, plugin, limit, cursor } => {
+            let mut q = vec![("limit", limit.to_string())];
+            q.extend(status.map(|s| ("status", s)));
+            q.extend(plugin.map(|p| ("plugin", p)));
+            q.extend(cursor.map(|c| ("cursor", c.to_string())));
+            let v = api.send(c.get(api.url("/v1/runs")).query(&q)).await?;
+            api.print(&v, |v| {
+                println!("{:>8}  {:<16}  {:<16}  {:>5}  {:>7}  THREAD", "ID", "STATUS", "PLUGIN", "FENCE", "ATTEMPT");
+                for r in v["runs"].as_array().into_iter().flatten() {
+                    println!("{}", run_line(r));
+                }
+                if let Some(next) = v["next_cursor"].as_i64() {
+                    println!("(more: --cursor {next})");
+                }
+            });
+        }
+        RunsCommand::Show { id } => {
+            let v = api.send(c.get(api.url(&format!("/v1/runs/{id}")))).await?;
+            api.print(&v, |r| {
+                for key in ["id", "status", "plugin", "thread_id", "attempt", "max_attempts", "fence", "lease_owner", "lease_expires_at", "error"] {
+                    if !r[key].is_null() {
+                        println!("{key:<17} {}", r[key].as_str().map(str::to_string).unwrap_or_else(|| r[key].to_string()));
+                    }
+                }
+                println!("input             {}", r["input"].as_str().unwrap_or(""));
+                if let Some(p) = r["partial"].as_str().filter(|p| !p.is_empty()) {
+                    println!("streamed          {p}");
+                }
+                if let Some(o) = r["output"].as_str() {
+                    println!("output            {o}");
+                }
+            });
+        }
+        RunsCommand::Effects { id } => {
+            let v = api.send(c.get(api.url(&format!("/v1/runs/{id}/effects")))).await?;
+            api.print(&v, |v| {
+                println!("{:>5}  {:<14}  {:<8}  {:<10}  {:>5}  RESULT", "SEQ", "NAME", "CLASS", "STATE", "FENCE");
+                for e in v["effects"].as_array().into_iter().flatten() {
+                    let result = e["result"].as_str().unwrap_or("");
+                    let short: String = result.chars().take(60).collect();
+                    println!(
+                        "{:>5}  {:<14}  {:<8}  {:<10}  {:>5}  {short}",
+                        e["seq"], e["name"].as_str().unwrap_or(""), e["class"].as_str().unwrap_or(""),
+                        e["state"].as_str().unwrap_or(""), e["fence_started"]
+                    );
+                }
+            });
+        }
+        RunsCommand::Input { id, input } => {
+            let body = json!({ "input": parse_input(&input) });
+            let v = api.send(c.post(api.url(&format!("/v1/runs/{id}/input"))).json(&body)).await?;
+            api.print(&v, |r| println!("input delivered to run {}", r["id"]));
+        }
+        RunsCommand::Cancel { id } => {
+            let v = api.send(c.post(api.url(&format!("/v1/runs/{id}/cancel")))).await?;
+            api.print(&v, |r| println!("run {} cancelled (fence {})", r["id"], r["fence"]));
+        }
+    }
+    Ok(())
+}
+
+pub async fn events(api: &Api, args: EventsArgs) -> Result<()> {
+    if args.follow {
+        return follow(api, &args.thread, args.after, None).await;
+    }
+    let req = api.client().get(api.url(&format!("/v1/threads/{}/events", args.thread))).query(&[("after", args.after)]);
+    let v = api.send(req).await?;
+    for e in v["events"].as_array().into_iter().flatten() {
+        print_event(api, e);
+    }
+    Ok(())
+}
+
+fn print_event(api: &Api, e: &Value) {
+    if api.json {
+        println!("{e}");
+        return;
+    }
+    let p = &e["payload"];
+    let detail = match e["kind"].as_str().unwrap_or("") {
+        "delta" => p["delta"].as_str().map(|d| format!("{d:?}")).unwrap_or_default(),
+        "message" => format!("{} {}", p["status"].as_str().unwrap_or(""), p["output"].as_str().or(p["error"].as_str()).unwrap_or("")),
+        "suspended" => format!("{} {}", p["status"].as_str().unwrap_or(""), p["prompt"].as_str().unwrap_or("")),
+        _ => p.to_string(),
+    };
+    println!("{:>6}  run {:<6} fence {:<3} {:<10} {detail}", e["seq"], e["run_id"], e["fence"], e["kind"].as_str().unwrap_or(""));
+}
+
+/// Streams a thread's events (SSE), reconnecting from the last seen event.
+/// With `until_run`, stops once that run finishes or waits for input.
+async fn follow(api: &Api, thread: &str, mut after: i64, until_run: Option<i64>) -> Result<()> {
+    use futures::StreamExt;
+    loop {
+        let req = api
+            .client()
+            .get(api.url(&format!("/v1/threads/{thread}/events")))
+            .header("Accept", "text/event-stream")
+            .header("Last-Event-ID", after.to_string());
+        let resp = api.auth(req).send().await.with_context(|| format!("could not reach {}", api.server))?;
+        if !resp.status().is_success() {
+            bail!("{}: {}", resp.status(), resp.text().await.unwrap_or_default());
+        }
+        let mut body = resp.bytes_stream();
+        let mut buf = String::new();
+        while let Some(chunk) = body.next().await {
+            let Ok(chunk) = chunk else { break };
+            buf.push_str(&String::from_utf8_lossy(&chunk));
+            while let Some(end) = buf.find("\n\n") {
+                let frame: String = buf.drain(..end + 2).collect();
+                let Some(data) = frame.lines().find_map(|l| l.strip_prefix("data:")) else { continue };
+                let Ok(e) = serde_json::from_str::<Value>(data.trim()) else { continue };
+                after = e["seq"].as_i64().unwrap_or(after);
+                print_event(api, &e);
+                let kind = e["kind"].as_str().unwrap_or("");
+                let waiting = kind == "suspended" && e["payload"]["status"] == "waiting_input";
+                if until_run.is_some_and(|id| e["run_id"].as_i64() == Some(id) && (kind == "message" || kind == "cancelled" || waiting)) {
+                    return Ok(());
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}

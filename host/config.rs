@@ -1,0 +1,163 @@
+//! `leasehold serve` settings: flags, environment variables and an optional
+//! TOML file, in that order of precedence, then the defaults below. Each
+//! field's doc is its `--help` text and names its default.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use serde::Deserialize;
+
+/// Every option of `serve`. As flags and env vars these are optional; unset
+/// ones come from `--config`, then from the defaults.
+#[derive(Debug, Default, Clone, clap::Args, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServeOptions {
+    /// Database URL: sqlite://PATH (created if missing) or postgres://USER@HOST/DB.
+    /// [default: sqlite://leasehold.db]
+    #[arg(long, env = "LEASEHOLD_DATABASE_URL")]
+    pub database_url: Option<String>,
+    /// Address the HTTP API listens on. [default: 127.0.0.1:8080]
+    #[arg(long, env = "LEASEHOLD_LISTEN")]
+    pub listen: Option<SocketAddr>,
+    /// Bearer token required on every /v1 request. Required to listen on a
+    /// non-loopback address unless --insecure. [default: none]
+    #[arg(long, env = "LEASEHOLD_API_TOKEN", hide_env_values = true)]
+    pub api_token: Option<String>,
+    /// Allow a non-loopback --listen without --api-token.
+    #[arg(long, env = "LEASEHOLD_INSECURE")]
+    #[serde(default)]
+    pub insecure: bool,
+    /// Concurrent segments on this host. [default: 4]
+    #[arg(long, env = "LEASEHOLD_WORKERS")]
+    pub workers: Option<usize>,
+    /// Lease length in ms: how long a dead host's runs wait before another
+    /// host takes them. [default: 30000]
+    #[arg(long, env = "LEASEHOLD_LEASE_TTL_MS")]
+    pub lease_ttl_ms: Option<u64>,
+    /// How often the reaper looks for expired leases, in ms. [default: 5000]
+    #[arg(long, env = "LEASEHOLD_REAPER_INTERVAL_MS")]
+    pub reaper_interval_ms: Option<u64>,
+    /// How often idle workers look for work without a wake-up, in ms. [default: 1000]
+    #[arg(long, env = "LEASEHOLD_POLL_MS")]
+    pub poll_ms: Option<u64>,
+    /// At shutdown, how long running segments may finish before they are
+    /// suspended for another host, in ms. [default: 10000]
+    #[arg(long, env = "LEASEHOLD_SHUTDOWN_GRACE_MS")]
+    pub shutdown_grace_ms: Option<u64>,
+    /// Directory whose *.wasm components are registered at start (name =
+    /// file stem); skipped when missing. [default: target/plugins]
+    #[arg(long, env = "LEASEHOLD_PLUGINS_DIR")]
+    pub plugins_dir: Option<PathBuf>,
+    /// Comma-separated hosts (host or host:port) that plugins loaded from
+    /// --plugins-dir may reach with `http`. [default: none]
+    #[arg(long, env = "LEASEHOLD_HTTP_ALLOW", value_delimiter = ',')]
+    pub http_allow: Option<Vec<String>>,
+    /// OpenAI-compatible API base for `model.chat`, up to /v1 (key from
+    /// LEASEHOLD_MODEL_API_KEY or OPENAI_API_KEY). [default: none: model.chat is denied]
+    #[arg(long, env = "LEASEHOLD_MODEL_BASE_URL")]
+    pub model_base_url: Option<String>,
+    /// Model used when a request names none. [default: gpt-4o-mini]
+    #[arg(long, env = "LEASEHOLD_MODEL")]
+    pub model: Option<String>,
+    /// Compiled-component cache directory. [default: $TMPDIR/leasehold-cache]
+    #[arg(long, env = "LEASEHOLD_CACHE_DIR")]
+    pub cache_dir: Option<PathBuf>,
+    /// Instances alive at once (pooling allocator); at least --workers. [default: 64]
+    #[arg(long, env = "LEASEHOLD_MAX_INSTANCES")]
+    pub max_instances: Option<u32>,
+    /// Largest JSON request body, in bytes. [default: 1048576]
+    #[arg(long, env = "LEASEHOLD_MAX_BODY_BYTES")]
+    pub max_body_bytes: Option<usize>,
+    /// Largest component upload, in bytes. [default: 67108864]
+    #[arg(long, env = "LEASEHOLD_MAX_COMPONENT_BYTES")]
+    pub max_component_bytes: Option<usize>,
+    /// Per-request timeout in ms (event streams are exempt). [default: 30000]
+    #[arg(long, env = "LEASEHOLD_REQUEST_TIMEOUT_MS")]
+    pub request_timeout_ms: Option<u64>,
+    /// This host's lease owner id. [default: <hostname>-<pid>]
+    #[arg(long, env = "LEASEHOLD_OWNER")]
+    pub owner: Option<String>,
+}
+
+/// Resolved settings.
+#[derive(Debug, Clone)]
+pub struct Serve {
+    pub database_url: String,
+    pub listen: SocketAddr,
+    pub api_token: Option<String>,
+    pub workers: usize,
+    pub lease_ttl: Duration,
+    pub reaper_interval: Duration,
+    pub poll: Duration,
+    pub shutdown_grace: Duration,
+    pub plugins_dir: PathBuf,
+    pub http_allow: Vec<String>,
+    pub model_base_url: Option<String>,
+    pub model: Option<String>,
+    pub cache_dir: PathBuf,
+    pub max_instances: u32,
+    pub max_body_bytes: usize,
+    pub max_component_bytes: usize,
+    pub request_timeout: Duration,
+    pub owner: Option<String>,
+}
+
+impl ServeOptions {
+    /// Flags and env over the file at `config` (if any), over the defaults.
+    pub fn resolve(self, config: Option<&std::path::Path>) -> Result<Serve> {
+        let file: ServeOptions = match config {
+            None => ServeOptions::default(),
+            Some(path) => {
+                let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+                toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?
+            }
+        };
+        let ms = Duration::from_millis;
+        let serve = Serve {
+            database_url: self.database_url.or(file.database_url).unwrap_or_else(|| "sqlite://leasehold.db".into()),
+            listen: self.listen.or(file.listen).unwrap_or_else(|| "127.0.0.1:8080".parse().unwrap()),
+            api_token: self.api_token.or(file.api_token).filter(|t| !t.is_empty()),
+            workers: self.workers.or(file.workers).unwrap_or(4),
+            lease_ttl: ms(self.lease_ttl_ms.or(file.lease_ttl_ms).unwrap_or(30_000)),
+            reaper_interval: ms(self.reaper_interval_ms.or(file.reaper_interval_ms).unwrap_or(5_000)),
+            poll: ms(self.poll_ms.or(file.poll_ms).unwrap_or(1_000)),
+            shutdown_grace: ms(self.shutdown_grace_ms.or(file.shutdown_grace_ms).unwrap_or(10_000)),
+            plugins_dir: self.plugins_dir.or(file.plugins_dir).unwrap_or_else(|| "target/plugins".into()),
+            http_allow: self.http_allow.or(file.http_allow).unwrap_or_default(),
+            model_base_url: self.model_base_url.or(file.model_base_url).filter(|u| !u.is_empty()),
+            model: self.model.or(file.model),
+            cache_dir: self
+                .cache_dir
+                .or(file.cache_dir)
+                .unwrap_or_else(|| std::env::temp_dir().join("leasehold-cache")),
+            max_instances: self.max_instances.or(file.max_instances).unwrap_or(64),
+            max_body_bytes: self.max_body_bytes.or(file.max_body_bytes).unwrap_or(1 << 20),
+            max_component_bytes: self.max_component_bytes.or(file.max_component_bytes).unwrap_or(64 << 20),
+            request_timeout: ms(self.request_timeout_ms.or(file.request_timeout_ms).unwrap_or(30_000)),
+            owner: self.owner.or(file.owner),
+        };
+        if serve.workers == 0 {
+            bail!("--workers must be at least 1");
+        }
+        if serve.max_instances < serve.workers as u32 {
+            bail!(
+                "--max-instances ({}) must be at least --workers ({}): each segment holds one instance",
+                serve.max_instances,
+                serve.workers
+            );
+        }
+        if serve.lease_ttl < Duration::from_millis(100) {
+            bail!("--lease-ttl-ms must be at least 100");
+        }
+        if !serve.listen.ip().is_loopback() && serve.api_token.is_none() && !(self.insecure || file.insecure) {
+            bail!(
+                "refusing to listen on {} without an API token: set --api-token (or LEASEHOLD_API_TOKEN), \
+                 or pass --insecure",
+                serve.listen
+            );
+        }
+        Ok(serve)
+    }
+}

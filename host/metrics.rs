@@ -1,0 +1,155 @@
+//! Prometheus metrics, in the text exposition format, without a metrics
+//! library: counters and histograms are atomics in one process-wide
+//! [`Metrics`]; gauges (runs by status, effects by state) are read from the
+//! database at scrape time, so every host reports the same totals.
+
+use std::fmt::Write;
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::Duration;
+
+use sqlx::Row;
+
+use crate::executor::GuestErrorKind;
+use crate::store::{Store, StoreError, sql};
+
+/// Upper bounds of the latency buckets, in seconds.
+const BUCKETS: [f64; 14] = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 60.0];
+
+#[derive(Default)]
+pub struct Histogram {
+    counts: [AtomicU64; BUCKETS.len()],
+    count: AtomicU64,
+    sum_micros: AtomicU64,
+}
+
+impl Histogram {
+    pub fn observe(&self, d: Duration) {
+        let secs = d.as_secs_f64();
+        for (i, le) in BUCKETS.iter().enumerate() {
+            if secs <= *le {
+                self.counts[i].fetch_add(1, Relaxed);
+            }
+        }
+        self.count.fetch_add(1, Relaxed);
+        self.sum_micros.fetch_add(d.as_micros() as u64, Relaxed);
+    }
+
+    fn render(&self, out: &mut String, name: &str, help: &str) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        for (i, le) in BUCKETS.iter().enumerate() {
+            let _ = writeln!(out, "{name}_bucket{{le=\"{le}\"}} {}", self.counts[i].load(Relaxed));
+        }
+        let count = self.count.load(Relaxed);
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {count}");
+        let _ = writeln!(out, "{name}_sum {}", self.sum_micros.load(Relaxed) as f64 / 1e6);
+        let _ = writeln!(out, "{name}_count {count}");
+    }
+}
+
+/// The process's counters and histograms.
+#[derive(Default)]
+pub struct Metrics {
+    pub claims: AtomicU64,
+    pub claim_latency: Histogram,
+    pub leases_lost: AtomicU64,
+    pub reaped_resumable: AtomicU64,
+    pub reaped_aborted: AtomicU64,
+    pub segments_completed: AtomicU64,
+    pub segments_failed: AtomicU64,
+    pub segments_suspended: AtomicU64,
+    pub segments_abandoned: AtomicU64,
+    pub segment_duration: Histogram,
+    guest_errors: [AtomicU64; GUEST_ERROR_KINDS.len()],
+    pub http_requests: AtomicU64,
+}
+
+const GUEST_ERROR_KINDS: [GuestErrorKind; 8] = [
+    GuestErrorKind::TurnError,
+    GuestErrorKind::Timeout,
+    GuestErrorKind::OutOfMemory,
+    GuestErrorKind::OutputTooLarge,
+    GuestErrorKind::Trap,
+    GuestErrorKind::NonDeterminism,
+    GuestErrorKind::HostCalls,
+    GuestErrorKind::UnknownPlugin,
+];
+
+/// The process-wide metrics.
+pub fn global() -> &'static Metrics {
+    static METRICS: OnceLock<Metrics> = OnceLock::new();
+    METRICS.get_or_init(Metrics::default)
+}
+
+impl Metrics {
+    pub fn guest_error(&self, kind: GuestErrorKind) {
+        if let Some(i) = GUEST_ERROR_KINDS.iter().position(|k| *k == kind) {
+            self.guest_errors[i].fetch_add(1, Relaxed);
+        }
+    }
+
+    pub fn guest_errors(&self, kind: GuestErrorKind) -> u64 {
+        GUEST_ERROR_KINDS.iter().position(|k| *k == kind).map_or(0, |i| self.guest_errors[i].load(Relaxed))
+    }
+
+    /// The exposition text: this process's counters plus the database's
+    /// gauges.
+    pub async fn render(&self, store: &Store) -> Result<String, StoreError> {
+        let mut out = String::new();
+        let counter = |out: &mut String, name: &str, help: &str, v: &AtomicU64| {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}", v.load(Relaxed));
+        };
+        counter(&mut out, "leasehold_claims_total", "Runs claimed by this host.", &self.claims);
+        self.claim_latency.render(&mut out, "leasehold_claim_seconds", "Time of one claim statement.");
+        counter(&mut out, "leasehold_leases_lost_total", "Segments stopped because their lease was lost.", &self.leases_lost);
+        let _ = writeln!(
+            out,
+            "# HELP leasehold_reaped_total Expired runs handled by this host's reaper.\n# TYPE leasehold_reaped_total counter\n\
+             leasehold_reaped_total{{outcome=\"resumable\"}} {}\nleasehold_reaped_total{{outcome=\"aborted\"}} {}",
+            self.reaped_resumable.load(Relaxed),
+            self.reaped_aborted.load(Relaxed)
+        );
+        let _ = writeln!(out, "# HELP leasehold_segments_total Segments run by this host, by outcome.\n# TYPE leasehold_segments_total counter");
+        for (outcome, v) in [
+            ("completed", &self.segments_completed),
+            ("failed", &self.segments_failed),
+            ("suspended", &self.segments_suspended),
+            ("lease_lost", &self.leases_lost),
+            ("abandoned", &self.segments_abandoned),
+        ] {
+            let _ = writeln!(out, "leasehold_segments_total{{outcome=\"{outcome}\"}} {}", v.load(Relaxed));
+        }
+        self.segment_duration.render(&mut out, "leasehold_segment_seconds", "Duration of one segment.");
+        let _ = writeln!(out, "# HELP leasehold_guest_errors_total Runs failed by a guest error, by kind.\n# TYPE leasehold_guest_errors_total counter");
+        for (i, kind) in GUEST_ERROR_KINDS.iter().enumerate() {
+            let _ = writeln!(out, "leasehold_guest_errors_total{{kind=\"{}\"}} {}", kind.as_str(), self.guest_errors[i].load(Relaxed));
+        }
+        counter(&mut out, "leasehold_http_requests_total", "API requests served by this host.", &self.http_requests);
+
+        let rows = sqlx::query(sql!(store, "SELECT status, COUNT(*) AS n FROM runs GROUP BY status"))
+            .fetch_all(store.pool())
+            .await?;
+        let _ = writeln!(out, "# HELP leasehold_runs Runs in the database, by status.\n# TYPE leasehold_runs gauge");
+        for status in ["queued", "running", "waiting_input", "waiting_takeover", "completed", "failed", "aborted", "cancelled"] {
+            let n = rows
+                .iter()
+                .find(|r| r.try_get::<String, _>("status").ok().as_deref() == Some(status))
+                .and_then(|r| r.try_get::<i64, _>("n").ok())
+                .unwrap_or(0);
+            let _ = writeln!(out, "leasehold_runs{{status=\"{status}\"}} {n}");
+        }
+        let rows = sqlx::query(sql!(store, "SELECT state, COUNT(*) AS n FROM effects GROUP BY state"))
+            .fetch_all(store.pool())
+            .await?;
+        let _ = writeln!(out, "# HELP leasehold_effects Ledger rows in the database, by state (in_doubt: outcome unknown).\n# TYPE leasehold_effects gauge");
+        for state in ["started", "committed", "failed", "in_doubt"] {
+            let n = rows
+                .iter()
+                .find(|r| r.try_get::<String, _>("state").ok().as_deref() == Some(state))
+                .and_then(|r| r.try_get::<i64, _>("n").ok())
+                .unwrap_or(0);
+            let _ = writeln!(out, "leasehold_effects{{state=\"{state}\"}} {n}");
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,209 @@
+//! The plugin registry: components stored in the database, so that every
+//! host on it can run every plugin. A host compiles a plugin when it is
+//! registered or first needed, and the compiled form is cached on disk.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use sqlx::Row;
+
+use crate::runtime::{Limits, Plugin, PluginError, Runtime};
+use crate::store::{Store, StoreError, sql};
+
+/// What an operator sets per plugin. Every field documents its default.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct PluginSettings {
+    /// Hosts (`host` or `host:port`) the plugin's `http` effects may reach.
+    /// Default: none.
+    #[serde(default)]
+    pub http_allow: Vec<String>,
+}
+
+impl PluginSettings {
+    /// The plugin's sandbox limits: the host's defaults plus these settings.
+    pub fn limits(&self, defaults: &Limits) -> Limits {
+        Limits { http_allow: self.http_allow.clone(), ..defaults.clone() }
+    }
+}
+
+/// A registered plugin, as listed.
+#[derive(Debug, Clone, Serialize)]
+pub struct PluginInfo {
+    pub name: String,
+    pub digest: String,
+    pub size: i64,
+    pub settings: PluginSettings,
+    pub created_at: i64,
+    pub updated_at: i64,
+}
+
+/// Why a plugin could not be registered.
+#[derive(Debug, thiserror::Error)]
+pub enum RegisterError {
+    #[error("invalid plugin name {0:?}: use 1 to 64 of a-z, 0-9, '-' and '_'")]
+    BadName(String),
+    #[error(transparent)]
+    Plugin(#[from] PluginError),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+pub fn valid_name(name: &str) -> bool {
+    (1..=64).contains(&name.len())
+        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+}
+
+pub fn digest(bytes: &[u8]) -> String {
+    format!("sha256:{}", hex::encode(Sha256::digest(bytes)))
+}
+
+/// Compiles and links `bytes` (so a bad component is refused before it is
+/// stored), then stores it under `name`, replacing an earlier version.
+pub async fn register(
+    store: &Store,
+    runtime: &Arc<Runtime>,
+    name: &str,
+    bytes: Vec<u8>,
+    settings: PluginSettings,
+) -> Result<Arc<Plugin>, RegisterError> {
+    if !valid_name(name) {
+        return Err(RegisterError::BadName(name.to_string()));
+    }
+    let limits = settings.limits(runtime.default_limits());
+    // Compiling takes seconds for a large component: off the async threads.
+    let (rt, n, b) = (runtime.clone(), name.to_string(), bytes.clone());
+    let plugin = tokio::task::spawn_blocking(move || rt.add_plugin(&n, &b, limits))
+        .await
+        .map_err(|e| PluginError::Invalid(format!("compiler task failed: {e}")))??;
+    store.put_plugin(name, &plugin.digest, &bytes, &settings).await?;
+    Ok(plugin)
+}
+
+/// Registers every `*.wasm` file in `dir` under its file stem. A file that
+/// fails is logged and skipped. Returns the names loaded.
+pub async fn load_dir(
+    store: &Store,
+    runtime: &Arc<Runtime>,
+    dir: &Path,
+    settings: &PluginSettings,
+) -> std::io::Result<Vec<String>> {
+    let mut files: Vec<_> = std::fs::read_dir(dir)?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "wasm"))
+        .collect();
+    files.sort();
+    let mut loaded = Vec::new();
+    for path in files {
+        let Some(name) = path.file_stem().and_then(|s| s.to_str()).map(str::to_string) else { continue };
+        let bytes = std::fs::read(&path)?;
+        match register(store, runtime, &name, bytes, settings.clone()).await {
+            Ok(p) => {
+                tracing::info!(plugin = %name, digest = %p.digest, path = %path.display(), "plugin loaded");
+                loaded.push(name);
+            }
+            Err(e) => tracing::error!(path = %path.display(), error = %e, "plugin not loaded"),
+        }
+    }
+    Ok(loaded)
+}
+
+/// The plugin `name` at `digest` (any digest when empty): from the runtime,
+/// or else loaded from the database and compiled. `None`: not registered.
+pub async fn resolve(
+    store: &Store,
+    runtime: &Arc<Runtime>,
+    name: &str,
+    digest: &str,
+) -> Result<Option<Arc<Plugin>>, RegisterError> {
+    if let Some(p) = runtime.plugin(name)
+        && (digest.is_empty() || p.digest == digest)
+    {
+        return Ok(Some(p));
+    }
+    let Some((bytes, settings)) = store.plugin_component(name).await? else {
+        return Ok(None);
+    };
+    let limits = settings.limits(runtime.default_limits());
+    let (rt, n) = (runtime.clone(), name.to_string());
+    let plugin = tokio::task::spawn_blocking(move || rt.add_plugin(&n, &bytes, limits))
+        .await
+        .map_err(|e| PluginError::Invalid(format!("compiler task failed: {e}")))??;
+    Ok(Some(plugin))
+}
+
+impl Store {
+    pub async fn put_plugin(
+        &self,
+        name: &str,
+        digest: &str,
+        component: &[u8],
+        settings: &PluginSettings,
+    ) -> Result<(), StoreError> {
+        let settings = serde_json::to_string(settings).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+        self.retry(|| async {
+            sqlx::query(sql!(
+                self,
+                "INSERT INTO plugins (name, digest, component, settings, created_at, updated_at) \
+                 VALUES ($1, $2, $3, $4, {now}, {now}) \
+                 ON CONFLICT (name) DO UPDATE SET digest = excluded.digest, component = excluded.component, \
+                 settings = excluded.settings, updated_at = excluded.updated_at"
+            ))
+            .bind(name)
+            .bind(digest)
+            .bind(component.to_vec())
+            .bind(&settings)
+            .execute(self.writer())
+            .await?;
+            Ok(())
+        })
+        .await
+    }
+
+    pub async fn list_plugins(&self) -> Result<Vec<PluginInfo>, StoreError> {
+        let rows = sqlx::query(sql!(
+            self,
+            "SELECT name, digest, LENGTH(component) AS size, settings, created_at, updated_at \
+             FROM plugins ORDER BY name"
+        ))
+        .fetch_all(self.pool())
+        .await?;
+        rows.iter()
+            .map(|r| {
+                Ok(PluginInfo {
+                    name: r.try_get("name")?,
+                    digest: r.try_get("digest")?,
+                    size: r.try_get::<i64, _>("size").or_else(|_| r.try_get::<i32, _>("size").map(i64::from))?,
+                    settings: parse_settings(&r.try_get::<String, _>("settings")?)?,
+                    created_at: r.try_get("created_at")?,
+                    updated_at: r.try_get("updated_at")?,
+                })
+            })
+            .collect()
+    }
+
+    /// The digest of plugin `name`, if registered.
+    pub async fn plugin_digest(&self, name: &str) -> Result<Option<String>, StoreError> {
+        Ok(sqlx::query_scalar(sql!(self, "SELECT digest FROM plugins WHERE name = $1"))
+            .bind(name)
+            .fetch_optional(self.pool())
+            .await?)
+    }
+
+    async fn plugin_component(&self, name: &str) -> Result<Option<(Vec<u8>, PluginSettings)>, StoreError> {
+        let row = sqlx::query(sql!(self, "SELECT component, settings FROM plugins WHERE name = $1"))
+            .bind(name)
+            .fetch_optional(self.pool())
+            .await?;
+        match row {
+            None => Ok(None),
+            Some(r) => Ok(Some((r.try_get("component")?, parse_settings(&r.try_get::<String, _>("settings")?)?))),
+        }
+    }
+}
+
+fn parse_settings(s: &str) -> Result<PluginSettings, StoreError> {
+    serde_json::from_str(s).map_err(|e| StoreError::Corrupt(format!("plugin settings {s:?}: {e}")))
+}
