@@ -156,7 +156,7 @@ pub async fn plugins(api: &Api, command: PluginsCommand) -> Result<()> {
                     println!(
                         "{:<20}  {:>10}  {:<20}  {}",
                         p["name"].as_str().unwrap_or(""),
-                        p["size"],
+                        p["size"].to_string(),
                         &digest[..digest.len().min(19)],
                         p["settings"]["http_allow"].as_array().map(|a| a.iter().filter_map(|h| h.as_str()).collect::<Vec<_>>().join(",")).unwrap_or_default()
                     );
@@ -192,12 +192,12 @@ pub async fn submit(api: &Api, args: SubmitArgs) -> Result<()> {
 fn run_line(r: &Value) -> String {
     format!(
         "{:>8}  {:<16}  {:<16}  {:>5}  {:>3}/{:<3}  {}",
-        r["id"],
+        r["id"].to_string(),
         r["status"].as_str().unwrap_or(""),
         r["plugin"].as_str().unwrap_or(""),
-        r["fence"],
-        r["attempt"],
-        r["max_attempts"],
+        r["fence"].to_string(),
+        r["attempt"].to_string(),
+        r["max_attempts"].to_string(),
         r["thread_id"].as_str().unwrap_or("")
     )
 }
@@ -247,8 +247,8 @@ pub async fn runs(api: &Api, command: RunsCommand) -> Result<()> {
                     let short: String = result.chars().take(60).collect();
                     println!(
                         "{:>5}  {:<14}  {:<8}  {:<10}  {:>5}  {short}",
-                        e["seq"], e["name"].as_str().unwrap_or(""), e["class"].as_str().unwrap_or(""),
-                        e["state"].as_str().unwrap_or(""), e["fence_started"]
+                        e["seq"].to_string(), e["name"].as_str().unwrap_or(""), e["class"].as_str().unwrap_or(""),
+                        e["state"].as_str().unwrap_or(""), e["fence_started"].to_string()
                     );
                 }
             });
@@ -290,7 +290,13 @@ fn print_event(api: &Api, e: &Value) {
         "suspended" => format!("{} {}", p["status"].as_str().unwrap_or(""), p["prompt"].as_str().unwrap_or("")),
         _ => p.to_string(),
     };
-    println!("{:>6}  run {:<6} fence {:<3} {:<10} {detail}", e["seq"], e["run_id"], e["fence"], e["kind"].as_str().unwrap_or(""));
+    println!(
+        "{:>6}  run {:<6} fence {:<3} {:<10} {detail}",
+        e["seq"].to_string(),
+        e["run_id"].to_string(),
+        e["fence"].to_string(),
+        e["kind"].as_str().unwrap_or("")
+    );
 }
 
 /// Streams a thread's events (SSE), reconnecting from the last seen event.

@@ -67,6 +67,10 @@ impl TestDb {
         }
     }
 
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
     /// A second, independent store (its own pool) on the same database: a
     /// separate worker process, as far as the database can tell.
     pub async fn another_store(&self, max_connections: u32) -> Result<Store> {

@@ -8,6 +8,7 @@ mod api;
 mod concurrency;
 mod crash;
 mod fake_model;
+mod hosts;
 mod model;
 mod conformance;
 mod interleaving;
