@@ -71,6 +71,8 @@ pub enum BenchError {
     Store(#[from] StoreError),
     #[error("bench task failed: {0}")]
     Join(#[from] tokio::task::JoinError),
+    #[error("{0}")]
+    Setup(String),
 }
 
 #[derive(Clone, Copy, PartialEq)]

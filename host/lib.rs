@@ -37,6 +37,7 @@ macro_rules! eligible_at {
 
 pub mod api;
 pub mod bench;
+pub mod bench_e2e;
 pub mod effects;
 pub mod events;
 pub mod executor;

@@ -87,6 +87,27 @@ enum Command {
 
 #[derive(Subcommand)]
 enum BenchCommand {
+    /// Whole-lifecycle throughput (submit, claim, instantiate, one effect,
+    /// close) through the worker pool, against raw claim+close SQL, and
+    /// submit→start latency at half the peak rate. Ends with one JSON line.
+    E2e {
+        /// Database URL. It must hold no runs. Default: a temporary SQLite
+        /// file, removed afterwards.
+        #[arg(long)]
+        database_url: Option<String>,
+        /// Runs per phase.
+        #[arg(long, default_value_t = 2_000)]
+        runs: i64,
+        /// Workers (and baseline tasks).
+        #[arg(long, default_value_t = 8)]
+        concurrency: usize,
+        /// The one-effect plugin (the Rust test plugin).
+        #[arg(long, default_value = "target/plugins/testkit.wasm")]
+        plugin_file: PathBuf,
+        /// No progress lines on stderr.
+        #[arg(long)]
+        quiet: bool,
+    },
     /// Claim throughput against a raw UPDATE … RETURNING baseline, in one
     /// run. Ends with one JSON line on stdout.
     Claim {
@@ -151,6 +172,31 @@ fn main() -> std::process::ExitCode {
 async fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Serve { config, options } => serve(options.resolve(config.as_deref())?).await,
+        Command::Bench { bench: BenchCommand::E2e { database_url, runs, concurrency, plugin_file, quiet } } => {
+            anyhow::ensure!(runs > 0 && concurrency > 0, "--runs and --concurrency must be positive");
+            let temp = database_url.is_none().then(|| {
+                std::env::temp_dir().join(format!("leasehold-bench-e2e-{}.db", std::process::id()))
+            });
+            let url = match (&database_url, &temp) {
+                (Some(u), _) => u.clone(),
+                (_, Some(p)) => format!("sqlite://{}", p.display()),
+                (None, None) => unreachable!(),
+            };
+            let bench = leasehold::bench_e2e::E2eBench {
+                database_url: url,
+                runs,
+                concurrency,
+                plugin_file,
+                cache_dir: std::env::temp_dir().join("leasehold-cache"),
+                progress: !quiet,
+            };
+            let result = bench.run().await;
+            if let Some(p) = temp {
+                remove_sqlite(&p);
+            }
+            println!("{}", serde_json::to_string(&result?)?);
+            Ok(())
+        }
         Command::Bench { bench: BenchCommand::Claim { database_url, runs, concurrency, batch, finished, synchronous, rounds, quiet } } => {
             anyhow::ensure!(runs > 0 && concurrency > 0 && batch > 0 && rounds > 0, "--runs, --concurrency, --batch and --rounds must be positive");
             let temp = database_url.is_none().then(|| {

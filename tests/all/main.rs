@@ -5,6 +5,7 @@ mod harness;
 mod plugins;
 
 mod api;
+mod bench_e2e;
 mod concurrency;
 mod crash;
 mod fake_model;

@@ -1,0 +1,256 @@
+//! `leasehold bench e2e`: runs through the whole lifecycle (submit, claim,
+//! instantiate, one effect, close) with the real worker pool, against the
+//! raw claim + close SQL measured in the same run.
+//!
+//! Two phases on the same database: *peak* submits `runs` one-effect runs as
+//! fast as it can and times until all are completed; *latency* then submits
+//! `runs` more at half the peak rate and reads each run's submit→start delay
+//! from the database clock (its `created_at` to its first ledger row; 1 ms
+//! resolution). The baseline bulk-loads `runs` queued runs and drains them
+//! with `concurrency` tasks, each doing the bench claim statement and a bare
+//! `UPDATE … SET status = 'completed'`.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use crate::bench::{BENCH_PLUGIN, BenchError};
+use crate::executor::{Executor, ExecutorConfig};
+use crate::plugins::{self, PluginSettings};
+use crate::pool::{PoolConfig, WorkerPool};
+use crate::runtime::{Runtime, RuntimeConfig};
+use crate::store::{NewRun, RunStatus, Store, StoreError, StoreOptions, sql};
+
+/// The plugin the bench registers: the Rust test plugin, one `kv.put`.
+const PLUGIN: &str = "bench-e2e";
+
+pub struct E2eBench {
+    pub database_url: String,
+    /// Runs per phase.
+    pub runs: i64,
+    /// Workers, and baseline tasks.
+    pub concurrency: usize,
+    /// The test plugin's component (`scripts/build-plugins` builds it).
+    pub plugin_file: PathBuf,
+    pub cache_dir: PathBuf,
+    pub progress: bool,
+}
+
+#[derive(Debug, Serialize)]
+pub struct E2eResult {
+    pub backend: &'static str,
+    pub runs: i64,
+    pub runs_per_sec: f64,
+    pub baseline_per_sec: f64,
+    pub ratio: f64,
+    pub submit_to_start_p50_ms: f64,
+    pub submit_to_start_p99_ms: f64,
+    /// The submit rate of the latency phase (half of `runs_per_sec`).
+    pub latency_rate_per_sec: f64,
+    pub concurrency: usize,
+}
+
+impl E2eBench {
+    pub async fn run(&self) -> Result<E2eResult, BenchError> {
+        let opts = StoreOptions { max_connections: Some(self.concurrency as u32 + 4), ..Default::default() };
+        let store = Store::connect_with(&self.database_url, opts).await?;
+        let existing: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM runs")
+            .fetch_one(store.pool())
+            .await
+            .map_err(StoreError::from)?;
+        if existing > 0 {
+            return Err(BenchError::NotEmpty(existing));
+        }
+        let bytes = std::fs::read(&self.plugin_file).map_err(|e| {
+            BenchError::Setup(format!(
+                "reading {}: {e} (build it with ./scripts/build-plugins)",
+                self.plugin_file.display()
+            ))
+        })?;
+        let runtime = Arc::new(
+            Runtime::new(RuntimeConfig {
+                cache_dir: self.cache_dir.clone(),
+                max_instances: self.concurrency as u32 + 2,
+                ..RuntimeConfig::default()
+            })
+            .map_err(|e| BenchError::Setup(format!("{e:#}")))?,
+        );
+        plugins::register(&store, &runtime, PLUGIN, bytes, PluginSettings::default())
+            .await
+            .map_err(|e| BenchError::Setup(e.to_string()))?;
+        let exec = Arc::new(Executor::new(
+            store.clone(),
+            runtime,
+            ExecutorConfig { owner: "bench-e2e".into(), model: None, ..ExecutorConfig::default() },
+        ));
+        let pool = WorkerPool::start(
+            store.clone(),
+            exec,
+            PoolConfig { workers: self.concurrency, poll: Duration::from_millis(100) },
+        );
+
+        // Peak: submit as fast as possible.
+        let started = Instant::now();
+        let submitters: Vec<_> = (0..4)
+            .map(|t| {
+                let store = store.clone();
+                let n = self.runs / 4 + i64::from(t < self.runs % 4);
+                tokio::spawn(async move {
+                    for _ in 0..n {
+                        store.create_run(&NewRun::new(PLUGIN, r#"{"steps":1}"#)).await?;
+                    }
+                    Ok::<_, StoreError>(())
+                })
+            })
+            .collect();
+        for s in submitters {
+            s.await??;
+        }
+        self.wait_completed(&store, self.runs).await?;
+        let peak = self.runs as f64 / started.elapsed().as_secs_f64();
+        self.say(format_args!("peak: {} runs in {:?} = {peak:.0}/s", self.runs, started.elapsed()));
+
+        // Latency at half the peak rate.
+        let rate = peak / 2.0;
+        let every = Duration::from_secs_f64(1.0 / rate);
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+        let first_latency_id: i64 = sqlx::query_scalar("SELECT COALESCE(MAX(id), 0) FROM runs")
+            .fetch_one(store.pool())
+            .await
+            .map_err(StoreError::from)?;
+        for _ in 0..self.runs {
+            tick.tick().await;
+            store.create_run(&NewRun::new(PLUGIN, r#"{"steps":1}"#)).await?;
+        }
+        self.wait_completed(&store, self.runs * 2).await?;
+        pool.shutdown(Duration::from_secs(10)).await;
+        let mut delays: Vec<f64> = sqlx::query_scalar::<_, i64>(sql!(
+            store,
+            "SELECT e.created_at - r.created_at FROM runs r JOIN effects e ON e.run_id = r.id AND e.seq = 0 \
+             WHERE r.id > $1"
+        ))
+        .bind(first_latency_id)
+        .fetch_all(store.pool())
+        .await
+        .map_err(StoreError::from)?
+        .into_iter()
+        .map(|d| d as f64)
+        .collect();
+        delays.sort_by(f64::total_cmp);
+        let pct = |p: f64| delays.get(((delays.len() as f64 - 1.0) * p).round() as usize).copied().unwrap_or(f64::NAN);
+        let (p50, p99) = (pct(0.5), pct(0.99));
+        self.say(format_args!("latency at {rate:.0}/s: p50 {p50} ms, p99 {p99} ms"));
+
+        let baseline = self.baseline(&store).await?;
+        self.say(format_args!("baseline claim+close: {baseline:.0}/s"));
+        clear(&store).await?;
+        store.shutdown().await;
+        Ok(E2eResult {
+            backend: store.backend().name(),
+            runs: self.runs,
+            runs_per_sec: peak.round(),
+            baseline_per_sec: baseline.round(),
+            ratio: (peak / baseline * 1000.0).round() / 1000.0,
+            submit_to_start_p50_ms: p50,
+            submit_to_start_p99_ms: p99,
+            latency_rate_per_sec: rate.round(),
+            concurrency: self.concurrency,
+        })
+    }
+
+    async fn wait_completed(&self, store: &Store, want: i64) -> Result<(), BenchError> {
+        let mut last = Instant::now();
+        loop {
+            let done: i64 = sqlx::query_scalar(sql!(store, "SELECT COUNT(*) FROM runs WHERE status = $1"))
+                .bind(RunStatus::Completed.as_str())
+                .fetch_one(store.pool())
+                .await
+                .map_err(StoreError::from)?;
+            if done >= want {
+                return Ok(());
+            }
+            let stuck: i64 = sqlx::query_scalar(sql!(
+                store,
+                "SELECT COUNT(*) FROM runs WHERE status IN ('failed','aborted','cancelled')"
+            ))
+            .fetch_one(store.pool())
+            .await
+            .map_err(StoreError::from)?;
+            if stuck > 0 {
+                return Err(BenchError::Setup(format!("{stuck} bench runs did not complete (see the log)")));
+            }
+            if last.elapsed() > Duration::from_secs(2) {
+                self.say(format_args!("  {done}/{want} completed"));
+                last = Instant::now();
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    /// Raw claim + close, `concurrency` tasks.
+    async fn baseline(&self, store: &Store) -> Result<f64, BenchError> {
+        store.bulk_load_queued(self.runs, BENCH_PLUGIN).await?;
+        let started = Instant::now();
+        let tasks: Vec<_> = (0..self.concurrency)
+            .map(|_| {
+                let store = store.clone();
+                tokio::spawn(async move {
+                    let mut n = 0u64;
+                    loop {
+                        let ids: Vec<i64> = store
+                            .retry(|| async {
+                                Ok(sqlx::query_scalar(crate::store::baseline_sql(&store, 1))
+                                    .bind(1i64)
+                                    .fetch_all(store.writer())
+                                    .await?)
+                            })
+                            .await?;
+                        let Some(id) = ids.first().copied() else { return Ok::<_, StoreError>(n) };
+                        store
+                            .retry(|| async {
+                                sqlx::query(sql!(
+                                    store,
+                                    "UPDATE runs SET status = 'completed', output = '', finished_at = {now} WHERE id = $1"
+                                ))
+                                .bind(id)
+                                .execute(store.writer())
+                                .await?;
+                                Ok(())
+                            })
+                            .await?;
+                        n += 1;
+                    }
+                })
+            })
+            .collect();
+        let mut total = 0;
+        for t in tasks {
+            total += t.await??;
+        }
+        Ok(total as f64 / started.elapsed().as_secs_f64())
+    }
+
+    fn say(&self, msg: std::fmt::Arguments<'_>) {
+        if self.progress {
+            eprintln!("{msg}");
+        }
+    }
+}
+
+/// Removes everything the bench wrote.
+async fn clear(store: &Store) -> Result<(), StoreError> {
+    for q in [
+        "DELETE FROM effects",
+        "DELETE FROM events",
+        "DELETE FROM threads",
+        "DELETE FROM runs",
+    ] {
+        sqlx::query(q).execute(store.writer()).await?;
+    }
+    sqlx::query("DELETE FROM kv WHERE namespace = $1").bind(PLUGIN).execute(store.writer()).await?;
+    sqlx::query("DELETE FROM plugins WHERE name = $1").bind(PLUGIN).execute(store.writer()).await?;
+    Ok(())
+}

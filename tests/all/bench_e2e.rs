@@ -1,0 +1,35 @@
+//! `bench e2e` runs the whole lifecycle and cleans up after itself.
+
+use anyhow::ensure;
+use leasehold::bench_e2e::E2eBench;
+
+use crate::harness::both;
+use crate::plugins;
+
+both! {
+    async fn the_e2e_bench_completes_every_run_and_leaves_the_database_empty(db) {
+        let dir = tempfile::tempdir()?;
+        let plugin_file = dir.path().join("testkit.wasm");
+        std::fs::write(&plugin_file, plugins::rust_plugin("testkit")?)?;
+        let bench = E2eBench {
+            database_url: db.url().to_string(),
+            runs: 40,
+            concurrency: 2,
+            plugin_file,
+            cache_dir: std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/component-cache"),
+            progress: false,
+        };
+        let result = bench.run().await?;
+        ensure!(result.runs_per_sec > 0.0 && result.baseline_per_sec > 0.0 && result.ratio > 0.0, "{result:?}");
+        ensure!(result.submit_to_start_p50_ms >= 0.0 && result.submit_to_start_p99_ms >= result.submit_to_start_p50_ms, "{result:?}");
+        let left: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM runs").fetch_one(db.store.pool()).await?;
+        let plugins: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM plugins").fetch_one(db.store.pool()).await?;
+        ensure!(left == 0 && plugins == 0, "{left} runs and {plugins} plugins left behind");
+        // A second run on the same database works, and a database with
+        // runs is refused.
+        bench.run().await?;
+        db.store.create_run(&leasehold::store::NewRun::new("other", "{}")).await?;
+        ensure!(bench.run().await.is_err(), "a database holding runs was not refused");
+        Ok(())
+    }
+}
