@@ -56,8 +56,13 @@ pub fn valid_name(name: &str) -> bool {
         && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
 }
 
-pub fn digest(bytes: &[u8]) -> String {
-    format!("sha256:{}", hex::encode(Sha256::digest(bytes)))
+/// Compiles (or loads from the cache) and registers `bytes` in the runtime,
+/// off the async threads: a large component takes seconds.
+async fn compile(runtime: &Arc<Runtime>, name: &str, bytes: Vec<u8>, limits: Limits) -> Result<Arc<Plugin>, PluginError> {
+    let (rt, n) = (runtime.clone(), name.to_string());
+    tokio::task::spawn_blocking(move || rt.add_plugin(&n, &bytes, limits))
+        .await
+        .map_err(|e| PluginError::Invalid(format!("compiler task failed: {e}")))?
 }
 
 /// Compiles and links `bytes` (so a bad component is refused before it is
@@ -73,12 +78,15 @@ pub async fn register(
         return Err(RegisterError::BadName(name.to_string()));
     }
     let limits = settings.limits(runtime.default_limits());
-    // Compiling takes seconds for a large component: off the async threads.
-    let (rt, n, b) = (runtime.clone(), name.to_string(), bytes.clone());
-    let plugin = tokio::task::spawn_blocking(move || rt.add_plugin(&n, &b, limits))
-        .await
-        .map_err(|e| PluginError::Invalid(format!("compiler task failed: {e}")))??;
-    store.put_plugin(name, &plugin.digest, &bytes, &settings).await?;
+    let digest = format!("sha256:{}", hex::encode(Sha256::digest(&bytes)));
+    // Unchanged (a restart with the same plugins directory): no rewrite of
+    // the component's bytes.
+    let unchanged = store.plugin_settings(name).await?.is_some_and(|(d, s)| d == digest && s == settings);
+    let to_store = (!unchanged).then(|| bytes.clone());
+    let plugin = compile(runtime, name, bytes, limits).await?;
+    if let Some(bytes) = to_store {
+        store.put_plugin(name, &plugin.digest, &bytes, &settings).await?;
+    }
     Ok(plugin)
 }
 
@@ -118,20 +126,26 @@ pub async fn resolve(
     name: &str,
     digest: &str,
 ) -> Result<Option<Arc<Plugin>>, RegisterError> {
-    if let Some(p) = runtime.plugin(name)
+    let loaded = runtime.plugin(name);
+    if let Some(p) = &loaded
         && (digest.is_empty() || p.digest == digest)
     {
-        return Ok(Some(p));
+        return Ok(loaded);
+    }
+    // The run names another version. Reload only if the registry's current
+    // version is not the one loaded (a run submitted before an update runs
+    // the current version, without recompiling on every segment).
+    let current = store.plugin_digest(name).await?;
+    if let (Some(p), Some(current)) = (&loaded, &current)
+        && p.digest == *current
+    {
+        return Ok(loaded);
     }
     let Some((bytes, settings)) = store.plugin_component(name).await? else {
         return Ok(None);
     };
     let limits = settings.limits(runtime.default_limits());
-    let (rt, n) = (runtime.clone(), name.to_string());
-    let plugin = tokio::task::spawn_blocking(move || rt.add_plugin(&n, &bytes, limits))
-        .await
-        .map_err(|e| PluginError::Invalid(format!("compiler task failed: {e}")))??;
-    Ok(Some(plugin))
+    Ok(Some(compile(runtime, name, bytes, limits).await?))
 }
 
 impl Store {
@@ -190,6 +204,18 @@ impl Store {
             .bind(name)
             .fetch_optional(self.pool())
             .await?)
+    }
+
+    /// The digest and settings of plugin `name`, if registered.
+    async fn plugin_settings(&self, name: &str) -> Result<Option<(String, PluginSettings)>, StoreError> {
+        let row = sqlx::query(sql!(self, "SELECT digest, settings FROM plugins WHERE name = $1"))
+            .bind(name)
+            .fetch_optional(self.pool())
+            .await?;
+        match row {
+            None => Ok(None),
+            Some(r) => Ok(Some((r.try_get("digest")?, parse_settings(&r.try_get::<String, _>("settings")?)?))),
+        }
     }
 
     async fn plugin_component(&self, name: &str) -> Result<Option<(Vec<u8>, PluginSettings)>, StoreError> {
