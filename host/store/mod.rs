@@ -146,6 +146,13 @@ pub struct StoreOptions {
     pub acquire_timeout: Duration,
     /// Apply migrations at connect time. Default: true.
     pub migrate: bool,
+    /// PostgreSQL only: the server ends a session left idle inside a
+    /// transaction this long (`idle_in_transaction_session_timeout`),
+    /// rolling it back. The host's transactions take milliseconds; one left
+    /// open means the host stalled (a stopped process, a frozen VM), and its
+    /// row locks would otherwise keep every other host from taking over its
+    /// runs until it wakes. Default: 5 s.
+    pub pg_idle_in_transaction_timeout: Duration,
 }
 
 impl Default for StoreOptions {
@@ -156,6 +163,7 @@ impl Default for StoreOptions {
             busy_timeout: Duration::from_secs(5),
             acquire_timeout: Duration::from_secs(30),
             migrate: true,
+            pg_idle_in_transaction_timeout: Duration::from_secs(5),
         }
     }
 }
@@ -218,6 +226,18 @@ impl Store {
                 pool = pool.after_connect(move |conn, _| {
                     Box::pin(async move {
                         conn.execute(pragmas).await?;
+                        Ok(())
+                    })
+                });
+            } else {
+                let idle_ms = opts.pg_idle_in_transaction_timeout.as_millis().to_string();
+                pool = pool.after_connect(move |conn, _| {
+                    let idle_ms = idle_ms.clone();
+                    Box::pin(async move {
+                        sqlx::query("SELECT set_config('idle_in_transaction_session_timeout', $1, false)")
+                            .bind(idle_ms)
+                            .execute(&mut *conn)
+                            .await?;
                         Ok(())
                     })
                 });

@@ -169,3 +169,41 @@ both! {
         Ok(())
     }
 }
+
+/// Found by the fault-injection suite: a host SIGSTOPped inside a
+/// transaction held its run's row lock, so no other host could take the run
+/// over (claims skip locked rows) until it woke. PostgreSQL now ends such a
+/// session (`idle_in_transaction_session_timeout`), releasing the lock.
+/// PostgreSQL only: on SQLite one stalled writer holds the whole file, which
+/// is why several hosts need PostgreSQL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_ends_a_stalled_hosts_transaction_so_its_run_can_be_taken_over() -> Result<()> {
+    crate::harness::run_on(leasehold::Backend::Postgres, async |db: &TestDb| {
+        let options = leasehold::StoreOptions {
+            migrate: false,
+            pg_idle_in_transaction_timeout: Duration::from_millis(300),
+            ..Default::default()
+        };
+        let stalled = leasehold::Store::connect_with(db.url(), options).await?;
+        let (run, _) = db.store.create_run(&NewRun::new("testkit", "{}")).await?;
+        let held = stalled.claim("stalled", Duration::from_millis(200)).await?.expect("claimable");
+        // The stalled host is inside a write transaction on its run's row
+        // when it stops.
+        let mut tx = stalled.pool().begin().await?;
+        sqlx::query("UPDATE runs SET heartbeat_at = heartbeat_at WHERE id = $1")
+            .bind(run.id)
+            .execute(&mut *tx)
+            .await?;
+        tokio::time::sleep(Duration::from_millis(900)).await;
+        let taken = db.store.claim("other", Duration::from_secs(30)).await?;
+        ensure!(
+            taken.as_ref().is_some_and(|c| c.run.id == run.id && c.lease.fence == held.lease.fence + 1),
+            "the expired run was not taken over while the stalled transaction was open: {:?}",
+            taken.map(|c| c.lease)
+        );
+        ensure!(tx.commit().await.is_err(), "the stalled transaction committed after the takeover");
+        stalled.shutdown().await;
+        Ok(())
+    })
+    .await
+}
