@@ -37,8 +37,16 @@ pub(crate) async fn guard(
     .await?;
     match row {
         Some(_) => Ok(()),
-        None => Err(StoreError::LeaseLost(lease.clone())),
+        None => Err(rejected(lease)),
     }
+}
+
+/// A write refused by the (owner, fence) guard. Counted, so an operator
+/// (and the fault-injection suite) can see how often a stale segment (a
+/// zombie) tried to write after losing its lease.
+fn rejected(lease: &Lease) -> StoreError {
+    crate::metrics::global().fenced_writes_rejected.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    StoreError::LeaseLost(lease.clone())
 }
 
 fn ms(d: Duration) -> i64 {
@@ -210,7 +218,7 @@ impl Store {
                 .await?)
             })
             .await?;
-        expires.ok_or_else(|| StoreError::LeaseLost(lease.clone()))
+        expires.ok_or_else(|| rejected(lease))
     }
 
     /// Statement 3: appends `delta` to the run's `partial` and to its thread
@@ -231,7 +239,7 @@ impl Store {
             .bind(delta)
             .fetch_optional(&mut *tx)
             .await?
-            .ok_or_else(|| StoreError::LeaseLost(lease.clone()))?;
+            .ok_or_else(|| rejected(lease))?;
             let thread_id: String = row.try_get("thread_id")?;
             let pos = row.try_get::<i64, _>("emit_pos")? - 1;
             let payload = json!({ "pos": pos, "delta": delta });
@@ -316,7 +324,7 @@ impl Store {
             .bind(error)
             .fetch_optional(&mut *tx)
             .await?
-            .ok_or_else(|| StoreError::LeaseLost(lease.clone()))?;
+            .ok_or_else(|| rejected(lease))?;
             let payload = json!({ "status": status, "output": output, "error": error });
             events::append(self, &mut tx, &thread_id, lease.run_id, lease.fence, kind::MESSAGE, &payload)
                 .await?;
@@ -357,7 +365,7 @@ impl Store {
             .bind(delay)
             .fetch_optional(&mut *tx)
             .await?
-            .ok_or_else(|| StoreError::LeaseLost(lease.clone()))?;
+            .ok_or_else(|| rejected(lease))?;
             let thread_id: String = row.try_get("thread_id")?;
             let not_before: i64 = row.try_get("not_before")?;
             let payload = json!({ "status": status, "prompt": prompt, "not_before": not_before });

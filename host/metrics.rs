@@ -53,6 +53,9 @@ pub struct Metrics {
     pub claims: AtomicU64,
     pub claim_latency: Histogram,
     pub leases_lost: AtomicU64,
+    /// Writes refused by the (owner, fence) guard: renewals, ledger rows,
+    /// emits and closes from a segment that no longer holds its run.
+    pub fenced_writes_rejected: AtomicU64,
     pub reaped_resumable: AtomicU64,
     pub reaped_aborted: AtomicU64,
     pub segments_completed: AtomicU64,
@@ -102,6 +105,12 @@ impl Metrics {
         counter(&mut out, "leasehold_claims_total", "Runs claimed by this host.", &self.claims);
         self.claim_latency.render(&mut out, "leasehold_claim_seconds", "Time of one claim statement.");
         counter(&mut out, "leasehold_leases_lost_total", "Segments stopped because their lease was lost.", &self.leases_lost);
+        counter(
+            &mut out,
+            "leasehold_fenced_writes_rejected_total",
+            "Writes refused by the (owner, fence) guard: a segment wrote after losing its lease.",
+            &self.fenced_writes_rejected,
+        );
         let _ = writeln!(
             out,
             "# HELP leasehold_reaped_total Expired runs handled by this host's reaper.\n# TYPE leasehold_reaped_total counter\n\
