@@ -79,6 +79,16 @@ pub struct ServeOptions {
     /// This host's lease owner id. [default: <hostname>-<pid>]
     #[arg(long, env = "LEASEHOLD_OWNER")]
     pub owner: Option<String>,
+    /// How long one segment may run before it is sliced (suspended and
+    /// resumed by replay, which counts an attempt), in ms. Bounds how long a
+    /// looping guest holds a worker. [default: 30000]
+    #[arg(long, env = "LEASEHOLD_SEGMENT_BUDGET_MS")]
+    pub segment_budget_ms: Option<u64>,
+    /// Test only: shift this host's wall clock (log timestamps) by this many
+    /// ms, as if its machine's clock were off. Leases use the database's
+    /// clock, so this must change nothing else. [default: 0]
+    #[arg(long, env = "LEASEHOLD_TEST_CLOCK_SKEW_MS", hide = true, allow_negative_numbers = true)]
+    pub test_clock_skew_ms: Option<i64>,
 }
 
 /// Resolved settings.
@@ -102,6 +112,8 @@ pub struct Serve {
     pub max_component_bytes: usize,
     pub request_timeout: Duration,
     pub owner: Option<String>,
+    pub segment_budget: Duration,
+    pub test_clock_skew_ms: i64,
 }
 
 impl ServeOptions {
@@ -137,6 +149,8 @@ impl ServeOptions {
             max_component_bytes: self.max_component_bytes.or(file.max_component_bytes).unwrap_or(64 << 20),
             request_timeout: ms(self.request_timeout_ms.or(file.request_timeout_ms).unwrap_or(30_000)),
             owner: self.owner.or(file.owner),
+            segment_budget: ms(self.segment_budget_ms.or(file.segment_budget_ms).unwrap_or(30_000)),
+            test_clock_skew_ms: self.test_clock_skew_ms.or(file.test_clock_skew_ms).unwrap_or(0),
         };
         if serve.workers == 0 {
             bail!("--workers must be at least 1");
@@ -147,6 +161,9 @@ impl ServeOptions {
                 serve.max_instances,
                 serve.workers
             );
+        }
+        if serve.segment_budget < Duration::from_millis(10) {
+            bail!("--segment-budget-ms must be at least 10");
         }
         if serve.lease_ttl < Duration::from_millis(100) {
             bail!("--lease-ttl-ms must be at least 100");

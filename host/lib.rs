@@ -38,6 +38,7 @@ macro_rules! eligible_at {
 pub mod api;
 pub mod bench;
 pub mod bench_e2e;
+pub mod clock;
 pub mod effects;
 pub mod events;
 pub mod executor;
@@ -46,6 +47,7 @@ pub mod ledger;
 pub mod metrics;
 pub mod plugins;
 pub mod pool;
+pub mod progress;
 pub mod reaper;
 pub mod runtime;
 pub mod store;

@@ -37,6 +37,8 @@ enum LogFormat {
     Json,
 }
 
+// Parsed once at start-up: the size of the `serve` variant does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum Command {
     /// Run the service: the HTTP API, the worker pool and the reaper, on one
@@ -142,7 +144,10 @@ enum BenchCommand {
 fn init_logs(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("LEASEHOLD_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_timer(leasehold::clock::LogTime);
     match format {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().init(),
@@ -231,12 +236,18 @@ fn remove_sqlite(path: &std::path::Path) {
 }
 
 async fn serve(cfg: config::Serve) -> Result<()> {
+    if cfg.test_clock_skew_ms != 0 {
+        leasehold::clock::set_skew_ms(cfg.test_clock_skew_ms);
+        tracing::warn!(skew_ms = cfg.test_clock_skew_ms, "test setting: this host's wall clock is skewed");
+    }
     let store = connect_with_retry(&cfg.database_url).await?;
-    let runtime = Arc::new(Runtime::new(RuntimeConfig {
+    let mut runtime_config = RuntimeConfig {
         cache_dir: cfg.cache_dir.clone(),
         max_instances: cfg.max_instances,
         ..RuntimeConfig::default()
-    })?);
+    };
+    runtime_config.default_limits.segment_budget = cfg.segment_budget;
+    let runtime = Arc::new(Runtime::new(runtime_config)?);
     if cfg.plugins_dir.is_dir() {
         let settings = PluginSettings { http_allow: cfg.http_allow.clone() };
         let loaded = plugins::load_dir(&store, &runtime, &cfg.plugins_dir, &settings)
