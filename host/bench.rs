@@ -175,23 +175,15 @@ impl ClaimBench {
                 }
             });
         }
-        let progress = self.progress.then(|| {
-            let (done, total) = (done.clone(), self.runs);
-            tokio::spawn(async move {
-                loop {
-                    tokio::time::sleep(Duration::from_secs(1)).await;
-                    let n = done.load(Ordering::Relaxed);
-                    let rate = n as f64 / start.elapsed().as_secs_f64();
-                    eprintln!("{name}: {n}/{total} claimed ({rate:.0}/s)");
-                }
-            })
-        });
+        let progress = self
+            .progress
+            .then(|| crate::progress::Progress::start(name.to_string(), self.runs as u64, done.clone()));
         while let Some(r) = tasks.join_next().await {
             r??;
         }
         let secs = start.elapsed().as_secs_f64();
         if let Some(p) = progress {
-            p.abort();
+            p.finish();
         }
         let got = done.load(Ordering::Relaxed);
         if got != self.runs as u64 {

@@ -162,7 +162,10 @@ impl E2eBench {
     }
 
     async fn wait_completed(&self, store: &Store, want: i64) -> Result<(), BenchError> {
-        let mut last = Instant::now();
+        let shown = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let _bar = self
+            .progress
+            .then(|| crate::progress::Progress::start("completed", want as u64, shown.clone()));
         loop {
             let done: i64 = sqlx::query_scalar(sql!(store, "SELECT COUNT(*) FROM runs WHERE status = $1"))
                 .bind(RunStatus::Completed.as_str())
@@ -182,10 +185,7 @@ impl E2eBench {
             if stuck > 0 {
                 return Err(BenchError::Setup(format!("{stuck} bench runs did not complete (see the log)")));
             }
-            if last.elapsed() > Duration::from_secs(2) {
-                self.say(format_args!("  {done}/{want} completed"));
-                last = Instant::now();
-            }
+            shown.store(done.max(0) as u64, std::sync::atomic::Ordering::Relaxed);
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
     }
