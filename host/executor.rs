@@ -178,12 +178,19 @@ impl Executor {
                 return self.finish(&lease, Outcome::Failed { error }, GuestErrorKind::UnknownPlugin).await;
             }
         };
-        match self.store.reconcile(&lease).await {
-            Ok(_) => {}
-            Err(StoreError::LeaseLost(_)) => return Ok(SegmentOutcome::LeaseLost),
-            Err(e) => return Err(e),
-        }
-        let recorded = self.store.effects(run.id).await?;
+        // Fence 1 is a run's first segment: no segment held it before, so it
+        // has no ledger to reconcile or replay (two round trips saved on the
+        // common path).
+        let recorded = if lease.fence == 1 {
+            Vec::new()
+        } else {
+            match self.store.reconcile(&lease).await {
+                Ok(_) => {}
+                Err(StoreError::LeaseLost(_)) => return Ok(SegmentOutcome::LeaseLost),
+                Err(e) => return Err(e),
+            }
+            self.store.effects(run.id).await?
+        };
         // After a death, the stream is kept only up to the first call whose
         // outcome was never recorded: past it, the replay may see another
         // result (a re-issued chat, `in-doubt`) and stream something else.
