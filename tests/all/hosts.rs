@@ -5,63 +5,15 @@
 //! (default 1000).
 
 use std::collections::HashMap;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, ensure};
+use anyhow::{Result, ensure};
 use serde_json::json;
 
 use crate::harness::{TestDb, both};
 use crate::plugins;
+use crate::serve_proc::{ServeArgs, ServeProc};
 use crate::sink::Sink;
-
-struct Host {
-    child: Child,
-    base: String,
-}
-
-impl Drop for Host {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn free_port() -> Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-}
-
-fn start_host(db_url: &str, plugins_dir: &std::path::Path, n: usize) -> Result<Host> {
-    let port = free_port()?;
-    let log = std::fs::File::create(plugins_dir.join(format!("host-{n}.log")))?;
-    let child = Command::new(env!("CARGO_BIN_EXE_leasehold"))
-        .args(["serve", "--database-url", db_url, "--listen", &format!("127.0.0.1:{port}")])
-        .arg("--plugins-dir")
-        .arg(plugins_dir)
-        .args(["--http-allow", "127.0.0.1", "--workers", "4", "--lease-ttl-ms", "3000"])
-        .args(["--reaper-interval-ms", "500", "--poll-ms", "200", "--owner", &format!("host-{n}")])
-        .arg("--cache-dir")
-        .arg(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/component-cache"))
-        .env("LEASEHOLD_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(log)
-        .spawn()
-        .context("starting leasehold serve")?;
-    Ok(Host { child, base: format!("http://127.0.0.1:{port}") })
-}
-
-async fn wait_healthy(http: &reqwest::Client, host: &Host) -> Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        if let Ok(r) = http.get(format!("{}/healthz", host.base)).send().await
-            && r.status() == 200
-        {
-            return Ok(());
-        }
-        ensure!(Instant::now() < deadline, "{} never became healthy", host.base);
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
 
 async fn count(db: &TestDb, status: &str) -> Result<i64> {
     Ok(sqlx::query_scalar("SELECT COUNT(*) FROM runs WHERE status = $1")
@@ -81,10 +33,10 @@ both! {
         let http = reqwest::Client::new();
         let mut hosts = Vec::new();
         for n in 0..3 {
-            hosts.push(Some(start_host(db.url(), dir.path(), n)?));
+            hosts.push(Some(ServeProc::spawn(&ServeArgs::new(db.url(), dir.path(), format!("host-{n}"))?)?));
         }
         for h in hosts.iter().flatten() {
-            wait_healthy(&http, h).await?;
+            h.wait_healthy(&http, Duration::from_secs(60)).await?;
         }
         // Submitted through all three APIs in turn.
         let started = Instant::now();
@@ -137,6 +89,41 @@ both! {
              {} sink hits, {} keys re-sent after the kill; recovered {:?} after the kill",
             db.backend.name(), hits.len(), repeated.len(), killed_at.elapsed()
         );
+        Ok(())
+    }
+}
+
+both! {
+    async fn sigterm_suspends_a_running_segment_for_another_host_and_exits_zero(db) {
+        let dir = tempfile::tempdir()?;
+        std::fs::write(dir.path().join("testkit.wasm"), plugins::rust_plugin("testkit")?)?;
+        let http = reqwest::Client::new();
+        let mut args = ServeArgs::new(db.url(), dir.path(), "host-term".into())?;
+        args.extra = vec!["--shutdown-grace-ms=300".into()];
+        let mut host = ServeProc::spawn(&args)?;
+        host.wait_healthy(&http, Duration::from_secs(60)).await?;
+        // A guest that spins far longer than the grace period.
+        let body = json!({ "plugin": "testkit", "input": { "mode": "spin-then-put", "spins": 1u64 << 40 } });
+        let run: serde_json::Value = http.post(format!("{}/v1/runs", host.base)).json(&body).send().await?.json().await?;
+        let id = run["id"].as_i64().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while count(db, "running").await? == 0 {
+            ensure!(Instant::now() < deadline, "the run never started");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        std::process::Command::new("kill").args(["-TERM", &host.pid().to_string()]).status()?;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let exit = loop {
+            if let Some(status) = host.child.try_wait()? {
+                break status;
+            }
+            ensure!(Instant::now() < deadline, "serve did not exit within 30 s of SIGTERM");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        ensure!(exit.code() == Some(0), "serve exited with {exit:?}; log:\n{}", std::fs::read_to_string(&args.log)?);
+        let (status, owner): (String, Option<String>) =
+            sqlx::query_as("SELECT status, lease_owner FROM runs WHERE id = $1").bind(id).fetch_one(db.store.pool()).await?;
+        ensure!(status == "waiting_takeover" && owner.is_none(), "after SIGTERM the run is {status}, owner {owner:?}");
         Ok(())
     }
 }

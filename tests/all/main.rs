@@ -6,6 +6,7 @@ mod plugins;
 
 mod api;
 mod bench_e2e;
+mod chaos;
 mod concurrency;
 mod crash;
 mod fake_model;
@@ -14,4 +15,5 @@ mod model;
 mod conformance;
 mod interleaving;
 mod runtime;
+mod serve_proc;
 mod sink;

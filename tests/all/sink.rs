@@ -1,6 +1,7 @@
 //! A counting HTTP effect sink: records every request's idempotency key and
 //! fence on arrival, and can hold its responses (to kill a worker while its
-//! request is in flight).
+//! request is in flight). A JSON body with `delay_ms` is answered that much
+//! later.
 
 use std::sync::{Arc, Mutex};
 
@@ -13,6 +14,8 @@ use axum::routing::post;
 pub struct Hit {
     pub key: String,
     pub fence: String,
+    /// The request body, as sent.
+    pub body: String,
 }
 
 #[derive(Clone)]
@@ -20,6 +23,8 @@ struct Shared {
     hits: Arc<Mutex<Vec<Hit>>>,
     open: tokio::sync::watch::Receiver<bool>,
     delay: std::time::Duration,
+    /// Extra delay, uniform in [0, jitter), per request.
+    jitter: std::time::Duration,
 }
 
 pub struct Sink {
@@ -36,11 +41,17 @@ impl Sink {
 
     /// A sink that takes `delay` to answer each request.
     pub async fn start_with_delay(delay: std::time::Duration) -> Result<Sink> {
+        Sink::start_with_jitter(delay, std::time::Duration::ZERO).await
+    }
+
+    /// A sink that takes `delay` plus a random part of `jitter` to answer
+    /// each request: a window in which a worker can die mid-effect.
+    pub async fn start_with_jitter(delay: std::time::Duration, jitter: std::time::Duration) -> Result<Sink> {
         let hits = Arc::new(Mutex::new(Vec::new()));
         let (gate, open) = tokio::sync::watch::channel(true);
         let app = axum::Router::new()
             .route("/effect", post(hit))
-            .with_state(Shared { hits: hits.clone(), open, delay });
+            .with_state(Shared { hits: hits.clone(), open, delay, jitter });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let url = format!("http://{}/effect", listener.local_addr()?);
         let server = tokio::spawn(async move {
@@ -65,11 +76,15 @@ impl Drop for Sink {
     }
 }
 
-async fn hit(State(s): State<Shared>, headers: HeaderMap) -> &'static str {
+async fn hit(State(s): State<Shared>, headers: HeaderMap, body: axum::body::Bytes) -> &'static str {
     let get = |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
-    s.hits.lock().unwrap().push(Hit { key: get("idempotency-key"), fence: get("leasehold-fence") });
+    let body = String::from_utf8_lossy(&body).into_owned();
+    // A body may ask for a slow answer: {"delay_ms": N}.
+    let asked = serde_json::from_str::<serde_json::Value>(&body).ok().and_then(|b| b["delay_ms"].as_u64());
+    s.hits.lock().unwrap().push(Hit { key: get("idempotency-key"), fence: get("leasehold-fence"), body });
     let mut open = s.open.clone();
     let _ = open.wait_for(|open| *open).await;
-    tokio::time::sleep(s.delay).await;
+    let jitter = if s.jitter.is_zero() { std::time::Duration::ZERO } else { s.jitter.mul_f64(rand::random::<f64>()) };
+    tokio::time::sleep(s.delay + jitter + std::time::Duration::from_millis(asked.unwrap_or(0))).await;
     "applied"
 }

@@ -11,6 +11,14 @@
 //!   the result, or `"in-doubt: …"` when the host reports it in doubt.
 //! * `http-steps`: `steps` times, POSTs `{"step": i}` to `url` with `http`
 //!   then emits `"step <i> "`; returns `"did <n> http steps"`.
+//! * `chaos`: `steps` times: burns `spin` iterations, increments the
+//!   counter `count-<tag>` (`kv.get` then `kv.put`, local), POSTs
+//!   `{"tag", "step", "kind": "keyed"}` to `url` with `http` and the same
+//!   with `"kind": "unkeyed"` with `http.unkeyed`, both carrying the
+//!   input's `delay_ms` for the sink to wait (an in-doubt answer is
+//!   counted, not retried), then emits `"step <i> "`; burns `spin` again
+//!   and returns `"did <n> chaos steps, <k> in doubt"`. For the
+//!   fault-injection suite, which checks each effect at its sink.
 //! * `calls`: makes `n` `log` calls at trace level (host-call overhead).
 //! * hostile: `loop` (never returns), `oom` (allocates without bound),
 //!   `emit-bomb` (emits 1 MiB chunks forever), `trap` (unreachable),
@@ -44,6 +52,32 @@ impl Guest for Testkit {
                     emit(&format!("step {i} "));
                 }
                 Ok(format!("did {n} steps"))
+            }
+            "chaos" => {
+                let n = v["steps"].as_u64().unwrap_or(3);
+                let spins = v["spin"].as_u64().unwrap_or(0);
+                let tag = v["tag"].as_str().unwrap_or("untagged");
+                let counter = format!("count-{tag}");
+                let mut in_doubt = 0;
+                for i in 0..n {
+                    spin(spins);
+                    let got = effect("kv.get", &serde_json::json!({ "key": counter }).to_string()).map_err(describe)?;
+                    let count = serde_json::from_str::<Value>(&got).ok().and_then(|c| c.as_u64()).unwrap_or(0);
+                    let put = serde_json::json!({ "key": counter, "value": count + 1 });
+                    effect("kv.put", &put.to_string()).map_err(describe)?;
+                    for (name, kind) in [("http", "keyed"), ("http.unkeyed", "unkeyed")] {
+                        let body = serde_json::json!({ "tag": tag, "step": i, "kind": kind, "delay_ms": v["delay_ms"] });
+                        let request = serde_json::json!({ "method": "POST", "url": v["url"], "body": body });
+                        match effect(name, &request.to_string()) {
+                            Ok(_) => {}
+                            Err(EffectError::InDoubt(_)) => in_doubt += 1,
+                            Err(e) => return Err(describe(e)),
+                        }
+                    }
+                    emit(&format!("step {i} "));
+                }
+                spin(spins);
+                Ok(format!("did {n} chaos steps, {in_doubt} in doubt"))
             }
             "calls" => {
                 let n = v["n"].as_u64().unwrap_or(0);

@@ -1,0 +1,1213 @@
+//! The fault-injection suite (issue 5): three real `leasehold serve`
+//! processes on one database run a mixed load while a seeded schedule of
+//! faults hits them; then, once everything is quiet, the invariants are
+//! counted, not sampled.
+//!
+//! Faults, each counted:
+//! * **kill**: SIGKILL of a host at a random moment (mid-effect included),
+//!   then a restart under a new owner id. Each kill is classified by where
+//!   the killed host's runs stood in the ledger (`kill_points`).
+//! * **zombie**: SIGSTOP a host holding runs until every one of them has
+//!   been taken over with a later fence, then SIGCONT. Its writes must be
+//!   refused by the fence (`leasehold_fenced_writes_rejected_total`).
+//! * **database**: PostgreSQL: `pg_terminate_backend` of every host
+//!   connection, and restarts of the server (fast and immediate) mid-load,
+//!   on a cluster the suite owns. SQLite: an outside process holds the
+//!   write lock for up to 2 s (and kills land mid-transaction).
+//! * **clock skew**: host 1 runs an hour ahead and host 2 an hour behind
+//!   (`--test-clock-skew-ms`); leases use the database clock, so no lease
+//!   may be taken from a live host (`steals`) and a dead host's runs come
+//!   back within the lease TTL plus the reaper interval.
+//! * **duplicate delivery**: some runs are submitted three times at once,
+//!   to three hosts, with one idempotency key; `wait` runs get their input
+//!   twice at once.
+//! * **hostile guests**: loops, memory bombs, emit bombs, traps and huge
+//!   outputs mixed into the load.
+//!
+//! At the end: every acknowledged run is terminal; each chaos run's local
+//! counter equals its steps; each keyed POST reached the sink under one
+//! key; no unkeyed POST reached it twice; audit triggers installed in the
+//! test database saw no ledger row or thread event written under a fence
+//! other than the run's current one; no host crashed.
+//!
+//! Settings (environment): `LEASEHOLD_CHAOS_SEED` (default: random; printed,
+//! and the same seed replays the same schedule and load),
+//! `LEASEHOLD_CHAOS_RUNS` (200), `LEASEHOLD_CHAOS_KILLS` (10),
+//! `LEASEHOLD_CHAOS_ZOMBIES` (kills / 5, at least 2),
+//! `LEASEHOLD_CHAOS_DB_FAULTS` (kills / 5, at least 3). The long mode is
+//! `LEASEHOLD_CHAOS_RUNS=10000 LEASEHOLD_CHAOS_KILLS=200`. Each run ends with
+//! one JSON line on stderr, also written to `target/chaos/`.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use leasehold::{Backend, Store};
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use serde_json::{Value, json};
+
+use crate::plugins;
+use crate::serve_proc::{ServeArgs, ServeProc};
+use crate::sink::Sink;
+
+const HOSTS: usize = 3;
+const TTL_MS: u64 = 3000;
+const REAPER_MS: u64 = 500;
+const POLL_MS: u64 = 200;
+/// Host 0 keeps the true time; host 1 is an hour ahead, host 2 an hour behind.
+const SKEWS_MS: [i64; HOSTS] = [0, 3_600_000, -3_600_000];
+/// Acknowledged runs not yet finished, at most.
+const IN_FLIGHT: i64 = 24;
+const TERMINAL: &str = "('completed','failed','aborted','cancelled')";
+const HOSTILE: [&str; 5] = ["loop", "oom", "emit-bomb", "trap", "big-output"];
+
+fn env_num(name: &str) -> Option<u64> {
+    std::env::var(name).ok().and_then(|v| v.parse().ok())
+}
+
+#[derive(Debug, Clone)]
+struct Settings {
+    seed: u64,
+    runs: usize,
+    kills: usize,
+    zombies: usize,
+    db_faults: usize,
+}
+
+impl Settings {
+    fn from_env() -> Settings {
+        let seed = env_num("LEASEHOLD_CHAOS_SEED").unwrap_or_else(rand::random);
+        let runs = env_num("LEASEHOLD_CHAOS_RUNS").unwrap_or(200) as usize;
+        let kills = env_num("LEASEHOLD_CHAOS_KILLS").unwrap_or(10) as usize;
+        let zombies = env_num("LEASEHOLD_CHAOS_ZOMBIES").map_or((kills / 5).max(2), |v| v as usize);
+        let db_faults = env_num("LEASEHOLD_CHAOS_DB_FAULTS").map_or((kills / 5).max(3), |v| v as usize);
+        Settings { seed, runs, kills, zombies, db_faults }
+    }
+}
+
+// ---------------------------------------------------------------- schedule
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum DbFault {
+    TerminateBackends,
+    RestartFast,
+    RestartImmediate,
+    HoldWriteLock { ms: u64 },
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Fault {
+    /// SIGKILL `host`; restart it `restart_after_ms` later.
+    Kill { host: usize, restart_after_ms: u64 },
+    Zombie { host: usize },
+    Db(DbFault),
+}
+
+#[derive(Debug, Clone)]
+enum Kind {
+    /// testkit `chaos` with `steps` steps; the sink answers each POST
+    /// `delay_ms` late (long enough, for some runs, that leases are renewed
+    /// mid-effect).
+    Chaos { steps: u64, spin: u64, delay_ms: u64 },
+    /// Submitted three times at once with one idempotency key.
+    Duplicate { steps: u64 },
+    /// Cancelled `after_ms` after it is acknowledged.
+    Cancel { steps: u64, after_ms: u64 },
+    /// testkit `wait`; its input is delivered twice at once.
+    Wait,
+    Hostile(&'static str),
+}
+
+/// The schedule and the load: both come from the seed alone.
+fn plan(s: &Settings, backend: Backend) -> (Vec<(u64, Fault)>, Vec<Kind>) {
+    let mut rng = StdRng::seed_from_u64(s.seed);
+    let mut faults = Vec::new();
+    for _ in 0..s.kills {
+        faults.push(Fault::Kill { host: rng.random_range(0..HOSTS), restart_after_ms: rng.random_range(0..800) });
+    }
+    for _ in 0..s.zombies {
+        faults.push(Fault::Zombie { host: rng.random_range(0..HOSTS) });
+    }
+    for _ in 0..s.db_faults {
+        faults.push(Fault::Db(match backend {
+            Backend::Postgres => match rng.random_range(0..3) {
+                0 => DbFault::TerminateBackends,
+                1 => DbFault::RestartFast,
+                _ => DbFault::RestartImmediate,
+            },
+            Backend::Sqlite => DbFault::HoldWriteLock { ms: rng.random_range(300..2000) },
+        }));
+    }
+    faults.shuffle(&mut rng);
+    let schedule = faults.into_iter().map(|f| (rng.random_range(100..700), f)).collect();
+    let load = (0..s.runs)
+        .map(|_| {
+            let steps = rng.random_range(1..=3);
+            match rng.random_range(0..100) {
+                0..3 => Kind::Hostile(HOSTILE[rng.random_range(0..HOSTILE.len())]),
+                3..7 => Kind::Wait,
+                7..12 => Kind::Duplicate { steps },
+                12..15 => Kind::Cancel { steps, after_ms: rng.random_range(0..150) },
+                15..25 => Kind::Chaos { steps, spin: 0, delay_ms: rng.random_range(1000..2500) },
+                _ => Kind::Chaos { steps, spin: rng.random_range(0..3_000_000), delay_ms: 0 },
+            }
+        })
+        .collect();
+    (schedule, load)
+}
+
+// ---------------------------------------------------------------- database
+
+/// A PostgreSQL cluster of the suite's own, so it can be restarted.
+struct PgCluster {
+    dir: tempfile::TempDir,
+    pg_ctl: PathBuf,
+    runas: Vec<String>,
+    url: String,
+}
+
+fn pg_bin(name: &str) -> Option<PathBuf> {
+    let mut found: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
+        .ok()?
+        .flatten()
+        .map(|d| d.path().join("bin").join(name))
+        .filter(|p| p.exists())
+        .collect();
+    found.sort();
+    found.pop()
+}
+
+impl PgCluster {
+    fn start() -> Result<PgCluster> {
+        let (Some(initdb), Some(pg_ctl)) = (pg_bin("initdb"), pg_bin("pg_ctl")) else {
+            bail!("the PostgreSQL chaos run restarts its own cluster: install the server (apt-get install postgresql)");
+        };
+        let dir = tempfile::Builder::new().prefix("leasehold-chaos-pg").tempdir()?;
+        let mut runas = Vec::new();
+        // initdb refuses to run as root.
+        if Command::new("id").arg("-u").output()?.stdout.starts_with(b"0") {
+            if !Command::new("id").arg("postgres").output()?.status.success() {
+                Command::new("useradd").args(["--system", "--no-create-home", "postgres"]).status()?;
+            }
+            Command::new("chown").arg("postgres").arg(dir.path()).status()?;
+            runas = vec!["runuser".into(), "-u".into(), "postgres".into(), "--".into()];
+        }
+        let port = crate::serve_proc::free_port()?;
+        let run = |program: &Path, args: &[&str]| -> Result<()> {
+            let mut cmd = match runas.split_first() {
+                Some((first, rest)) => {
+                    let mut c = Command::new(first);
+                    c.args(rest).arg(program);
+                    c
+                }
+                None => Command::new(program),
+            };
+            let out = cmd.args(args).output()?;
+            ensure!(out.status.success(), "{}: {}", program.display(), String::from_utf8_lossy(&out.stderr));
+            Ok(())
+        };
+        let data = dir.path().join("data");
+        let data = data.to_str().context("temp dir path")?.to_string();
+        run(&initdb, &["-D", &data, "-U", "postgres", "--auth=trust"])?;
+        let opts = format!(
+            "-p {port} -k {} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=300",
+            dir.path().display()
+        );
+        let log = dir.path().join("server.log");
+        run(&pg_ctl, &["-D", &data, "-l", log.to_str().unwrap(), "-w", "-o", &opts, "start"])?;
+        Ok(PgCluster { url: format!("postgres://postgres@127.0.0.1:{port}/postgres"), dir, pg_ctl, runas })
+    }
+
+    fn pg_ctl(&self, args: &[&str]) -> Result<()> {
+        let data = self.dir.path().join("data");
+        let mut cmd = match self.runas.split_first() {
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(&self.pg_ctl);
+                c
+            }
+            None => Command::new(&self.pg_ctl),
+        };
+        let out = cmd.arg("-D").arg(&data).args(args).output()?;
+        ensure!(out.status.success(), "pg_ctl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        Ok(())
+    }
+
+    fn restart(&self, mode: &str) -> Result<()> {
+        // -l: the new postmaster must not inherit our pipes, or reading
+        // pg_ctl's output never ends.
+        let log = self.dir.path().join("server.log");
+        self.pg_ctl(&["-w", "-m", mode, "-l", log.to_str().context("log path")?, "restart"])
+    }
+}
+
+impl Drop for PgCluster {
+    fn drop(&mut self) {
+        let _ = self.pg_ctl(&["-m", "immediate", "stop"]);
+    }
+}
+
+/// Test-only audit triggers, on the database's clock:
+/// * a ledger row or thread event written under a fence other than the
+///   run's current one is a stale write (`chaos_stale`);
+/// * every takeover is recorded with how long its old lease had left
+///   (`chaos_takeovers`): a steal is a takeover of a lease not yet expired;
+/// * a lease expiry written outside `[now - 1 s, now + TTL + 1 s]`
+///   (`chaos_leases`) was computed from some other clock: a skewed host's.
+const AUDIT_SQLITE: &str = "
+CREATE TABLE chaos_stale (tbl TEXT, run_id INTEGER, row_fence INTEGER, run_fence INTEGER, seq INTEGER);
+CREATE TABLE chaos_takeovers (run_id INTEGER, old_owner TEXT, old_fence INTEGER, new_owner TEXT, expires_in_ms INTEGER);
+CREATE TABLE chaos_leases (run_id INTEGER, owner TEXT, expires_in_ms INTEGER);
+CREATE TABLE chaos_bounds (max_lease_ms INTEGER);
+CREATE TRIGGER chaos_effects_insert AFTER INSERT ON effects
+  WHEN NEW.fence_started <> (SELECT fence FROM runs WHERE id = NEW.run_id)
+  BEGIN INSERT INTO chaos_stale VALUES ('effects', NEW.run_id, NEW.fence_started, (SELECT fence FROM runs WHERE id = NEW.run_id), NEW.seq); END;
+CREATE TRIGGER chaos_effects_start AFTER UPDATE OF fence_started ON effects
+  WHEN NEW.fence_started IS NOT OLD.fence_started AND NEW.fence_started <> (SELECT fence FROM runs WHERE id = NEW.run_id)
+  BEGIN INSERT INTO chaos_stale VALUES ('effects', NEW.run_id, NEW.fence_started, (SELECT fence FROM runs WHERE id = NEW.run_id), NEW.seq); END;
+CREATE TRIGGER chaos_effects_complete AFTER UPDATE OF fence_completed ON effects
+  WHEN NEW.fence_completed IS NOT OLD.fence_completed AND NEW.fence_completed <> (SELECT fence FROM runs WHERE id = NEW.run_id)
+  BEGIN INSERT INTO chaos_stale VALUES ('effects', NEW.run_id, NEW.fence_completed, (SELECT fence FROM runs WHERE id = NEW.run_id), NEW.seq); END;
+CREATE TRIGGER chaos_events AFTER INSERT ON events
+  WHEN NEW.fence <> (SELECT fence FROM runs WHERE id = NEW.run_id)
+  BEGIN INSERT INTO chaos_stale VALUES ('events', NEW.run_id, NEW.fence, (SELECT fence FROM runs WHERE id = NEW.run_id), NEW.seq); END;
+CREATE TRIGGER chaos_takeover AFTER UPDATE ON runs
+  WHEN OLD.status = 'running' AND NEW.status = 'running' AND NEW.fence > OLD.fence
+  BEGIN INSERT INTO chaos_takeovers VALUES (OLD.id, OLD.lease_owner, OLD.fence, NEW.lease_owner,
+        OLD.lease_expires_at - CAST(unixepoch('subsec') * 1000 AS INTEGER)); END;
+CREATE TRIGGER chaos_lease AFTER UPDATE OF lease_expires_at ON runs
+  WHEN NEW.lease_expires_at IS NOT NULL AND NEW.lease_expires_at IS NOT OLD.lease_expires_at
+   AND (NEW.lease_expires_at < CAST(unixepoch('subsec') * 1000 AS INTEGER) - 1000
+        OR NEW.lease_expires_at > CAST(unixepoch('subsec') * 1000 AS INTEGER) + (SELECT max_lease_ms FROM chaos_bounds))
+  BEGIN INSERT INTO chaos_leases VALUES (NEW.id, NEW.lease_owner,
+        NEW.lease_expires_at - CAST(unixepoch('subsec') * 1000 AS INTEGER)); END;
+";
+
+const AUDIT_POSTGRES: &str = "
+CREATE TABLE chaos_stale (tbl TEXT, run_id BIGINT, row_fence BIGINT, run_fence BIGINT, seq BIGINT);
+CREATE TABLE chaos_takeovers (run_id BIGINT, old_owner TEXT, old_fence BIGINT, new_owner TEXT, expires_in_ms BIGINT);
+CREATE TABLE chaos_leases (run_id BIGINT, owner TEXT, expires_in_ms BIGINT);
+CREATE TABLE chaos_bounds (max_lease_ms BIGINT);
+CREATE FUNCTION chaos_effect() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE f BIGINT;
+BEGIN
+  SELECT fence INTO f FROM runs WHERE id = NEW.run_id;
+  IF TG_OP = 'INSERT' OR NEW.fence_started IS DISTINCT FROM OLD.fence_started THEN
+    IF NEW.fence_started <> f THEN INSERT INTO chaos_stale VALUES ('effects', NEW.run_id, NEW.fence_started, f, NEW.seq); END IF;
+  END IF;
+  IF TG_OP = 'UPDATE' AND NEW.fence_completed IS DISTINCT FROM OLD.fence_completed AND NEW.fence_completed <> f THEN
+    INSERT INTO chaos_stale VALUES ('effects', NEW.run_id, NEW.fence_completed, f, NEW.seq);
+  END IF;
+  RETURN NULL;
+END $$;
+CREATE TRIGGER chaos_effects AFTER INSERT OR UPDATE ON effects FOR EACH ROW EXECUTE FUNCTION chaos_effect();
+CREATE FUNCTION chaos_event() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE f BIGINT;
+BEGIN
+  SELECT fence INTO f FROM runs WHERE id = NEW.run_id;
+  IF NEW.fence <> f THEN INSERT INTO chaos_stale VALUES ('events', NEW.run_id, NEW.fence, f, NEW.seq); END IF;
+  RETURN NULL;
+END $$;
+CREATE TRIGGER chaos_events AFTER INSERT ON events FOR EACH ROW EXECUTE FUNCTION chaos_event();
+CREATE FUNCTION chaos_takeover() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE now_ms BIGINT := (extract(epoch from now()) * 1000)::bigint;
+BEGIN
+  IF OLD.status = 'running' AND NEW.status = 'running' AND NEW.fence > OLD.fence THEN
+    INSERT INTO chaos_takeovers VALUES (OLD.id, OLD.lease_owner, OLD.fence, NEW.lease_owner, OLD.lease_expires_at - now_ms);
+  END IF;
+  IF NEW.lease_expires_at IS NOT NULL AND NEW.lease_expires_at IS DISTINCT FROM OLD.lease_expires_at
+     AND (NEW.lease_expires_at < now_ms - 1000
+          OR NEW.lease_expires_at > now_ms + (SELECT max_lease_ms FROM chaos_bounds)) THEN
+    INSERT INTO chaos_leases VALUES (NEW.id, NEW.lease_owner, NEW.lease_expires_at - now_ms);
+  END IF;
+  RETURN NULL;
+END $$;
+CREATE TRIGGER chaos_runs AFTER UPDATE ON runs FOR EACH ROW EXECUTE FUNCTION chaos_takeover();
+";
+
+/// Runs `f` until it succeeds: the harness's own reads must ride out the
+/// database faults it injects.
+async fn patiently<T, F: AsyncFn() -> Result<T, sqlx::Error>>(f: F) -> Result<T> {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        match f().await {
+            Ok(v) => return Ok(v),
+            Err(e) if Instant::now() < deadline => {
+                let _ = e;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+// ---------------------------------------------------------------- hosts
+
+struct Slot {
+    proc: Option<ServeProc>,
+    port: u16,
+    generation: u32,
+    /// SIGSTOPped now.
+    stopped: bool,
+}
+
+struct Cluster<'a> {
+    slots: Vec<Mutex<Slot>>,
+    db_url: &'a str,
+    dir: &'a Path,
+    http: reqwest::Client,
+    /// Owners (incarnations) that were killed or stopped: only their leases
+    /// may be taken over.
+    faulted: Mutex<HashSet<String>>,
+    host_crashes: AtomicU64,
+}
+
+fn owner(host: usize, generation: u32) -> String {
+    format!("h{host}.{generation}")
+}
+
+impl<'a> Cluster<'a> {
+    fn args(&self, host: usize, slot: &Slot) -> Result<ServeArgs<'a>> {
+        let mut a = ServeArgs::new(self.db_url, self.dir, owner(host, slot.generation))?;
+        a.log = self.dir.join(format!("host-{host}.log"));
+        a.port = slot.port;
+        a.lease_ttl_ms = TTL_MS;
+        a.reaper_interval_ms = REAPER_MS;
+        a.poll_ms = POLL_MS;
+        a.extra = vec![
+            format!("--test-clock-skew-ms={}", SKEWS_MS[host]),
+            "--segment-budget-ms=2000".into(),
+            "--shutdown-grace-ms=1000".into(),
+        ];
+        Ok(a)
+    }
+
+    async fn start(db_url: &'a str, dir: &'a Path) -> Result<Cluster<'a>> {
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(10))
+            .connect_timeout(Duration::from_secs(1))
+            .build()?;
+        let mut slots = Vec::new();
+        for _ in 0..HOSTS {
+            slots.push(Mutex::new(Slot { proc: None, port: crate::serve_proc::free_port()?, generation: 0, stopped: false }));
+        }
+        let c = Cluster {
+            slots,
+            db_url,
+            dir,
+            http,
+            faulted: Mutex::new(HashSet::new()),
+            host_crashes: AtomicU64::new(0),
+        };
+        for h in 0..HOSTS {
+            c.spawn(h)?;
+        }
+        for h in 0..HOSTS {
+            c.wait_healthy(h).await?;
+        }
+        Ok(c)
+    }
+
+    fn spawn(&self, host: usize) -> Result<()> {
+        let mut slot = self.slots[host].lock().unwrap();
+        slot.generation += 1;
+        let p = ServeProc::spawn(&self.args(host, &slot)?)?;
+        slot.proc = Some(p);
+        slot.stopped = false;
+        Ok(())
+    }
+
+    async fn wait_healthy(&self, host: usize) -> Result<()> {
+        crate::serve_proc::wait_healthy(&self.http, &self.base(host), Duration::from_secs(60)).await
+    }
+
+    fn base(&self, host: usize) -> String {
+        format!("http://127.0.0.1:{}", self.slots[host].lock().unwrap().port)
+    }
+
+    fn owner_of(&self, host: usize) -> String {
+        owner(host, self.slots[host].lock().unwrap().generation)
+    }
+
+    fn pid(&self, host: usize) -> Option<u32> {
+        self.slots[host].lock().unwrap().proc.as_ref().map(|p| p.pid())
+    }
+
+    /// Hosts that answer: running and not stopped.
+    fn live(&self) -> Vec<usize> {
+        (0..HOSTS)
+            .filter(|&h| {
+                let s = self.slots[h].lock().unwrap();
+                s.proc.is_some() && !s.stopped
+            })
+            .collect()
+    }
+
+    fn kill(&self, host: usize) {
+        let mut slot = self.slots[host].lock().unwrap();
+        self.faulted.lock().unwrap().insert(owner(host, slot.generation));
+        slot.proc = None; // Drop: SIGKILL and reap
+    }
+
+    /// A host that exited without being killed is a crash: counted, then
+    /// restarted so the load goes on.
+    fn reap_crashes(&self) -> Result<()> {
+        for h in 0..HOSTS {
+            let exited = {
+                let mut s = self.slots[h].lock().unwrap();
+                match s.proc.as_mut() {
+                    Some(p) => p.child.try_wait()?.is_some(),
+                    None => false,
+                }
+            };
+            if exited {
+                self.host_crashes.fetch_add(1, Relaxed);
+                eprintln!("chaos: host {h} exited on its own; see {}", self.dir.join(format!("host-{h}.log")).display());
+                self.spawn(h)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn metric(text: &str, name: &str) -> Option<u64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse::<f64>().ok())
+        .map(|v| v as u64)
+}
+
+// ---------------------------------------------------------------- API calls
+
+/// Sends a request built by `req` to a live host, moving on to another on a
+/// transport error or a 5xx (a host is dead, stopped or its database is
+/// down), until an answer below 500 arrives.
+async fn call(
+    c: &Cluster<'_>,
+    rng_seed: u64,
+    req: impl Fn(&reqwest::Client, &str) -> reqwest::RequestBuilder,
+) -> Result<(u16, Value)> {
+    let mut rng = StdRng::seed_from_u64(rng_seed);
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        let live = c.live();
+        if let Some(&h) = live.get(rng.random_range(0..live.len().max(1)))
+            && let Ok(r) = req(&c.http, &c.base(h)).send().await
+            && r.status().as_u16() < 500
+        {
+            let status = r.status().as_u16();
+            let body = r.json::<Value>().await.unwrap_or(Value::Null);
+            return Ok((status, body));
+        }
+        ensure!(Instant::now() < deadline, "no host answered for 300 s");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+// ---------------------------------------------------------------- the run
+
+#[derive(Default)]
+struct Counters {
+    kills: AtomicU64,
+    zombies: AtomicU64,
+    zombie_writes_rejected: AtomicU64,
+    db_faults: AtomicU64,
+    duplicate_submits: AtomicU64,
+    duplicate_inputs: AtomicU64,
+    kill_points: Mutex<BTreeMap<&'static str, u64>>,
+    recoveries_ms: Mutex<Vec<u64>>,
+    /// Runs the submitter may send beyond its pace: a fault that wants its
+    /// target busy raises it.
+    extra_load: AtomicU64,
+    pending_recoveries: AtomicI64,
+    faults_done: AtomicU64,
+}
+
+struct Acked {
+    id: i64,
+    kind: Kind,
+    tag: String,
+}
+
+mod faults_lose_no_run_and_repeat_no_effect {
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn sqlite() -> Result<()> {
+        chaos(Backend::Sqlite).await
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn postgres() -> Result<()> {
+        chaos(Backend::Postgres).await
+    }
+}
+
+async fn chaos(backend: Backend) -> Result<()> {
+    let settings = Settings::from_env();
+    eprintln!("chaos {}: seed {} ({settings:?})", backend.name(), settings.seed);
+    let (schedule, load) = plan(&settings, backend);
+    let dir = tempfile::Builder::new().prefix("leasehold-chaos").tempdir()?;
+    std::fs::write(dir.path().join("testkit.wasm"), plugins::rust_plugin("testkit")?)?;
+    let pg = match backend {
+        Backend::Postgres => Some(PgCluster::start()?),
+        Backend::Sqlite => None,
+    };
+    let db_url = match &pg {
+        Some(pg) => pg.url.clone(),
+        None => format!("sqlite://{}", dir.path().join("chaos.db").display()),
+    };
+    let store = Store::connect(&db_url).await?;
+    sqlx::raw_sql(match backend {
+        Backend::Sqlite => AUDIT_SQLITE,
+        Backend::Postgres => AUDIT_POSTGRES,
+    })
+    .execute(store.pool())
+    .await
+    .context("installing the audit triggers")?;
+    sqlx::query("INSERT INTO chaos_bounds (max_lease_ms) VALUES ($1)")
+        .bind(TTL_MS as i64 + 1000)
+        .execute(store.pool())
+        .await?;
+    let sink = Sink::start_with_jitter(Duration::ZERO, Duration::from_millis(30)).await?;
+    leasehold::effects::http::install_tls();
+    let cluster = Cluster::start(&db_url, dir.path()).await?;
+    let result = drive(&settings, backend, &schedule, load, &cluster, &store, pg.as_ref(), &sink).await;
+    drop(cluster);
+    store.shutdown().await;
+    if result.is_err() {
+        // Keep the host logs for a failed run.
+        let kept = dir.keep();
+        eprintln!("chaos {}: host logs kept in {}", backend.name(), kept.display());
+    }
+    result
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn drive(
+    settings: &Settings,
+    backend: Backend,
+    schedule: &[(u64, Fault)],
+    load: Vec<Kind>,
+    cluster: &Cluster<'_>,
+    store: &Store,
+    pg: Option<&PgCluster>,
+    sink: &Sink,
+) -> Result<()> {
+    let started = Instant::now();
+    let counters = Arc::new(Counters::default());
+    let terminal = AtomicI64::new(0);
+    let submitting_done = AtomicBool::new(false);
+    let acked: Mutex<Vec<Acked>> = Mutex::new(Vec::new());
+    let total_faults = schedule.len() as u64;
+
+    // Counts finished runs, for pacing.
+    let watch_terminal = async {
+        while !submitting_done.load(Relaxed) || counters.faults_done.load(Relaxed) < total_faults {
+            if let Ok(n) = sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(format!(
+                "SELECT COUNT(*) FROM runs WHERE status IN {TERMINAL}"
+            )))
+            .fetch_one(store.pool())
+            .await
+            {
+                terminal.store(n, Relaxed);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        Ok::<_, anyhow::Error>(())
+    };
+
+    // Submits the load, paced so it spans the whole fault schedule.
+    let submit = async {
+        type Side<'s> = std::pin::Pin<Box<dyn Future<Output = Result<()>> + 's>>;
+        let side: futures::stream::FuturesUnordered<Side<'_>> = futures::stream::FuturesUnordered::new();
+        for (i, kind) in load.into_iter().enumerate() {
+            loop {
+                let done = counters.faults_done.load(Relaxed) as f64;
+                let allowed = ((done + 1.0) / (total_faults as f64 + 1.0) * settings.runs as f64).ceil() as usize
+                    + counters.extra_load.load(Relaxed) as usize;
+                let outstanding = acked.lock().unwrap().len() as i64 - terminal.load(Relaxed);
+                if (i < allowed || counters.faults_done.load(Relaxed) >= total_faults) && outstanding < IN_FLIGHT {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            let tag = format!("r{i}");
+            let key = format!("chaos-{}-{i}", settings.seed);
+            let (input, max_attempts) = match &kind {
+                Kind::Chaos { steps, spin, delay_ms } => (
+                    json!({ "mode": "chaos", "steps": steps, "spin": spin, "delay_ms": delay_ms, "tag": tag, "url": sink.url }),
+                    100,
+                ),
+                Kind::Duplicate { steps } => (json!({ "mode": "chaos", "steps": steps, "tag": tag, "url": sink.url }), 100),
+                // Slow enough that most cancels land mid-run.
+                Kind::Cancel { steps, .. } => {
+                    (json!({ "mode": "chaos", "steps": steps, "spin": 30_000_000, "tag": tag, "url": sink.url }), 100)
+                }
+                Kind::Wait => (json!({ "mode": "wait" }), 100),
+                Kind::Hostile(mode) => (json!({ "mode": mode }), 2),
+            };
+            let body = json!({ "plugin": "testkit", "input": input, "idempotency_key": key, "max_attempts": max_attempts });
+            let id = if let Kind::Duplicate { .. } = kind {
+                // Three at once, one key: one run.
+                let tries = (0..3).map(|k| {
+                    let body = body.clone();
+                    call(cluster, settings.seed ^ (i as u64) << 8 ^ k, move |http, base| {
+                        http.post(format!("{base}/v1/runs")).json(&body)
+                    })
+                });
+                let answers = futures::future::try_join_all(tries).await?;
+                let ids: HashSet<i64> = answers.iter().filter_map(|(_, b)| b["id"].as_i64()).collect();
+                if ids.len() != 1 {
+                    counters.duplicate_submits.fetch_add(1, Relaxed);
+                    eprintln!("chaos: one key, {} runs: {answers:?}", ids.len());
+                }
+                *ids.iter().next().context("no run id from a duplicate submit")?
+            } else {
+                let (status, run) =
+                    call(cluster, settings.seed ^ i as u64, |http, base| http.post(format!("{base}/v1/runs")).json(&body)).await?;
+                ensure!(status == 201 || status == 200, "submit {i}: {status} {run}");
+                run["id"].as_i64().context("run id")?
+            };
+            acked.lock().unwrap().push(Acked { id, kind: kind.clone(), tag });
+            match kind {
+                Kind::Cancel { after_ms, .. } => side.push(Box::pin(async move {
+                    tokio::time::sleep(Duration::from_millis(after_ms)).await;
+                    let (status, body) =
+                        call(cluster, id as u64, |http, base| http.post(format!("{base}/v1/runs/{id}/cancel"))).await?;
+                    ensure!(status == 200 || status == 409, "cancel {id}: {status} {body}");
+                    Ok::<_, anyhow::Error>(())
+                })),
+                Kind::Wait => side.push(Box::pin(deliver_twice(cluster, &counters, id))),
+                _ => {}
+            }
+        }
+        submitting_done.store(true, Relaxed);
+        use futures::TryStreamExt;
+        side.try_collect::<Vec<()>>().await?;
+        Ok::<_, anyhow::Error>(())
+    };
+
+    let faults = async {
+        for &(gap_ms, fault) in schedule {
+            tokio::time::sleep(Duration::from_millis(gap_ms)).await;
+            cluster.reap_crashes()?;
+            inject(fault, cluster, store, pg, backend, &counters).await?;
+            counters.faults_done.fetch_add(1, Relaxed);
+        }
+        // Let the last recoveries land.
+        wait_recoveries(&counters).await;
+        Ok::<_, anyhow::Error>(())
+    };
+
+    tokio::try_join!(watch_terminal, submit, faults)?;
+    let acked = acked.into_inner().unwrap();
+    let faults_over = Instant::now();
+
+    // Quiet: every acknowledged run must finish.
+    let ids: Vec<i64> = acked.iter().map(|a| a.id).collect();
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        cluster.reap_crashes()?;
+        let open: i64 = patiently(async || {
+            sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT COUNT(*) FROM runs WHERE status NOT IN {TERMINAL}")))
+                .fetch_one(store.pool())
+                .await
+        })
+        .await?;
+        if open == 0 || Instant::now() > deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let elapsed = started.elapsed();
+    let report = check(settings, backend, &acked, &ids, store, sink, cluster, &counters, elapsed).await?;
+    eprintln!("chaos: quiet {:?} after the last fault", faults_over.elapsed());
+    let line = serde_json::to_string(&report.json)?;
+    eprintln!("{line}");
+    let out = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/chaos");
+    std::fs::create_dir_all(&out)?;
+    std::fs::write(out.join(format!("{}-{}.json", backend.name(), settings.seed)), format!("{line}\n"))?;
+    ensure!(report.failures.is_empty(), "chaos {} seed {} failed:\n  {}\n{line}", backend.name(), settings.seed, report.failures.join("\n  "));
+    Ok(())
+}
+
+/// Waits for a `wait` run to ask, then delivers its input twice at once:
+/// exactly one delivery may be accepted.
+async fn deliver_twice(cluster: &Cluster<'_>, counters: &Counters, id: i64) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(600);
+    loop {
+        let (_, run) = call(cluster, id as u64, |http, base| http.get(format!("{base}/v1/runs/{id}"))).await?;
+        match run["status"].as_str() {
+            Some("waiting_input") => break,
+            Some("completed" | "failed" | "aborted" | "cancelled") => return Ok(()),
+            _ => {}
+        }
+        ensure!(Instant::now() < deadline, "run {id} never asked for input");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let body = json!({ "input": "Ada" });
+    let send = |k: u64| {
+        let body = body.clone();
+        call(cluster, id as u64 ^ k << 32, move |http, base| http.post(format!("{base}/v1/runs/{id}/input")).json(&body))
+    };
+    let (a, b) = tokio::try_join!(send(1), send(2))?;
+    let accepted = [&a, &b].iter().filter(|(s, _)| *s == 200).count();
+    if accepted > 1 {
+        counters.duplicate_inputs.fetch_add(1, Relaxed);
+    }
+    ensure!(accepted == 1 || [&a, &b].iter().all(|(s, _)| *s == 409), "run {id}: deliveries answered {a:?} and {b:?}");
+    if accepted == 0 {
+        // Both refused: the run was not waiting at either moment (it was
+        // being resumed); try once more until it takes.
+        loop {
+            let (s, body) = send(3).await?;
+            if s == 200 {
+                break;
+            }
+            ensure!(s == 409, "run {id}: input answered {s} {body}");
+            ensure!(Instant::now() < deadline, "run {id}: input never accepted");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+    Ok(())
+}
+
+async fn wait_recoveries(counters: &Counters) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while counters.pending_recoveries.load(Relaxed) > 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+/// Runs held by `owner` right now: (id, fence).
+async fn held_by(store: &Store, owner: &str) -> Result<Vec<(i64, i64)>> {
+    patiently(async || {
+        sqlx::query_as("SELECT id, fence FROM runs WHERE lease_owner = $1 AND status = 'running'")
+            .bind(owner)
+            .fetch_all(store.pool())
+            .await
+    })
+    .await
+}
+
+/// Waits (up to `patience`) until `owner` holds a run, letting the
+/// submitter send more work meanwhile.
+async fn until_busy(store: &Store, counters: &Counters, owner: &str, patience: Duration) -> Result<()> {
+    let deadline = Instant::now() + patience;
+    let mut asked = Instant::now() - Duration::from_secs(1);
+    while held_by(store, owner).await?.is_empty() && Instant::now() < deadline {
+        if asked.elapsed() > Duration::from_millis(500) {
+            counters.extra_load.fetch_add(4, Relaxed);
+            asked = Instant::now();
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    Ok(())
+}
+
+/// Where a killed host's run stood in the ledger.
+async fn kill_point(store: &Store, run_id: i64) -> Result<&'static str> {
+    let last: Option<(String, String)> = patiently(async || {
+        sqlx::query_as("SELECT state, name FROM effects WHERE run_id = $1 ORDER BY seq DESC LIMIT 1")
+            .bind(run_id)
+            .fetch_optional(store.pool())
+            .await
+    })
+    .await?;
+    let input: String = patiently(async || {
+        sqlx::query_scalar("SELECT input FROM runs WHERE id = $1").bind(run_id).fetch_one(store.pool()).await
+    })
+    .await?;
+    let steps = serde_json::from_str::<Value>(&input)?["steps"].as_i64().unwrap_or(0);
+    let rows: i64 = patiently(async || {
+        sqlx::query_scalar("SELECT COUNT(*) FROM effects WHERE run_id = $1").bind(run_id).fetch_one(store.pool()).await
+    })
+    .await?;
+    Ok(match last {
+        Some((state, _)) if state == "started" || state == "in_doubt" => "between_started_and_committed",
+        // Four effects a step; all recorded: only the close is left.
+        Some(_) if steps > 0 && rows >= steps * 4 => "after_committed_before_close",
+        _ => "before_started",
+    })
+}
+
+/// Measures, from `since`, how long until each of `held` is re-claimed
+/// under a later fence (or finished, by a cancel).
+async fn track_recovery(store: Store, counters: Arc<Counters>, held: Vec<(i64, i64)>, since: Instant) {
+    let mut pending = held;
+    while !pending.is_empty() {
+        let mut still = Vec::new();
+        for (id, fence) in pending {
+            let now: Option<(i64, String)> = sqlx::query_as("SELECT fence, status FROM runs WHERE id = $1")
+                .bind(id)
+                .fetch_optional(store.pool())
+                .await
+                .ok()
+                .flatten();
+            match now {
+                Some((f, status)) if f > fence || status != "running" => {
+                    counters.recoveries_ms.lock().unwrap().push(since.elapsed().as_millis() as u64);
+                    counters.pending_recoveries.fetch_sub(1, Relaxed);
+                }
+                _ => still.push((id, fence)),
+            }
+        }
+        pending = still;
+        if !pending.is_empty() && since.elapsed() > Duration::from_secs(120) {
+            // Never recovered: recorded as such, so the bound check fails.
+            counters.recoveries_ms.lock().unwrap().push(since.elapsed().as_millis() as u64);
+            counters.pending_recoveries.fetch_sub(pending.len() as i64, Relaxed);
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn inject(
+    fault: Fault,
+    cluster: &Cluster<'_>,
+    store: &Store,
+    pg: Option<&PgCluster>,
+    backend: Backend,
+    counters: &Arc<Counters>,
+) -> Result<()> {
+    match fault {
+        Fault::Kill { host, restart_after_ms } => {
+            let owner = cluster.owner_of(host);
+            until_busy(store, counters, &owner, Duration::from_secs(2)).await?;
+            cluster.kill(host);
+            let killed_at = Instant::now();
+            counters.kills.fetch_add(1, Relaxed);
+            let held = held_by(store, &owner).await?;
+            eprintln!("chaos: killed {owner} holding {} runs", held.len());
+            for (id, _) in &held {
+                let point = kill_point(store, *id).await?;
+                *counters.kill_points.lock().unwrap().entry(point).or_default() += 1;
+            }
+            counters.pending_recoveries.fetch_add(held.len() as i64, Relaxed);
+            tokio::spawn(track_recovery(store.clone(), counters.clone(), held, killed_at));
+            tokio::time::sleep(Duration::from_millis(restart_after_ms)).await;
+            cluster.spawn(host)?;
+            cluster.wait_healthy(host).await?;
+        }
+        Fault::Zombie { host } => {
+            wait_recoveries(counters).await;
+            let owner = cluster.owner_of(host);
+            let base = cluster.base(host);
+            let Some(pid) = cluster.pid(host) else { return Ok(()) };
+            // Stop it while it holds runs: wait until it holds some, stop
+            // it, and start over if they finished in between.
+            let mut tries = 0;
+            let (before, held) = loop {
+                until_busy(store, counters, &owner, Duration::from_secs(3)).await?;
+                let before = scrape(&cluster.http, &base, "leasehold_fenced_writes_rejected_total").await.unwrap_or(0);
+                signal(pid, "STOP")?;
+                let held = held_by(store, &owner).await?;
+                tries += 1;
+                if !held.is_empty() || tries == 10 {
+                    break (before, held);
+                }
+                signal(pid, "CONT")?;
+            };
+            cluster.slots[host].lock().unwrap().stopped = true;
+            cluster.faulted.lock().unwrap().insert(owner.clone());
+            counters.zombies.fetch_add(1, Relaxed);
+            // Until every run it held is taken over.
+            let deadline = Instant::now() + Duration::from_millis(TTL_MS + REAPER_MS + 10_000);
+            loop {
+                let mut taken = 0;
+                for (id, fence) in &held {
+                    let f: i64 = patiently(async || {
+                        sqlx::query_scalar("SELECT fence FROM runs WHERE id = $1").bind(id).fetch_one(store.pool()).await
+                    })
+                    .await?;
+                    taken += usize::from(f > *fence);
+                }
+                if taken == held.len() || Instant::now() > deadline {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            signal(pid, "CONT")?;
+            cluster.slots[host].lock().unwrap().stopped = false;
+            // Its segments wake up and try to write: every write is refused.
+            let deadline = Instant::now() + Duration::from_secs(5);
+            let mut rejected = 0;
+            while !held.is_empty() && Instant::now() < deadline {
+                rejected = scrape(&cluster.http, &base, "leasehold_fenced_writes_rejected_total").await.unwrap_or(before)
+                    .saturating_sub(before);
+                if rejected > 0 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            counters.zombie_writes_rejected.fetch_add(rejected, Relaxed);
+            eprintln!("chaos: zombie {owner} held {} runs; {rejected} of its writes refused after SIGCONT", held.len());
+        }
+        Fault::Db(f) => {
+            wait_recoveries(counters).await;
+            counters.db_faults.fetch_add(1, Relaxed);
+            match (f, backend, pg) {
+                (DbFault::TerminateBackends, Backend::Postgres, _) => {
+                    patiently(async || {
+                        sqlx::query(
+                            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+                             WHERE datname = current_database() AND pid <> pg_backend_pid()",
+                        )
+                        .execute(store.pool())
+                        .await
+                    })
+                    .await?;
+                }
+                (DbFault::RestartFast, Backend::Postgres, Some(pg)) => pg.restart("fast")?,
+                (DbFault::RestartImmediate, Backend::Postgres, Some(pg)) => pg.restart("immediate")?,
+                (DbFault::HoldWriteLock { ms }, Backend::Sqlite, _) => {
+                    use sqlx::Connection;
+                    let mut conn = sqlx::SqliteConnection::connect(cluster.db_url).await?;
+                    sqlx::raw_sql("BEGIN IMMEDIATE").execute(&mut conn).await?;
+                    tokio::time::sleep(Duration::from_millis(ms)).await;
+                    sqlx::raw_sql("COMMIT").execute(&mut conn).await?;
+                    conn.close().await?;
+                }
+                (other, backend, _) => bail!("fault {other:?} does not apply to {}", backend.name()),
+            }
+        }
+    }
+    Ok(())
+}
+
+async fn scrape(http: &reqwest::Client, base: &str, name: &str) -> Option<u64> {
+    let text = http.get(format!("{base}/metrics")).send().await.ok()?.text().await.ok()?;
+    metric(&text, name)
+}
+
+fn signal(pid: u32, sig: &str) -> Result<()> {
+    let status = Command::new("kill").arg(format!("-{sig}")).arg(pid.to_string()).status()?;
+    ensure!(status.success(), "kill -{sig} {pid} failed");
+    Ok(())
+}
+
+struct Report {
+    json: Value,
+    failures: Vec<String>,
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn check(
+    settings: &Settings,
+    backend: Backend,
+    acked: &[Acked],
+    ids: &[i64],
+    store: &Store,
+    sink: &Sink,
+    cluster: &Cluster<'_>,
+    counters: &Counters,
+    elapsed: Duration,
+) -> Result<Report> {
+    let mut failures = Vec::new();
+    let rows: Vec<(i64, String, Option<String>, Option<String>)> = patiently(async || {
+        sqlx::query_as("SELECT id, status, output, error FROM runs").fetch_all(store.pool()).await
+    })
+    .await?;
+    let runs: HashMap<i64, (String, Option<String>, Option<String>)> =
+        rows.into_iter().map(|(id, s, o, e)| (id, (s, o, e))).collect();
+    let distinct: HashSet<i64> = ids.iter().copied().collect();
+    if runs.len() != distinct.len() {
+        failures.push(format!("{} runs in the database for {} acknowledged", runs.len(), distinct.len()));
+    }
+    let mut by_status: BTreeMap<String, u64> = BTreeMap::new();
+    let mut lost = 0;
+    for id in &distinct {
+        match runs.get(id) {
+            Some((s, _, _)) if ["completed", "failed", "aborted", "cancelled"].contains(&s.as_str()) => {
+                *by_status.entry(s.clone()).or_default() += 1
+            }
+            other => {
+                lost += 1;
+                failures.push(format!("run {id} not finished: {other:?}"));
+            }
+        }
+    }
+
+    // The sink's view: (tag, step, kind) -> idempotency keys.
+    let mut applied: HashMap<(String, i64, String), Vec<String>> = HashMap::new();
+    for hit in sink.hits() {
+        let b: Value = serde_json::from_str(&hit.body).unwrap_or(Value::Null);
+        if let (Some(tag), Some(step), Some(kind)) = (b["tag"].as_str(), b["step"].as_i64(), b["kind"].as_str()) {
+            applied.entry((tag.to_string(), step, kind.to_string())).or_default().push(hit.key);
+        }
+    }
+    let kv: HashMap<String, String> = patiently(async || {
+        sqlx::query_as::<_, (String, String)>("SELECT key, value FROM kv").fetch_all(store.pool()).await
+    })
+    .await?
+    .into_iter()
+    .collect();
+
+    let mut duplicate_effects = 0;
+    let mut missing_effects = 0;
+    let mut hostile = 0;
+    let mut normal_completed = 0u64;
+    for a in acked {
+        let Some((status, output, error)) = runs.get(&a.id) else { continue };
+        match &a.kind {
+            Kind::Chaos { steps, .. } | Kind::Duplicate { steps } | Kind::Cancel { steps, .. } => {
+                let cancelled = matches!(a.kind, Kind::Cancel { .. }) && status == "cancelled";
+                if !cancelled && status != "completed" {
+                    failures.push(format!("run {} ({:?}) ended {status}: {error:?}", a.id, a.kind));
+                    continue;
+                }
+                normal_completed += u64::from(status == "completed");
+                // Local: the counter went up once a step.
+                let count: u64 = kv.get(&format!("count-{}", a.tag)).and_then(|v| v.parse().ok()).unwrap_or(0);
+                if count > *steps {
+                    duplicate_effects += 1;
+                    failures.push(format!("run {}: local counter {count} for {steps} steps", a.id));
+                } else if !cancelled && count < *steps {
+                    missing_effects += 1;
+                    failures.push(format!("run {}: local counter {count} for {steps} steps", a.id));
+                }
+                let in_doubt: u64 = output
+                    .as_deref()
+                    .and_then(|o| o.split(", ").nth(1))
+                    .and_then(|o| o.split(' ').next())
+                    .and_then(|n| n.parse().ok())
+                    .unwrap_or(0);
+                let mut unkeyed_missing = 0;
+                for step in 0..*steps as i64 {
+                    let keyed = applied.get(&(a.tag.clone(), step, "keyed".into()));
+                    match keyed {
+                        Some(keys) if keys.iter().collect::<HashSet<_>>().len() > 1 => {
+                            duplicate_effects += 1;
+                            failures.push(format!("run {} step {step}: keyed POST under keys {keys:?}", a.id));
+                        }
+                        None if !cancelled => {
+                            missing_effects += 1;
+                            failures.push(format!("run {} step {step}: keyed POST never arrived", a.id));
+                        }
+                        _ => {}
+                    }
+                    match applied.get(&(a.tag.clone(), step, "unkeyed".into())).map_or(0, Vec::len) {
+                        0 => unkeyed_missing += 1,
+                        1 => {}
+                        n => {
+                            duplicate_effects += 1;
+                            failures.push(format!("run {} step {step}: unkeyed POST applied {n} times", a.id));
+                        }
+                    }
+                }
+                // An unkeyed POST may be missing only if the guest was told
+                // it was in doubt.
+                if !cancelled && unkeyed_missing > in_doubt {
+                    missing_effects += 1;
+                    failures.push(format!("run {}: {unkeyed_missing} unkeyed POSTs missing, {in_doubt} in doubt", a.id));
+                }
+            }
+            Kind::Wait => {
+                if status != "completed" || output.as_deref() != Some("hello Ada") {
+                    failures.push(format!("wait run {} ended {status} with {output:?}", a.id));
+                }
+                normal_completed += u64::from(status == "completed");
+            }
+            Kind::Hostile(mode) => {
+                hostile += 1;
+                if status != "failed" && status != "aborted" {
+                    failures.push(format!("hostile run {} ({mode}) ended {status}", a.id));
+                }
+            }
+        }
+    }
+
+    let stale: Vec<(String, i64, i64, i64, i64)> = patiently(async || {
+        sqlx::query_as("SELECT tbl, run_id, row_fence, run_fence, seq FROM chaos_stale").fetch_all(store.pool()).await
+    })
+    .await?;
+    for s in stale.iter().take(10) {
+        failures.push(format!("stale write: {s:?}"));
+    }
+    let takeovers: Vec<(i64, Option<String>, i64)> = patiently(async || {
+        sqlx::query_as("SELECT run_id, old_owner, expires_in_ms FROM chaos_takeovers").fetch_all(store.pool()).await
+    })
+    .await?;
+    let steals: Vec<_> = takeovers.iter().filter(|(_, _, left)| *left >= 0).collect();
+    if !steals.is_empty() {
+        failures.push(format!("leases taken before they expired (run, owner, ms left): {steals:?}"));
+    }
+    // Informational: live hosts (neither killed nor stopped) whose lease
+    // ran out, because a database fault kept them from renewing it or cut
+    // a claim's reply after its commit.
+    let faulted = cluster.faulted.lock().unwrap().clone();
+    let from_live = takeovers.iter().filter(|(_, o, _)| o.as_ref().is_some_and(|o| !faulted.contains(o))).count();
+    let skewed: Vec<(i64, Option<String>, i64)> = patiently(async || {
+        sqlx::query_as("SELECT run_id, owner, expires_in_ms FROM chaos_leases").fetch_all(store.pool()).await
+    })
+    .await?;
+    if !skewed.is_empty() {
+        failures.push(format!("lease expiries off the database clock (run, owner, ms ahead): {:?}", &skewed[..skewed.len().min(10)]));
+    }
+    let leftover: i64 = patiently(async || {
+        sqlx::query_scalar("SELECT COUNT(*) FROM runs WHERE lease_owner IS NOT NULL").fetch_one(store.pool()).await
+    })
+    .await?;
+    if leftover > 0 {
+        failures.push(format!("{leftover} leases left behind"));
+    }
+
+    let mut rec = counters.recoveries_ms.lock().unwrap().clone();
+    rec.sort_unstable();
+    let max_recovery = rec.last().copied().unwrap_or(0);
+    let p99 = rec.get((rec.len() * 99).div_ceil(100).saturating_sub(1)).copied().unwrap_or(0);
+    // A dead host's lease runs out within the TTL of its last renewal; then
+    // a worker's poll or the reaper's wake-up claims it. Slack for a
+    // loaded debug build.
+    let bound = TTL_MS + REAPER_MS + 1_000;
+    if max_recovery > bound {
+        failures.push(format!("recovery took {max_recovery} ms; bound {bound} ms"));
+    }
+    let host_crashes = cluster.host_crashes.load(Relaxed);
+    if host_crashes > 0 {
+        failures.push(format!("{host_crashes} host crashes"));
+    }
+    let dup_submits = counters.duplicate_submits.load(Relaxed);
+    let dup_inputs = counters.duplicate_inputs.load(Relaxed);
+    if dup_submits + dup_inputs > 0 {
+        failures.push(format!("{dup_submits} split submits, {dup_inputs} double deliveries"));
+    }
+    let zombies = counters.zombies.load(Relaxed);
+    let json = json!({
+        "seed": settings.seed,
+        "backend": backend.name(),
+        "runs": acked.len(),
+        "kills": counters.kills.load(Relaxed),
+        "zombies": zombies,
+        "zombie_writes_rejected": counters.zombie_writes_rejected.load(Relaxed),
+        "db_faults": counters.db_faults.load(Relaxed),
+        "lost": lost,
+        "duplicate_effects": duplicate_effects,
+        "stale_writes": stale.len(),
+        "max_recovery_ms": max_recovery,
+        "p99_recovery_ms": p99,
+        "hostile_guests": hostile,
+        "host_crashes": host_crashes,
+        "missing_effects": missing_effects,
+        "steals": steals.len(),
+        "takeovers": takeovers.len(),
+        "takeovers_from_live_hosts": from_live,
+        "skewed_leases": skewed.len(),
+        "recoveries": rec.len(),
+        "recovery_bound_ms": bound,
+        "kill_points": *counters.kill_points.lock().unwrap(),
+        "duplicate_submits": dup_submits,
+        "duplicate_inputs": dup_inputs,
+        "by_status": by_status,
+        "completed_per_sec": (normal_completed as f64 / elapsed.as_secs_f64() * 10.0).round() / 10.0,
+        "elapsed_s": elapsed.as_secs(),
+    });
+    Ok(Report { json, failures })
+}

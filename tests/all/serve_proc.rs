@@ -1,0 +1,104 @@
+//! `leasehold serve` as a child process, for the tests that run several
+//! hosts on one database and kill them.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, ensure};
+
+/// How one host is started. Lease timings are short so a killed host's runs
+/// come back within seconds.
+pub struct ServeArgs<'a> {
+    pub db_url: &'a str,
+    pub plugins_dir: &'a Path,
+    /// stderr goes here (appended, so a restarted host keeps its history).
+    pub log: PathBuf,
+    pub owner: String,
+    pub port: u16,
+    pub workers: usize,
+    pub lease_ttl_ms: u64,
+    pub reaper_interval_ms: u64,
+    pub poll_ms: u64,
+    pub extra: Vec<String>,
+}
+
+impl ServeArgs<'_> {
+    pub fn new<'a>(db_url: &'a str, plugins_dir: &'a Path, owner: String) -> Result<ServeArgs<'a>> {
+        Ok(ServeArgs {
+            db_url,
+            plugins_dir,
+            log: plugins_dir.join(format!("{owner}.log")),
+            owner,
+            port: free_port()?,
+            workers: 4,
+            lease_ttl_ms: 3000,
+            reaper_interval_ms: 500,
+            poll_ms: 200,
+            extra: Vec::new(),
+        })
+    }
+}
+
+pub struct ServeProc {
+    pub child: Child,
+    pub base: String,
+}
+
+impl ServeProc {
+    pub fn spawn(a: &ServeArgs<'_>) -> Result<ServeProc> {
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(&a.log)?;
+        let child = Command::new(env!("CARGO_BIN_EXE_leasehold"))
+            .args(["serve", "--database-url", a.db_url, "--listen", &format!("127.0.0.1:{}", a.port)])
+            .arg("--plugins-dir")
+            .arg(a.plugins_dir)
+            .args(["--http-allow", "127.0.0.1", "--workers", &a.workers.to_string()])
+            .args(["--lease-ttl-ms", &a.lease_ttl_ms.to_string()])
+            .args(["--reaper-interval-ms", &a.reaper_interval_ms.to_string()])
+            .args(["--poll-ms", &a.poll_ms.to_string(), "--owner", &a.owner])
+            .arg("--cache-dir")
+            .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("target/component-cache"))
+            .args(&a.extra)
+            .env("LEASEHOLD_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .context("starting leasehold serve")?;
+        Ok(ServeProc { child, base: format!("http://127.0.0.1:{}", a.port) })
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Polls `/healthz` until it answers 200.
+    pub async fn wait_healthy(&self, http: &reqwest::Client, timeout: Duration) -> Result<()> {
+        wait_healthy(http, &self.base, timeout).await
+    }
+}
+
+impl Drop for ServeProc {
+    fn drop(&mut self) {
+        // SIGKILL (a stopped process dies too).
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Polls `{base}/healthz` until it answers 200.
+pub async fn wait_healthy(http: &reqwest::Client, base: &str, timeout: Duration) -> Result<()> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Ok(r) = http.get(format!("{base}/healthz")).send().await
+            && r.status() == 200
+        {
+            return Ok(());
+        }
+        ensure!(Instant::now() < deadline, "{base} never became healthy");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+pub fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
