@@ -62,8 +62,11 @@ const REAPER_MS: u64 = 500;
 const POLL_MS: u64 = 200;
 /// Host 0 keeps the true time; host 1 is an hour ahead, host 2 an hour behind.
 const SKEWS_MS: [i64; HOSTS] = [0, 3_600_000, -3_600_000];
-/// Acknowledged runs not yet finished, at most.
-const IN_FLIGHT: i64 = 24;
+/// Acknowledged runs not yet finished, at most: fewer than the workers left
+/// when one host is down, so a dead host's runs find a free worker as soon
+/// as their leases run out (recovery measures the protocol, not a queue).
+const IN_FLIGHT: i64 = 16;
+const WORKERS: usize = 8;
 const TERMINAL: &str = "('completed','failed','aborted','cancelled')";
 const HOSTILE: [&str; 5] = ["loop", "oom", "emit-bomb", "trap", "big-output"];
 
@@ -154,8 +157,10 @@ fn plan(s: &Settings, backend: Backend) -> (Vec<(u64, Fault)>, Vec<Kind>) {
                 3..7 => Kind::Wait,
                 7..12 => Kind::Duplicate { steps },
                 12..15 => Kind::Cancel { steps, after_ms: rng.random_range(0..150) },
-                15..25 => Kind::Chaos { steps, spin: 0, delay_ms: rng.random_range(1000..2500) },
-                _ => Kind::Chaos { steps, spin: rng.random_range(0..3_000_000), delay_ms: 0 },
+                15..20 => Kind::Chaos { steps, spin: 0, delay_ms: rng.random_range(1000..1800) },
+                // About a second a run: enough in flight that faults land
+                // on busy hosts, mid-effect.
+                _ => Kind::Chaos { steps, spin: rng.random_range(0..3_000_000), delay_ms: rng.random_range(50..400) },
             }
         })
         .collect();
@@ -380,6 +385,7 @@ impl<'a> Cluster<'a> {
         a.lease_ttl_ms = TTL_MS;
         a.reaper_interval_ms = REAPER_MS;
         a.poll_ms = POLL_MS;
+        a.workers = WORKERS;
         a.extra = vec![
             format!("--test-clock-skew-ms={}", SKEWS_MS[host]),
             "--segment-budget-ms=2000".into(),
@@ -623,9 +629,35 @@ async fn drive(
     };
 
     // Submits the load, paced so it spans the whole fault schedule.
-    let submit = async {
+    // Cancels and input deliveries run beside the submitter, as their runs
+    // are acknowledged (a `wait` run counts as in flight until it gets its
+    // input).
+    let (side_tx, mut side_rx) = tokio::sync::mpsc::unbounded_channel::<(i64, Kind)>();
+    let sides = async {
         type Side<'s> = std::pin::Pin<Box<dyn Future<Output = Result<()>> + 's>>;
-        let side: futures::stream::FuturesUnordered<Side<'_>> = futures::stream::FuturesUnordered::new();
+        let mut running: futures::stream::FuturesUnordered<Side<'_>> = futures::stream::FuturesUnordered::new();
+        let mut open = true;
+        while open || !running.is_empty() {
+            tokio::select! {
+                next = side_rx.recv(), if open => match next {
+                    Some((id, Kind::Cancel { after_ms, .. })) => running.push(Box::pin(async move {
+                        tokio::time::sleep(Duration::from_millis(after_ms)).await;
+                        let (status, body) =
+                            call(cluster, id as u64, |http, base| http.post(format!("{base}/v1/runs/{id}/cancel"))).await?;
+                        ensure!(status == 200 || status == 409, "cancel {id}: {status} {body}");
+                        Ok::<_, anyhow::Error>(())
+                    })),
+                    Some((id, Kind::Wait)) => running.push(Box::pin(deliver_twice(cluster, &counters, id))),
+                    Some(_) => {}
+                    None => open = false,
+                },
+                Some(done) = futures::StreamExt::next(&mut running) => done?,
+            }
+        }
+        Ok::<_, anyhow::Error>(())
+    };
+
+    let submit = async {
         for (i, kind) in load.into_iter().enumerate() {
             loop {
                 let done = counters.faults_done.load(Relaxed) as f64;
@@ -675,21 +707,12 @@ async fn drive(
                 run["id"].as_i64().context("run id")?
             };
             acked.lock().unwrap().push(Acked { id, kind: kind.clone(), tag });
-            match kind {
-                Kind::Cancel { after_ms, .. } => side.push(Box::pin(async move {
-                    tokio::time::sleep(Duration::from_millis(after_ms)).await;
-                    let (status, body) =
-                        call(cluster, id as u64, |http, base| http.post(format!("{base}/v1/runs/{id}/cancel"))).await?;
-                    ensure!(status == 200 || status == 409, "cancel {id}: {status} {body}");
-                    Ok::<_, anyhow::Error>(())
-                })),
-                Kind::Wait => side.push(Box::pin(deliver_twice(cluster, &counters, id))),
-                _ => {}
+            if matches!(kind, Kind::Cancel { .. } | Kind::Wait) {
+                side_tx.send((id, kind))?;
             }
         }
         submitting_done.store(true, Relaxed);
-        use futures::TryStreamExt;
-        side.try_collect::<Vec<()>>().await?;
+        drop(side_tx);
         Ok::<_, anyhow::Error>(())
     };
 
@@ -705,7 +728,7 @@ async fn drive(
         Ok::<_, anyhow::Error>(())
     };
 
-    tokio::try_join!(watch_terminal, submit, faults)?;
+    tokio::try_join!(watch_terminal, submit, sides, faults)?;
     let acked = acked.into_inner().unwrap();
     let faults_over = Instant::now();
 
