@@ -126,11 +126,14 @@ both! {
         ensure!(exec.run_once().await? == Some((recorded, SegmentOutcome::Completed)));
         // …and give it to a run whose turn now makes different calls (as if
         // the plugin's code changed mid-run).
+        // The ledger was written by an earlier segment (fence 1): a run's
+        // first segment has no ledger to replay.
         let changed = submit(&db.store, serde_json::json!({ "steps": 2, "prefix": "b" })).await?;
+        sqlx::query("UPDATE runs SET fence = 1 WHERE id = $1").bind(changed).execute(db.store.pool()).await?;
         sqlx::query(
             "INSERT INTO effects (run_id, seq, name, request_hash, idempotency_key, class, state, result, \
              emit_pos, fence_started, fence_completed, created_at, updated_at) \
-             SELECT $2, seq, name, request_hash, idempotency_key, class, state, result, emit_pos, 0, 0, \
+             SELECT $2, seq, name, request_hash, idempotency_key, class, state, result, emit_pos, 1, 1, \
              created_at, updated_at FROM effects WHERE run_id = $1",
         )
         .bind(recorded)
