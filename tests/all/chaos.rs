@@ -13,11 +13,13 @@
 //! * **database**: PostgreSQL: `pg_terminate_backend` of every host
 //!   connection, and restarts of the server (fast and immediate) mid-load,
 //!   on a cluster the suite owns. SQLite: an outside process holds the
-//!   write lock for up to 2 s (and kills land mid-transaction).
+//!   write lock for up to 2 s (kills may also land mid-transaction; that
+//!   is not detected separately).
 //! * **clock skew**: host 1 runs an hour ahead and host 2 an hour behind
 //!   (`--test-clock-skew-ms`); leases use the database clock, so no lease
-//!   may be taken from a live host (`steals`) and a dead host's runs come
-//!   back within the lease TTL plus the reaper interval.
+//!   is taken before it expires (`steals`), every lease expiry written is
+//!   within a TTL of the database's now (`skewed_leases`), and a dead
+//!   host's runs come back within the lease TTL plus the reaper interval.
 //! * **duplicate delivery**: some runs are submitted three times at once,
 //!   to three hosts, with one idempotency key; `wait` runs get their input
 //!   twice at once.
