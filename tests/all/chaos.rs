@@ -190,6 +190,18 @@ fn pg_bin(name: &str) -> Option<PathBuf> {
     found.pop()
 }
 
+/// `program`, run as the `postgres` user when we are root (`runas`).
+fn as_postgres(runas: &[String], program: &Path) -> Command {
+    match runas.split_first() {
+        Some((first, rest)) => {
+            let mut c = Command::new(first);
+            c.args(rest).arg(program);
+            c
+        }
+        None => Command::new(program),
+    }
+}
+
 impl PgCluster {
     fn start() -> Result<PgCluster> {
         let (Some(initdb), Some(pg_ctl)) = (pg_bin("initdb"), pg_bin("pg_ctl")) else {
@@ -206,42 +218,22 @@ impl PgCluster {
             runas = vec!["runuser".into(), "-u".into(), "postgres".into(), "--".into()];
         }
         let port = crate::serve_proc::free_port()?;
-        let run = |program: &Path, args: &[&str]| -> Result<()> {
-            let mut cmd = match runas.split_first() {
-                Some((first, rest)) => {
-                    let mut c = Command::new(first);
-                    c.args(rest).arg(program);
-                    c
-                }
-                None => Command::new(program),
-            };
-            let out = cmd.args(args).output()?;
-            ensure!(out.status.success(), "{}: {}", program.display(), String::from_utf8_lossy(&out.stderr));
-            Ok(())
-        };
         let data = dir.path().join("data");
-        let data = data.to_str().context("temp dir path")?.to_string();
-        run(&initdb, &["-D", &data, "-U", "postgres", "--auth=trust"])?;
+        let out = as_postgres(&runas, &initdb).arg("-D").arg(&data).args(["-U", "postgres", "--auth=trust"]).output()?;
+        ensure!(out.status.success(), "initdb: {}", String::from_utf8_lossy(&out.stderr));
         let opts = format!(
             "-p {port} -k {} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=300",
             dir.path().display()
         );
         let log = dir.path().join("server.log");
-        run(&pg_ctl, &["-D", &data, "-l", log.to_str().unwrap(), "-w", "-o", &opts, "start"])?;
-        Ok(PgCluster { url: format!("postgres://postgres@127.0.0.1:{port}/postgres"), dir, pg_ctl, runas })
+        let cluster = PgCluster { url: format!("postgres://postgres@127.0.0.1:{port}/postgres"), dir, pg_ctl, runas };
+        cluster.pg_ctl(&["-l", log.to_str().context("log path")?, "-w", "-o", &opts, "start"])?;
+        Ok(cluster)
     }
 
     fn pg_ctl(&self, args: &[&str]) -> Result<()> {
         let data = self.dir.path().join("data");
-        let mut cmd = match self.runas.split_first() {
-            Some((first, rest)) => {
-                let mut c = Command::new(first);
-                c.args(rest).arg(&self.pg_ctl);
-                c
-            }
-            None => Command::new(&self.pg_ctl),
-        };
-        let out = cmd.arg("-D").arg(&data).args(args).output()?;
+        let out = as_postgres(&self.runas, &self.pg_ctl).arg("-D").arg(&data).args(args).output()?;
         ensure!(out.status.success(), "pg_ctl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
         Ok(())
     }
@@ -735,7 +727,6 @@ async fn drive(
     let faults_over = Instant::now();
 
     // Quiet: every acknowledged run must finish.
-    let ids: Vec<i64> = acked.iter().map(|a| a.id).collect();
     let deadline = Instant::now() + Duration::from_secs(300);
     loop {
         cluster.reap_crashes()?;
@@ -751,7 +742,7 @@ async fn drive(
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     let elapsed = started.elapsed();
-    let report = check(settings, backend, &acked, &ids, store, sink, cluster, &counters, elapsed).await?;
+    let report = check(settings, backend, &acked, store, sink, cluster, &counters, elapsed).await?;
     eprintln!("chaos: quiet {:?} after the last fault", faults_over.elapsed());
     let line = serde_json::to_string(&report.json)?;
     eprintln!("{line}");
@@ -1028,7 +1019,6 @@ async fn check(
     settings: &Settings,
     backend: Backend,
     acked: &[Acked],
-    ids: &[i64],
     store: &Store,
     sink: &Sink,
     cluster: &Cluster<'_>,
@@ -1042,7 +1032,7 @@ async fn check(
     .await?;
     let runs: HashMap<i64, (String, Option<String>, Option<String>)> =
         rows.into_iter().map(|(id, s, o, e)| (id, (s, o, e))).collect();
-    let distinct: HashSet<i64> = ids.iter().copied().collect();
+    let distinct: HashSet<i64> = acked.iter().map(|a| a.id).collect();
     if runs.len() != distinct.len() {
         failures.push(format!("{} runs in the database for {} acknowledged", runs.len(), distinct.len()));
     }
