@@ -14,8 +14,45 @@ use sqlx::{AnyConnection, Row};
 
 use crate::events::{self, kind};
 use crate::store::{
-    Claimed, Lease, NewRun, Outcome, Run, RunStatus, Store, StoreError, Suspend, sql,
+    Backend, Claimed, Lease, NewRun, Outcome, Run, RunStatus, Store, StoreError, Suspend, WORK_CHANNEL, sql,
 };
+
+/// The (owner, fence) guard of every guarded write, on a statement whose
+/// run id, owner and fence are `$1`, `$2`, `$3`.
+macro_rules! guarded {
+    () => {
+        "id = $1 AND lease_owner = $2 AND fence = $3 AND status = 'running'"
+    };
+}
+pub(crate) use guarded;
+
+/// PostgreSQL: the CTEs of a one-statement write that appends an event.
+/// The statement starts `WITH r AS (…)`, where `r` writes the run and
+/// returns its `id`, `fence` and `thread_id` (no row: nothing is appended).
+/// These take the thread's next sequence number (the upsert locks the
+/// thread's counter row until commit, as [`events::append`] does) and, as
+/// CTE `e`, insert the event of kind `$kind` with payload `$payload` (an SQL
+/// expression), returning its `seq`. The statement ends with a `SELECT`
+/// that names `e`.
+///
+/// Why: each statement is a round trip, and a transaction adds two more
+/// (`BEGIN`, `COMMIT`). One statement is one implicit transaction, with the
+/// same work and the same atomicity. SQLite has no data-modifying CTEs, and
+/// its round trips are function calls, so it keeps the transaction.
+macro_rules! pg_append_event {
+    ($kind:literal, $payload:literal) => {
+        concat!(
+            ", t AS (INSERT INTO threads (id, last_seq) SELECT thread_id, 1 FROM r \
+             ON CONFLICT (id) DO UPDATE SET last_seq = threads.last_seq + 1 RETURNING id, last_seq), \
+             e AS (INSERT INTO events (thread_id, seq, run_id, fence, kind, payload, created_at) \
+             SELECT t.id, t.last_seq, r.id, r.fence, '",
+            $kind,
+            "', ",
+            $payload,
+            ", {now} FROM t, r RETURNING seq) "
+        )
+    };
+}
 
 /// Checks (owner, fence) on `conn` and refreshes the heartbeat. The first
 /// statement of every guarded transaction.
@@ -44,13 +81,80 @@ pub(crate) async fn guard(
 /// A write refused by the (owner, fence) guard. Counted, so an operator
 /// (and the fault-injection suite) can see how often a stale segment (a
 /// zombie) tried to write after losing its lease.
-fn rejected(lease: &Lease) -> StoreError {
+pub(crate) fn rejected(lease: &Lease) -> StoreError {
     crate::metrics::global().fenced_writes_rejected.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     StoreError::LeaseLost(lease.clone())
 }
 
 fn ms(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// PostgreSQL: like `pg_append_event!`, for the deltas of CTE `d` (`delta`,
+/// `ord` from 1) after CTE `r` has moved the run's `emit_pos` on by the
+/// delta count (returning the first new position as `first`). `emit`: the
+/// count is `$5`. `close`: the count is `$9`, and `$more` (`UNION ALL
+/// SELECT …`) adds the one final event, numbered `t.base + $9 + 1`; the
+/// thread counter moves on by every event appended.
+macro_rules! pg_append_deltas {
+    (emit) => {
+        concat!(
+            ", t AS (INSERT INTO threads (id, last_seq) SELECT thread_id, $5 FROM r \
+             ON CONFLICT (id) DO UPDATE SET last_seq = threads.last_seq + $5 RETURNING id, last_seq - $5 AS base), \
+             e AS (INSERT INTO events (thread_id, seq, run_id, fence, kind, payload, created_at) \
+             SELECT t.id, t.base + d.ord, r.id, r.fence, 'delta', \
+             jsonb_build_object('pos', r.first + d.ord - 1, 'delta', d.delta)::text, {now} FROM t, r, d RETURNING seq) "
+        )
+    };
+    (close, $more:literal) => {
+        concat!(
+            ", t AS (INSERT INTO threads (id, last_seq) SELECT thread_id, $9 + 1 FROM r \
+             ON CONFLICT (id) DO UPDATE SET last_seq = threads.last_seq + $9 + 1 RETURNING id, last_seq - $9 - 1 AS base), \
+             e AS (INSERT INTO events (thread_id, seq, run_id, fence, kind, payload, created_at) \
+             SELECT t.id, t.base + d.ord, r.id, r.fence, 'delta', \
+             jsonb_build_object('pos', r.first + d.ord - 1, 'delta', d.delta)::text, {now} FROM t, r, d",
+            $more,
+            " RETURNING seq) "
+        )
+    };
+}
+
+/// Statement 3 inside the caller's transaction: appends `deltas` to the
+/// run's `partial` and one `delta` event each. `None` when the guard does
+/// not hold; otherwise the thread and the first delta's position.
+async fn append_deltas(
+    store: &Store,
+    conn: &mut AnyConnection,
+    lease: &Lease,
+    deltas: &[&str],
+) -> Result<Option<(String, i64)>, StoreError> {
+    let joined: String = deltas.concat();
+    let Some(row) = sqlx::query(sql!(
+        store,
+        concat!(
+            "UPDATE runs SET partial = partial || $4, emit_pos = emit_pos + $5, \
+             heartbeat_at = {now}, updated_at = {now} WHERE ",
+            guarded!(),
+            " RETURNING thread_id, emit_pos"
+        )
+    ))
+    .bind(lease.run_id)
+    .bind(&lease.owner)
+    .bind(lease.fence)
+    .bind(&joined)
+    .bind(deltas.len() as i64)
+    .fetch_optional(&mut *conn)
+    .await?
+    else {
+        return Ok(None);
+    };
+    let thread_id: String = row.try_get("thread_id")?;
+    let first = row.try_get::<i64, _>("emit_pos")? - deltas.len() as i64;
+    for (i, delta) in deltas.iter().enumerate() {
+        let payload = json!({ "pos": first + i as i64, "delta": delta });
+        events::append(store, conn, &thread_id, lease.run_id, lease.fence, kind::DELTA, &payload).await?;
+    }
+    Ok(Some((thread_id, first)))
 }
 
 impl Store {
@@ -68,6 +172,9 @@ impl Store {
             )));
         }
         let thread_id = thread_id.as_str();
+        if self.backend() == Backend::Postgres {
+            return self.create_run_pg(new, thread_id, max_attempts).await;
+        }
         let created = self.retry(|| async move {
             let mut tx = self.writer().begin().await?;
             let inserted = sqlx::query(sql!(
@@ -106,6 +213,50 @@ impl Store {
             self.signal_work(true).await;
         }
         Ok(created)
+    }
+
+    /// [`Store::create_run`] on PostgreSQL: the run, its `submitted` event
+    /// and the `NOTIFY` to other hosts (sent at commit) in one statement.
+    async fn create_run_pg(&self, new: &NewRun, thread_id: &str, max_attempts: i64) -> Result<(Run, bool), StoreError> {
+        let payload = json!({ "plugin": new.plugin, "input": new.input }).to_string();
+        let payload = payload.as_str();
+        let inserted = self
+            .retry(|| async move {
+                Ok(sqlx::query(sql!(
+                    self,
+                    concat!(
+                        "WITH r AS (INSERT INTO runs (thread_id, plugin, plugin_digest, input, idempotency_key, \
+                         status, max_attempts, not_before, created_at, updated_at) \
+                         VALUES ($1, $2, $3, $4, $5, 'queued', $6, {now}, {now}, {now}) \
+                         ON CONFLICT (idempotency_key) DO NOTHING RETURNING *)",
+                        pg_append_event!("submitted", "$7"),
+                        ", n AS (SELECT pg_notify($8, $9) FROM r) SELECT r.* FROM r, e, n"
+                    )
+                ))
+                .bind(thread_id)
+                .bind(&new.plugin)
+                .bind(&new.plugin_digest)
+                .bind(&new.input)
+                .bind(&new.idempotency_key)
+                .bind(max_attempts)
+                .bind(payload)
+                .bind(WORK_CHANNEL)
+                .bind(self.node())
+                .fetch_optional(self.writer())
+                .await?)
+            })
+            .await?;
+        if let Some(row) = inserted {
+            self.signal_work(false).await;
+            return Ok((Run::from_row(&row)?, true));
+        }
+        // Only a duplicate key gets here (a NULL key never conflicts), and
+        // `ON CONFLICT` has waited for the other insert to commit.
+        let row = sqlx::query(sql!(self, "SELECT * FROM runs WHERE idempotency_key = $1"))
+            .bind(&new.idempotency_key)
+            .fetch_one(self.pool())
+            .await?;
+        Ok((Run::from_row(&row)?, false))
     }
 
     /// The run with `id`.
@@ -224,29 +375,51 @@ impl Store {
     /// Statement 3: appends `delta` to the run's `partial` and to its thread
     /// log, and refreshes the heartbeat. Returns the delta's position.
     pub async fn emit(&self, lease: &Lease, delta: &str) -> Result<i64, StoreError> {
+        self.emit_deltas(lease, &[delta]).await
+    }
+
+    /// Statement 3 for several deltas at once (a segment buffers its deltas
+    /// for a few milliseconds, see `runtime::host`): appends them, in order,
+    /// to `partial` and as one `delta` event each. Returns the position of
+    /// the first. One write however many deltas.
+    pub async fn emit_deltas(&self, lease: &Lease, deltas: &[&str]) -> Result<i64, StoreError> {
+        if deltas.is_empty() {
+            return Err(StoreError::Config("emit_deltas needs at least one delta".into()));
+        }
+        if self.backend() == Backend::Postgres {
+            let (list, n) = (json!(deltas).to_string(), deltas.len() as i64);
+            let (list, n) = (list.as_str(), n);
+            let first = self
+                .retry(|| async move {
+                    Ok(sqlx::query_scalar::<_, i64>(sql!(
+                        self,
+                        concat!(
+                            "WITH d AS (SELECT value AS delta, ordinality AS ord \
+                             FROM jsonb_array_elements_text($4::text::jsonb) WITH ORDINALITY), \
+                             r AS (UPDATE runs SET partial = partial || (SELECT string_agg(delta, '' ORDER BY ord) FROM d), \
+                             emit_pos = emit_pos + $5, heartbeat_at = {now}, updated_at = {now} WHERE ",
+                            guarded!(),
+                            " RETURNING id, fence, thread_id, emit_pos - $5 AS first)",
+                            pg_append_deltas!(emit),
+                            "SELECT r.first FROM r"
+                        )
+                    ))
+                    .bind(lease.run_id)
+                    .bind(&lease.owner)
+                    .bind(lease.fence)
+                    .bind(list)
+                    .bind(n)
+                    .fetch_optional(self.writer())
+                    .await?)
+                })
+                .await?;
+            return first.ok_or_else(|| rejected(lease));
+        }
         self.retry(|| async move {
             let mut tx = self.writer().begin().await?;
-            let row = sqlx::query(sql!(
-                self,
-                "UPDATE runs SET partial = partial || $4, emit_pos = emit_pos + 1, \
-                 heartbeat_at = {now}, updated_at = {now} \
-                 WHERE id = $1 AND lease_owner = $2 AND fence = $3 AND status = 'running' \
-                 RETURNING thread_id, emit_pos"
-            ))
-            .bind(lease.run_id)
-            .bind(&lease.owner)
-            .bind(lease.fence)
-            .bind(delta)
-            .fetch_optional(&mut *tx)
-            .await?
-            .ok_or_else(|| rejected(lease))?;
-            let thread_id: String = row.try_get("thread_id")?;
-            let pos = row.try_get::<i64, _>("emit_pos")? - 1;
-            let payload = json!({ "pos": pos, "delta": delta });
-            events::append(self, &mut tx, &thread_id, lease.run_id, lease.fence, kind::DELTA, &payload)
-                .await?;
+            let first = append_deltas(self, &mut tx, lease, deltas).await?.ok_or_else(|| rejected(lease))?;
             tx.commit().await?;
-            Ok(pos)
+            Ok(first.1)
         })
         .await
     }
@@ -303,12 +476,62 @@ impl Store {
     /// error), appends the final `message` event and clears the lease, in one
     /// transaction.
     pub async fn close(&self, lease: &Lease, outcome: &Outcome) -> Result<(), StoreError> {
+        self.close_with_deltas(lease, &[], outcome).await
+    }
+
+    /// Statement 4 preceded by statement 3 for `deltas` (the segment's
+    /// last buffered deltas), in one transaction: the stream's tail and the
+    /// final message are written together.
+    pub async fn close_with_deltas(&self, lease: &Lease, deltas: &[&str], outcome: &Outcome) -> Result<(), StoreError> {
         let (status, output, error) = match outcome {
             Outcome::Completed { output } => (RunStatus::Completed, Some(output.as_str()), None),
             Outcome::Failed { error } => (RunStatus::Failed, None, Some(error.as_str())),
         };
+        let payload = json!({ "status": status, "output": output, "error": error }).to_string();
+        let payload = payload.as_str();
+        if self.backend() == Backend::Postgres {
+            let (list, n) = (json!(deltas).to_string(), deltas.len() as i64);
+            let list = list.as_str();
+            let seq = self
+                .retry(|| async move {
+                    Ok(sqlx::query_scalar::<_, i64>(sql!(
+                        self,
+                        concat!(
+                            "WITH d AS (SELECT value AS delta, ordinality AS ord \
+                             FROM jsonb_array_elements_text($8::text::jsonb) WITH ORDINALITY), \
+                             r AS (UPDATE runs SET status = $4, output = $5, error = $6, lease_owner = NULL, \
+                             lease_expires_at = NULL, finished_at = {now}, updated_at = {now}, \
+                             partial = partial || COALESCE((SELECT string_agg(delta, '' ORDER BY ord) FROM d), ''), \
+                             emit_pos = emit_pos + $9 WHERE ",
+                            guarded!(),
+                            " RETURNING id, fence, thread_id, emit_pos - $9 AS first)",
+                            pg_append_deltas!(
+                                close,
+                                " UNION ALL SELECT t.id, t.base + $9 + 1, r.id, r.fence, 'message', $7, {now} FROM t, r"
+                            ),
+                            "SELECT MAX(seq) FROM e HAVING COUNT(*) > 0"
+                        )
+                    ))
+                    .bind(lease.run_id)
+                    .bind(&lease.owner)
+                    .bind(lease.fence)
+                    .bind(status.as_str())
+                    .bind(output)
+                    .bind(error)
+                    .bind(payload)
+                    .bind(list)
+                    .bind(n)
+                    .fetch_optional(self.writer())
+                    .await?)
+                })
+                .await?;
+            return seq.map(drop).ok_or_else(|| rejected(lease));
+        }
         self.retry(|| async move {
             let mut tx = self.writer().begin().await?;
+            if !deltas.is_empty() {
+                append_deltas(self, &mut tx, lease, deltas).await?.ok_or_else(|| rejected(lease))?;
+            }
             let thread_id: String = sqlx::query_scalar(sql!(
                 self,
                 "UPDATE runs SET status = $4, output = $5, error = $6, lease_owner = NULL, \
@@ -325,7 +548,7 @@ impl Store {
             .fetch_optional(&mut *tx)
             .await?
             .ok_or_else(|| rejected(lease))?;
-            let payload = json!({ "status": status, "output": output, "error": error });
+            let payload: serde_json::Value = serde_json::from_str(payload).expect("built above");
             events::append(self, &mut tx, &thread_id, lease.run_id, lease.fence, kind::MESSAGE, &payload)
                 .await?;
             tx.commit().await?;

@@ -4,8 +4,8 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::lease::guard;
-use crate::store::{EffectClass, EffectRow, EffectState, Lease, Store, StoreError, sql};
+use crate::lease::{guard, guarded, rejected};
+use crate::store::{Backend, EffectClass, EffectRow, EffectState, Lease, Store, StoreError, sql};
 
 /// The identity of an effect at one position of a run.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -91,6 +91,77 @@ async fn insert_row(
     EffectRow::from_row(&row)
 }
 
+/// PostgreSQL: the guard and a ledger row in one statement (see
+/// `pg_append_event!` in `lease.rs` for why). CTE `g` is the guard; `e`
+/// inserts the row, with result `$result` (an SQL expression); `$after`
+/// adds CTEs that apply the effect from `e`'s row, so a duplicate position
+/// (no row in `e`) applies nothing. The statement returns one row when the
+/// guard held, with `guard_run_id` set and the ledger row's columns (NULL
+/// when the position was already recorded); no row when the lease is lost.
+///
+/// Parameters: `$1`..`$3` the lease, `$4` seq, `$5` name, `$6` request hash,
+/// `$7` idempotency key, `$8` class, `$9` state, `$10` emit position, `$11`
+/// completing fence (NULL for `started`); `$12`.. belong to `$result` and
+/// `$after`.
+macro_rules! pg_ledger_row {
+    ($result:literal, $after:literal) => {
+        concat!(
+            "WITH g AS (UPDATE runs SET heartbeat_at = {now} WHERE ",
+            guarded!(),
+            " RETURNING id), \
+             e AS (INSERT INTO effects (run_id, seq, name, request_hash, idempotency_key, class, state, \
+             result, emit_pos, fence_started, fence_completed, created_at, updated_at) \
+             SELECT $1, $4, $5, $6, $7, $8, $9, ",
+            $result,
+            ", $10, $3, $11, {now}, {now} FROM g ON CONFLICT (run_id, seq) DO NOTHING RETURNING *)",
+            $after,
+            " SELECT g.id AS guard_run_id, e.* FROM g LEFT JOIN e ON true"
+        )
+    };
+}
+
+/// Runs a `pg_ledger_row!` statement: binds `$1`..`$11` from the lease and
+/// the call, then `extra` in order.
+async fn pg_ledger_row(
+    store: &Store,
+    statement: &'static str,
+    lease: &Lease,
+    call: &EffectCall,
+    class: EffectClass,
+    state: EffectState,
+    extra: &[Option<&str>],
+) -> Result<EffectRow, StoreError> {
+    let completed = (state != EffectState::Started).then_some(lease.fence);
+    let row = store
+        .retry(|| async move {
+            let mut q = sqlx::query(statement)
+                .bind(lease.run_id)
+                .bind(&lease.owner)
+                .bind(lease.fence)
+                .bind(call.seq)
+                .bind(&call.name)
+                .bind(&call.request_hash)
+                .bind(idempotency_key(lease.run_id, call.seq))
+                .bind(class.as_str())
+                .bind(state.as_str())
+                .bind(call.emit_pos)
+                .bind(completed);
+            for value in extra {
+                q = q.bind(*value);
+            }
+            Ok(q.fetch_optional(store.writer()).await?)
+        })
+        .await?;
+    let Some(row) = row else {
+        return Err(rejected(lease));
+    };
+    use sqlx::Row;
+    if row.try_get::<Option<i64>, _>("seq")?.is_none() {
+        return Err(StoreError::EffectExists { run_id: lease.run_id, seq: call.seq });
+    }
+    EffectRow::from_row(&row)
+}
+
 impl Store {
     /// Writes a `started` row for a keyed or unkeyed effect, before it is
     /// performed. `EffectExists` means the position is already recorded and
@@ -101,6 +172,10 @@ impl Store {
         call: &EffectCall,
         class: EffectClass,
     ) -> Result<EffectRow, StoreError> {
+        if self.backend() == Backend::Postgres {
+            let statement = sql!(self, pg_ledger_row!("$12", ""));
+            return pg_ledger_row(self, statement, lease, call, class, EffectState::Started, &[None]).await;
+        }
         self.retry(|| async move {
             let mut tx = self.writer().begin().await?;
             guard(self, &mut tx, lease).await?;
@@ -123,6 +198,38 @@ impl Store {
             Completion::Committed(r) => (EffectState::Committed, r),
             Completion::Failed(r) => (EffectState::Failed, r),
         };
+        if self.backend() == Backend::Postgres {
+            let row = self
+                .retry(|| async move {
+                    Ok(sqlx::query(sql!(
+                        self,
+                        concat!(
+                            "WITH g AS (UPDATE runs SET heartbeat_at = {now} WHERE ",
+                            guarded!(),
+                            " RETURNING id), \
+                             u AS (UPDATE effects SET state = $5, result = $6, fence_completed = $3, \
+                             updated_at = {now} WHERE run_id IN (SELECT id FROM g) AND seq = $4 \
+                             AND state IN ('started','in_doubt') RETURNING *) \
+                             SELECT g.id AS guard_run_id, u.* FROM g LEFT JOIN u ON true"
+                        )
+                    ))
+                    .bind(lease.run_id)
+                    .bind(&lease.owner)
+                    .bind(lease.fence)
+                    .bind(seq)
+                    .bind(state.as_str())
+                    .bind(result)
+                    .fetch_optional(self.writer())
+                    .await?)
+                })
+                .await?;
+            let row = row.ok_or_else(|| rejected(lease))?;
+            use sqlx::Row;
+            if row.try_get::<Option<i64>, _>("seq")?.is_none() {
+                return Err(StoreError::EffectNotOpen { run_id: lease.run_id, seq });
+            }
+            return EffectRow::from_row(&row);
+        }
         self.retry(|| async move {
             let mut tx = self.writer().begin().await?;
             guard(self, &mut tx, lease).await?;
@@ -184,6 +291,44 @@ impl Store {
         call: &EffectCall,
         op: &LocalOp,
     ) -> Result<EffectRow, StoreError> {
+        if self.backend() == Backend::Postgres {
+            let (local, committed) = (EffectClass::Local, EffectState::Committed);
+            match op {
+                LocalOp::KvGet { namespace, key } => {
+                    let statement = sql!(
+                        self,
+                        pg_ledger_row!(
+                            "COALESCE((SELECT value FROM kv WHERE namespace = $12 AND key = $13), 'null')",
+                            ""
+                        )
+                    );
+                    let extra = [Some(namespace.as_str()), Some(key.as_str())];
+                    return pg_ledger_row(self, statement, lease, call, local, committed, &extra).await;
+                }
+                LocalOp::KvPut { namespace, key, value } => {
+                    let statement = sql!(
+                        self,
+                        pg_ledger_row!(
+                            "'null'",
+                            ", k AS (INSERT INTO kv (namespace, key, value, updated_at) \
+                             SELECT $12, $13, $14, {now} FROM e \
+                             ON CONFLICT (namespace, key) DO UPDATE SET value = excluded.value, \
+                             updated_at = excluded.updated_at)"
+                        )
+                    );
+                    let extra = [Some(namespace.as_str()), Some(key.as_str()), Some(value.as_str())];
+                    return pg_ledger_row(self, statement, lease, call, local, committed, &extra).await;
+                }
+                LocalOp::Record { value } => {
+                    let statement = sql!(self, pg_ledger_row!("$12", ""));
+                    return pg_ledger_row(self, statement, lease, call, local, committed, &[Some(value.as_str())])
+                        .await;
+                }
+                // It writes the run row, which the guard CTE already updates
+                // (a row may be updated once per statement): a transaction.
+                LocalOp::TakeInput { .. } => {}
+            }
+        }
         self.retry(|| async move {
             let mut tx = self.writer().begin().await?;
             guard(self, &mut tx, lease).await?;
@@ -251,6 +396,11 @@ impl Store {
         call: &EffectCall,
         result: &str,
     ) -> Result<EffectRow, StoreError> {
+        if self.backend() == Backend::Postgres {
+            let statement = sql!(self, pg_ledger_row!("$12", ""));
+            let (local, failed) = (EffectClass::Local, EffectState::Failed);
+            return pg_ledger_row(self, statement, lease, call, local, failed, &[Some(result)]).await;
+        }
         self.retry(|| async move {
             let mut tx = self.writer().begin().await?;
             guard(self, &mut tx, lease).await?;

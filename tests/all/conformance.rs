@@ -405,6 +405,46 @@ both! {
         Ok(())
     }
 
+    async fn buffered_deltas_are_written_in_order_with_one_event_each_and_the_close_takes_the_tail(db) {
+        let s = &db.store;
+        let mut new = NewRun::new("p", "{}");
+        new.thread_id = Some("t2".into());
+        let (run, _) = s.create_run(&new).await?;
+        let a = claim(s, "a").await?;
+        ensure!(s.emit_deltas(&a.lease, &["he", "llo", " "]).await? == 0);
+        ensure!(s.emit(&a.lease, "wor").await? == 3);
+        // A quote, a backslash and non-ASCII survive the JSON list.
+        s.close_with_deltas(&a.lease, &["ld \"q\" \\ é", "!"], &completed("done")).await?;
+        let run = s.get_run(run.id).await?;
+        ensure!(run.partial == "hello world \"q\" \\ é!" && run.emit_pos == 6, "{run:?}");
+        ensure!(run.status == RunStatus::Completed && run.lease_owner.is_none(), "{run:?}");
+        let events = s.events_after("t2", 0, 100).await?;
+        let seqs: Vec<i64> = events.iter().map(|e| e.seq).collect();
+        ensure!(seqs == (1..=8).collect::<Vec<_>>(), "{seqs:?}");
+        let kinds: Vec<&str> = events.iter().map(|e| e.kind.as_str()).collect();
+        ensure!(kinds == ["submitted", "delta", "delta", "delta", "delta", "delta", "delta", "message"], "{kinds:?}");
+        let stream = leasehold::events::replay_stream(events.iter().map(|e| (e.kind.as_str(), e.payload.as_str())));
+        ensure!(stream.concat() == run.partial, "{stream:?}");
+        for (i, e) in events.iter().filter(|e| e.kind == "delta").enumerate() {
+            let v: serde_json::Value = serde_json::from_str(&e.payload)?;
+            ensure!(v["pos"] == i as i64 && e.fence == a.lease.fence, "{e:?}");
+        }
+        let message: serde_json::Value = serde_json::from_str(&events[7].payload)?;
+        ensure!(message["status"] == "completed" && message["output"] == "done", "{message}");
+
+        // A stale lease writes none of it, and no thread sequence is used.
+        s.create_run(&NewRun::new("p", "{}")).await?;
+        let b = claim(s, "b").await?;
+        let stale = leasehold::store::Lease { fence: b.lease.fence + 1, ..b.lease.clone() };
+        ensure!(s.emit_deltas(&stale, &["x", "y"]).await.unwrap_err().is_lease_lost());
+        ensure!(s.close_with_deltas(&stale, &["z"], &completed("late")).await.unwrap_err().is_lease_lost());
+        let after = s.get_run(b.run.id).await?;
+        ensure!(after.partial.is_empty() && after.emit_pos == 0 && after.status == RunStatus::Running, "{after:?}");
+        let thread = s.events_after(&after.thread_id, 0, 100).await?;
+        ensure!(thread.len() == 1 && thread[0].kind == "submitted", "{thread:?}");
+        Ok(())
+    }
+
     async fn renew_extends_the_lease_from_the_database_clock(db) {
         let s = &db.store;
         submit(s, 5).await?;
