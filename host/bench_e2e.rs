@@ -88,7 +88,7 @@ impl E2eBench {
         let pool = WorkerPool::start(
             store.clone(),
             exec,
-            PoolConfig { workers: self.concurrency, poll: Duration::from_millis(100) },
+            PoolConfig { workers: self.concurrency, poll: Duration::from_millis(100), ..PoolConfig::default() },
         );
 
         // Peak: submit as fast as possible.

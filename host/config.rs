@@ -32,6 +32,10 @@ pub struct ServeOptions {
     /// Concurrent segments on this host. [default: 4]
     #[arg(long, env = "LEASEHOLD_WORKERS")]
     pub workers: Option<usize>,
+    /// Most runs one claim statement takes when several workers are free.
+    /// [default: 16]
+    #[arg(long, env = "LEASEHOLD_CLAIM_BATCH")]
+    pub claim_batch: Option<usize>,
     /// Lease length in ms: how long a dead host's runs wait before another
     /// host takes them. [default: 30000]
     #[arg(long, env = "LEASEHOLD_LEASE_TTL_MS")]
@@ -98,6 +102,7 @@ pub struct Serve {
     pub listen: SocketAddr,
     pub api_token: Option<String>,
     pub workers: usize,
+    pub claim_batch: usize,
     pub lease_ttl: Duration,
     pub reaper_interval: Duration,
     pub poll: Duration,
@@ -132,6 +137,7 @@ impl ServeOptions {
             listen: self.listen.or(file.listen).unwrap_or_else(|| "127.0.0.1:8080".parse().unwrap()),
             api_token: self.api_token.or(file.api_token).filter(|t| !t.is_empty()),
             workers: self.workers.or(file.workers).unwrap_or(4),
+            claim_batch: self.claim_batch.or(file.claim_batch).unwrap_or(16),
             lease_ttl: ms(self.lease_ttl_ms.or(file.lease_ttl_ms).unwrap_or(30_000)),
             reaper_interval: ms(self.reaper_interval_ms.or(file.reaper_interval_ms).unwrap_or(5_000)),
             poll: ms(self.poll_ms.or(file.poll_ms).unwrap_or(1_000)),
@@ -154,6 +160,9 @@ impl ServeOptions {
         };
         if serve.workers == 0 {
             bail!("--workers must be at least 1");
+        }
+        if serve.claim_batch == 0 {
+            bail!("--claim-batch must be at least 1");
         }
         if serve.max_instances < serve.workers as u32 {
             bail!(

@@ -131,15 +131,31 @@ impl Executor {
 
     /// Claims one run and runs one segment of it. `None`: nothing to claim.
     pub async fn run_once(&self) -> Result<Option<(i64, SegmentOutcome)>, StoreError> {
-        let metrics = crate::metrics::global();
-        let asked = Instant::now();
-        let claimed = self.store.claim(&self.config.owner, self.config.lease_ttl).await?;
-        metrics.claim_latency.observe(asked.elapsed());
-        let Some(claimed) = claimed else {
+        let Some(claimed) = self.claim(1).await?.pop() else {
             return Ok(None);
         };
-        metrics.claims.fetch_add(1, Ordering::Relaxed);
         let id = claimed.run.id;
+        Ok(Some((id, self.run_claimed(claimed).await?)))
+    }
+
+    /// Claims up to `max` runs for this worker (statement 1), counted in the
+    /// claim metrics. The caller runs a segment of each at once: their
+    /// leases are already running.
+    pub async fn claim(&self, max: usize) -> Result<Vec<Claimed>, StoreError> {
+        let metrics = crate::metrics::global();
+        let asked = Instant::now();
+        let claimed = self
+            .store
+            .claim_batch(&self.config.owner, self.config.lease_ttl, max.max(1) as i64)
+            .await?;
+        metrics.claim_latency.observe(asked.elapsed());
+        metrics.claims.fetch_add(claimed.len() as u64, Ordering::Relaxed);
+        Ok(claimed)
+    }
+
+    /// Runs one segment of a claimed run, counted in the segment metrics.
+    pub async fn run_claimed(&self, claimed: Claimed) -> Result<SegmentOutcome, StoreError> {
+        let metrics = crate::metrics::global();
         let started = Instant::now();
         let outcome = self.run_segment(claimed).await;
         metrics.segment_duration.observe(started.elapsed());
@@ -151,7 +167,7 @@ impl Executor {
             Ok(SegmentOutcome::Abandoned(_)) | Err(_) => &metrics.segments_abandoned,
         };
         counter.fetch_add(1, Ordering::Relaxed);
-        Ok(Some((id, outcome?)))
+        outcome
     }
 
     /// Runs segments until nothing is claimable; returns what each did.
@@ -170,12 +186,12 @@ impl Executor {
             Ok(Some(plugin)) => plugin,
             Ok(None) => {
                 let error = format!("unknown-plugin: no plugin named {:?} is registered", run.plugin);
-                return self.finish(&lease, Outcome::Failed { error }, GuestErrorKind::UnknownPlugin).await;
+                return self.finish(&lease, Outcome::Failed { error }, GuestErrorKind::UnknownPlugin, &[]).await;
             }
             Err(crate::plugins::RegisterError::Store(e)) => return Err(e),
             Err(e) => {
                 let error = format!("unknown-plugin: plugin {:?} could not be loaded: {e}", run.plugin);
-                return self.finish(&lease, Outcome::Failed { error }, GuestErrorKind::UnknownPlugin).await;
+                return self.finish(&lease, Outcome::Failed { error }, GuestErrorKind::UnknownPlugin, &[]).await;
             }
         };
         // Fence 1 is a run's first segment: no segment held it before, so it
@@ -320,6 +336,15 @@ impl Executor {
         lease: &Lease,
         (result, state): (wasmtime::Result<Result<String, String>>, SegmentState),
     ) -> Result<SegmentOutcome, StoreError> {
+        // Deltas still buffered are written with the segment's last write.
+        // A timed flush that failed left a gap in the stored stream: then
+        // nothing more is written, and the run is resumed by replay.
+        let tail = match state.take_stream_tail().await {
+            Ok(tail) => tail,
+            Err(Interrupt::LeaseLost) => return Ok(SegmentOutcome::LeaseLost),
+            Err(Interrupt::Store(e)) => return Ok(SegmentOutcome::Abandoned(e)),
+            Err(other) => return Ok(SegmentOutcome::Abandoned(format!("{other:?}"))),
+        };
         let limits = &plugin.limits;
         let too_large = |len: usize| Outcome::Failed {
             error: format!(
@@ -329,23 +354,23 @@ impl Executor {
         };
         match (result, state.interrupt.clone()) {
             (Ok(Ok(output)), _) if output.len() > limits.max_output_bytes => {
-                self.finish(lease, too_large(output.len()), GuestErrorKind::OutputTooLarge).await
+                self.finish(lease, too_large(output.len()), GuestErrorKind::OutputTooLarge, &tail).await
             }
             (Ok(Ok(output)), _) => {
-                self.close(lease, Outcome::Completed { output }, SegmentOutcome::Completed).await
+                self.close(lease, Outcome::Completed { output }, SegmentOutcome::Completed, &tail).await
             }
             (Ok(Err(error)), _) if error.len() > limits.max_output_bytes => {
-                self.finish(lease, too_large(error.len()), GuestErrorKind::OutputTooLarge).await
+                self.finish(lease, too_large(error.len()), GuestErrorKind::OutputTooLarge, &tail).await
             }
             (Ok(Err(error)), _) => {
                 let error = format!("turn-error: {error}");
-                self.finish(lease, Outcome::Failed { error }, GuestErrorKind::TurnError).await
+                self.finish(lease, Outcome::Failed { error }, GuestErrorKind::TurnError, &tail).await
             }
-            (Err(_), Some(Interrupt::WaitInput { prompt })) => self.suspend(lease, Suspend::WaitInput { prompt }).await,
-            (Err(_), Some(Interrupt::Sleep { delay_ms })) => self.suspend(lease, Suspend::Sleep { delay_ms }).await,
+            (Err(_), Some(Interrupt::WaitInput { prompt })) => self.suspend(lease, Suspend::WaitInput { prompt }, &tail).await,
+            (Err(_), Some(Interrupt::Sleep { delay_ms })) => self.suspend(lease, Suspend::Sleep { delay_ms }, &tail).await,
             (Err(_), Some(Interrupt::Slice)) => {
                 if state.new_rows > 0 {
-                    self.suspend(lease, Suspend::Takeover).await
+                    self.suspend(lease, Suspend::Takeover, &tail).await
                 } else {
                     // Replay is deterministic: a slice that recorded nothing
                     // would do exactly the same next time.
@@ -353,19 +378,19 @@ impl Executor {
                         "timeout: ran for {:?} without recording any progress",
                         limits.segment_budget
                     );
-                    self.finish(lease, Outcome::Failed { error }, GuestErrorKind::Timeout).await
+                    self.finish(lease, Outcome::Failed { error }, GuestErrorKind::Timeout, &tail).await
                 }
             }
-            (Err(_), Some(Interrupt::Shutdown)) => self.suspend(lease, Suspend::Takeover).await,
+            (Err(_), Some(Interrupt::Shutdown)) => self.suspend(lease, Suspend::Takeover, &tail).await,
             (Err(_), Some(Interrupt::LeaseLost)) => Ok(SegmentOutcome::LeaseLost),
             (Err(_), Some(Interrupt::Store(e))) => Ok(SegmentOutcome::Abandoned(e)),
             (Err(_), Some(Interrupt::NonDeterminism(m))) => {
                 let error = format!("non-determinism: {m}");
-                self.finish(lease, Outcome::Failed { error }, GuestErrorKind::NonDeterminism).await
+                self.finish(lease, Outcome::Failed { error }, GuestErrorKind::NonDeterminism, &tail).await
             }
             (Err(_), Some(Interrupt::Limit { kind, message })) => {
                 let error = format!("{}: {message}", kind.as_str());
-                self.finish(lease, Outcome::Failed { error }, kind).await
+                self.finish(lease, Outcome::Failed { error }, kind, &tail).await
             }
             (Err(trap), None) => {
                 let (kind, detail) = if state.limiter.memory_refused {
@@ -374,26 +399,50 @@ impl Executor {
                     (GuestErrorKind::Trap, trap_detail(&trap))
                 };
                 let error = format!("{}: {detail}", kind.as_str());
-                self.finish(lease, Outcome::Failed { error }, kind).await
+                self.finish(lease, Outcome::Failed { error }, kind, &tail).await
             }
         }
     }
 
-    async fn finish(&self, lease: &Lease, outcome: Outcome, kind: GuestErrorKind) -> Result<SegmentOutcome, StoreError> {
+    async fn finish(
+        &self,
+        lease: &Lease,
+        outcome: Outcome,
+        kind: GuestErrorKind,
+        tail: &[String],
+    ) -> Result<SegmentOutcome, StoreError> {
         tracing::warn!(run_id = lease.run_id, kind = kind.as_str(), "run failed");
         crate::metrics::global().guest_error(kind);
-        self.close(lease, outcome, SegmentOutcome::Failed(kind)).await
+        self.close(lease, outcome, SegmentOutcome::Failed(kind), tail).await
     }
 
-    async fn close(&self, lease: &Lease, outcome: Outcome, done: SegmentOutcome) -> Result<SegmentOutcome, StoreError> {
-        match self.store.close(lease, &outcome).await {
+    /// Closes the run, writing `tail` (its last buffered deltas) first in
+    /// the same transaction.
+    async fn close(
+        &self,
+        lease: &Lease,
+        outcome: Outcome,
+        done: SegmentOutcome,
+        tail: &[String],
+    ) -> Result<SegmentOutcome, StoreError> {
+        let tail: Vec<&str> = tail.iter().map(String::as_str).collect();
+        match self.store.close_with_deltas(lease, &tail, &outcome).await {
             Ok(()) => Ok(done),
             Err(StoreError::LeaseLost(_)) => Ok(SegmentOutcome::LeaseLost),
             Err(e) => Err(e),
         }
     }
 
-    async fn suspend(&self, lease: &Lease, how: Suspend) -> Result<SegmentOutcome, StoreError> {
+    /// Suspends the run after writing `tail` (its last buffered deltas).
+    async fn suspend(&self, lease: &Lease, how: Suspend, tail: &[String]) -> Result<SegmentOutcome, StoreError> {
+        if !tail.is_empty() {
+            let tail: Vec<&str> = tail.iter().map(String::as_str).collect();
+            match self.store.emit_deltas(lease, &tail).await {
+                Ok(_) => {}
+                Err(StoreError::LeaseLost(_)) => return Ok(SegmentOutcome::LeaseLost),
+                Err(e) => return Err(e),
+            }
+        }
         match self.store.suspend(lease, &how).await {
             Ok(status) => Ok(SegmentOutcome::Suspended(status)),
             Err(StoreError::LeaseLost(_)) => Ok(SegmentOutcome::LeaseLost),

@@ -273,7 +273,7 @@ async fn serve(cfg: config::Serve) -> Result<()> {
     }
     let owner = exec_config.owner.clone();
     let executor = Arc::new(Executor::new(store.clone(), runtime.clone(), exec_config));
-    let pool = WorkerPool::start(store.clone(), executor, PoolConfig { workers: cfg.workers, poll: cfg.poll });
+    let pool = WorkerPool::start(store.clone(), executor, PoolConfig { workers: cfg.workers, poll: cfg.poll, claim_batch: cfg.claim_batch });
 
     let (stop_tx, stop_rx) = watch::channel(false);
     let reaper = tokio::spawn(reaper_loop(store.clone(), cfg.reaper_interval, stop_rx.clone()));

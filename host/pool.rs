@@ -1,7 +1,15 @@
-//! The worker pool: `workers` tasks, each claiming one run at a time and
-//! running a segment of it. Idle workers sleep until work is signalled (in
-//! process, and on PostgreSQL by `LISTEN`), with a slow poll as the fallback
-//! that also picks up sleep timers and expired leases.
+//! The worker pool: up to `workers` segments at once. One dispatcher task
+//! claims runs for the free slots, several per claim statement when several
+//! slots are free, and runs each claimed segment in its own task. A run is
+//! claimed only when a slot is free for it, so no lease ticks while its run
+//! waits. When nothing is claimable the dispatcher sleeps until work is
+//! signalled (in process, and on PostgreSQL by `LISTEN`), with a slow poll
+//! as the fallback that also picks up sleep timers and expired leases.
+//!
+//! Why one claimer rather than one per slot: under load, slots free up
+//! while a claim is in flight, so the next claim takes them together, one
+//! round trip for several runs; and an announcement wakes one claimer,
+//! never a crowd that all run the claim statement for a single run.
 //!
 //! Shutdown: [`WorkerPool::shutdown`] stops claiming, lets running segments
 //! finish for the grace period, then stops the rest, which suspend their
@@ -12,26 +20,29 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::watch;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tokio::task::JoinSet;
 
 use crate::executor::Executor;
-use crate::store::{Backend, Store, WORK_CHANNEL};
+use crate::store::{Backend, Claimed, Store, WORK_CHANNEL};
 
 /// Pool settings. Every field documents its default.
 #[derive(Debug, Clone)]
 pub struct PoolConfig {
     /// Concurrent segments. Default: 4.
     pub workers: usize,
-    /// How often an idle worker looks for work without being woken (sleep
+    /// How often an idle pool looks for work without being woken (sleep
     /// timers, expired leases of dead hosts, missed notifications).
     /// Default: 1 s.
     pub poll: Duration,
+    /// Most runs taken by one claim statement (never more than the free
+    /// slots). Default: 16.
+    pub claim_batch: usize,
 }
 
 impl Default for PoolConfig {
     fn default() -> Self {
-        PoolConfig { workers: 4, poll: Duration::from_secs(1) }
+        PoolConfig { workers: 4, poll: Duration::from_secs(1), claim_batch: 16 }
     }
 }
 
@@ -48,9 +59,7 @@ impl WorkerPool {
         if store.backend() == Backend::Postgres {
             tasks.spawn(listen(store.clone(), stopping.clone()));
         }
-        for n in 0..config.workers.max(1) {
-            tasks.spawn(worker(n, store.clone(), executor.clone(), config.poll, stopping.clone()));
-        }
+        tasks.spawn(dispatch(store, executor.clone(), config, stopping));
         WorkerPool { executor, stop_claiming, tasks }
     }
 
@@ -70,31 +79,53 @@ impl WorkerPool {
     }
 }
 
-async fn worker(n: usize, store: Store, exec: Arc<Executor>, poll: Duration, mut stopping: watch::Receiver<bool>) {
+/// Claims runs for free slots and runs each in its own task until told to
+/// stop; then waits for the running segments.
+async fn dispatch(store: Store, exec: Arc<Executor>, config: PoolConfig, mut stopping: watch::Receiver<bool>) {
+    let slots = Arc::new(Semaphore::new(config.workers.max(1)));
+    let mut running: JoinSet<()> = JoinSet::new();
     let mut backoff = Duration::from_millis(100);
     while !*stopping.borrow() {
-        // Registered before looking, so a signal sent while this worker
-        // looks is not missed.
-        let notified = store.work_signal().notified();
-        tokio::pin!(notified);
-        notified.as_mut().enable();
-        match exec.run_once().await {
-            Ok(Some((run_id, outcome))) => {
-                tracing::debug!(worker = n, run_id, ?outcome, "segment done");
-                backoff = Duration::from_millis(100);
-                continue;
+        while running.try_join_next().is_some() {}
+        let first = tokio::select! {
+            permit = slots.clone().acquire_owned() => permit.expect("the slot semaphore is never closed"),
+            _ = stopping.changed() => break,
+        };
+        let mut permits = vec![first];
+        while permits.len() < config.claim_batch.max(1) {
+            match slots.clone().try_acquire_owned() {
+                Ok(permit) => permits.push(permit),
+                Err(_) => break,
             }
-            Ok(None) => {
+        }
+        match exec.claim(permits.len()).await {
+            Ok(claimed) if claimed.len() == permits.len() => {
+                backoff = Duration::from_millis(100);
+                for (claimed, permit) in claimed.into_iter().zip(permits) {
+                    spawn_segment(&mut running, &exec, claimed, permit);
+                }
+            }
+            Ok(claimed) => {
+                backoff = Duration::from_millis(100);
+                // Fewer runs than free slots: nothing else is claimable now,
+                // so wait for a signal rather than ask again at once. Slots
+                // beyond the runs claimed are released here.
+                for (claimed, permit) in claimed.into_iter().zip(permits) {
+                    spawn_segment(&mut running, &exec, claimed, permit);
+                }
+                // A signal sent while the claim ran is kept as a permit of
+                // the `Notify` (see `Store::signal_work`), so it is not lost.
                 tokio::select! {
-                    _ = notified => {}
-                    _ = tokio::time::sleep(poll) => {}
+                    _ = store.work_signal().notified() => {}
+                    _ = tokio::time::sleep(config.poll) => {}
                     _ = stopping.changed() => {}
                 }
             }
             Err(e) => {
+                drop(permits);
                 // The database is unreachable or failing: keep the host up
                 // and try again, backing off to 5 s.
-                tracing::warn!(worker = n, error = %e, ?backoff, "claiming failed; retrying");
+                tracing::warn!(error = %e, ?backoff, "claiming failed; retrying");
                 tokio::select! {
                     _ = tokio::time::sleep(backoff) => {}
                     _ = stopping.changed() => {}
@@ -103,6 +134,20 @@ async fn worker(n: usize, store: Store, exec: Arc<Executor>, poll: Duration, mut
             }
         }
     }
+    while running.join_next().await.is_some() {}
+}
+
+/// Runs one segment of `claimed` in its own task, holding its slot.
+fn spawn_segment(running: &mut JoinSet<()>, exec: &Arc<Executor>, claimed: Claimed, slot: OwnedSemaphorePermit) {
+    let exec = exec.clone();
+    running.spawn(async move {
+        let run_id = claimed.run.id;
+        match exec.run_claimed(claimed).await {
+            Ok(outcome) => tracing::debug!(run_id, ?outcome, "segment done"),
+            Err(e) => tracing::warn!(run_id, error = %e, "segment abandoned: the database failed"),
+        }
+        drop(slot);
+    });
 }
 
 /// PostgreSQL: relays `NOTIFY leasehold_work` from other hosts to this
@@ -130,7 +175,10 @@ async fn listen(store: Store, mut stopping: watch::Receiver<bool>) {
         loop {
             tokio::select! {
                 msg = listener.recv() => match msg {
-                    Ok(_) => store.work_signal().notify_waiters(),
+                    // This process's own announcements already woke a
+                    // worker here.
+                    Ok(n) if n.payload() == store.node() => {}
+                    Ok(_) => store.work_signal().notify_one(),
                     Err(e) => {
                         tracing::warn!(error = %e, "LISTEN connection lost; reconnecting");
                         break;

@@ -150,6 +150,7 @@ impl SegmentState {
                 bytes: 0,
                 cap: init.limits.max_emit_bytes,
                 stopped: None,
+                buffer: Arc::default(),
             },
             db: init.db,
             lease: init.lease,
@@ -221,6 +222,7 @@ impl SegmentState {
 
     /// Records a refusal at `call` (so replay returns it again) and returns it.
     async fn refuse(&mut self, call: &EffectCall, error: EffectError) -> wasmtime::Result<Result<String, EffectError>> {
+        self.flush_stream().await?;
         let (db, lease, call, failed) = (self.db.clone(), self.lease.clone(), call.clone(), encode_error(&error));
         let done = detached(async move { db.record_refusal(&lease, &call, &failed).await }).await;
         match done {
@@ -233,6 +235,7 @@ impl SegmentState {
     }
 
     async fn perform(&mut self, call: EffectCall, effect: Effect, reissue: bool) -> wasmtime::Result<Result<String, EffectError>> {
+        self.flush_stream().await?;
         match effect {
             Effect::Local(op) => match self.local(&call, op).await {
                 Ok(row) => {
@@ -274,6 +277,9 @@ impl SegmentState {
                     Ok(result) => Completion::Committed(result.clone()),
                     Err(error) => Completion::Failed(encode_error(error)),
                 };
+                // The call's streamed deltas first (`model.chat`), so a
+                // committed row's deltas are always in the stream.
+                self.flush_stream().await?;
                 let (db, lease, seq) = (self.db.clone(), self.lease.clone(), call.seq);
                 if let Err(e) = detached(async move { db.complete_effect(&lease, seq, &completion).await }).await {
                     return self.store_failed(e);
@@ -370,6 +376,7 @@ impl leasehold::turn::host::Host for SegmentState {
         let Some(input) = self.pending_input.take() else {
             return self.stop(Interrupt::WaitInput { prompt });
         };
+        self.flush_stream().await?;
         match self.local(&call, LocalOp::TakeInput { value: input }).await {
             Ok(row) => {
                 self.new_rows += 1;
@@ -399,6 +406,7 @@ impl leasehold::turn::host::Host for SegmentState {
         // wakes on time rather than sleeping again from scratch.
         let wake_at = now.saturating_add(ms);
         let op = LocalOp::Record { value: wake_at.to_string() };
+        self.flush_stream().await?;
         if let Err(e) = self.local(&call, op).await {
             return self.store_failed(e);
         }
@@ -429,9 +437,20 @@ impl WasiView for SegmentState {
     }
 }
 
+/// How long a delta may wait in a segment's buffer before it is written.
+/// A delta is written with the segment's next write (an effect, a
+/// suspension, the close), or this long after it was emitted, whichever
+/// comes first; so a thread's readers see it at most this late, and a turn
+/// that streams many small deltas (model tokens) costs one write per
+/// window rather than one per delta. Deltas still buffered when a host
+/// dies are lost with it and emitted again by the replay, which starts at
+/// the run's stored `emit_pos`. 10 ms.
+pub const EMIT_FLUSH: Duration = Duration::from_millis(10);
+
 /// The turn's output stream. Each delta has a position; positions below
 /// `recorded` (the run's `emit_pos` at segment start) are already in the
-/// stream from an earlier segment and are not written again.
+/// stream from an earlier segment and are not written again. New deltas
+/// are buffered (see [`EMIT_FLUSH`]).
 struct Stream {
     db: Store,
     lease: Lease,
@@ -441,6 +460,53 @@ struct Stream {
     cap: usize,
     /// Why the last delta was refused.
     stopped: Option<Interrupt>,
+    buffer: Arc<tokio::sync::Mutex<Buffer>>,
+}
+
+/// Deltas emitted and not yet written. The lock is held across each write,
+/// so writes keep the stream's order.
+#[derive(Default)]
+struct Buffer {
+    deltas: Vec<String>,
+    /// A timed flush is scheduled.
+    armed: bool,
+    /// The segment has taken the buffer for its last write.
+    closed: bool,
+    /// A timed flush failed; the next host call stops the guest with this.
+    failed: Option<Interrupt>,
+}
+
+fn interrupt_for(e: StoreError) -> Interrupt {
+    match e {
+        StoreError::LeaseLost(_) => Interrupt::LeaseLost,
+        other => Interrupt::Store(other.to_string()),
+    }
+}
+
+/// Writes the buffered deltas, if any, under the caller's lock.
+async fn write_buffered(db: &Store, lease: &Lease, buf: &mut Buffer) -> Result<(), Interrupt> {
+    if let Some(why) = buf.failed.take() {
+        return Err(why);
+    }
+    if buf.deltas.is_empty() {
+        return Ok(());
+    }
+    let deltas = std::mem::take(&mut buf.deltas);
+    let refs: Vec<&str> = deltas.iter().map(String::as_str).collect();
+    db.emit_deltas(lease, &refs).await.map(drop).map_err(interrupt_for)
+}
+
+impl Stream {
+    /// Writes the buffered deltas now (before another write of the
+    /// segment, so the ledger's `emit_pos` matches the stored stream).
+    async fn flush(&mut self) -> Result<(), Interrupt> {
+        let (db, lease, buffer) = (self.db.clone(), self.lease.clone(), self.buffer.clone());
+        // Detached: a lost lease may drop the guest call, never a write.
+        match tokio::spawn(async move { write_buffered(&db, &lease, &mut *buffer.lock().await).await }).await {
+            Ok(r) => r,
+            Err(e) => Err(Interrupt::Store(format!("store task failed: {e}"))),
+        }
+    }
 }
 
 impl DeltaSink for Stream {
@@ -456,17 +522,58 @@ impl DeltaSink for Stream {
         if pos < self.recorded {
             return Ok(()); // already in the stream
         }
-        let (db, lease) = (self.db.clone(), self.lease.clone());
-        match detached(async move { db.emit(&lease, &text).await }).await {
-            Ok(_) => Ok(()),
-            Err(StoreError::LeaseLost(_)) => {
-                self.stopped = Some(Interrupt::LeaseLost);
-                Err(())
+        let mut buf = self.buffer.lock().await;
+        if let Some(why) = buf.failed.take() {
+            self.stopped = Some(why);
+            return Err(());
+        }
+        buf.deltas.push(text);
+        if !buf.armed {
+            buf.armed = true;
+            let (db, lease, buffer) = (self.db.clone(), self.lease.clone(), self.buffer.clone());
+            tokio::spawn(async move {
+                tokio::time::sleep(EMIT_FLUSH).await;
+                let mut buf = buffer.lock().await;
+                buf.armed = false;
+                if buf.closed {
+                    return;
+                }
+                if let Err(why) = write_buffered(&db, &lease, &mut buf).await {
+                    buf.failed = Some(why);
+                }
+            });
+        }
+        Ok(())
+    }
+}
+
+impl SegmentState {
+    /// Writes buffered deltas before another write; a failure stops the
+    /// guest like a failed write of its own.
+    async fn flush_stream(&mut self) -> wasmtime::Result<()> {
+        match self.stream.flush().await {
+            Ok(()) => Ok(()),
+            Err(why) => self.stop(why),
+        }
+    }
+
+    /// Takes the deltas still buffered for the segment's last write (its
+    /// close or suspension), waiting for a timed flush in flight. `Err`: a
+    /// timed flush failed, so the stored stream lacks deltas; the segment
+    /// must not close the run over that gap.
+    /// Not an `async fn`: the future must not borrow `self`, which is not
+    /// `Sync`.
+    pub(crate) fn take_stream_tail(
+        &self,
+    ) -> impl std::future::Future<Output = Result<Vec<String>, Interrupt>> + Send + 'static {
+        let buffer = self.stream.buffer.clone();
+        async move {
+            let mut buf = buffer.lock().await;
+            buf.closed = true;
+            if let Some(why) = buf.failed.take() {
+                return Err(why);
             }
-            Err(e) => {
-                self.stopped = Some(Interrupt::Store(e.to_string()));
-                Err(())
-            }
+            Ok(std::mem::take(&mut buf.deltas))
         }
     }
 }

@@ -185,6 +185,10 @@ pub struct Store {
     /// it through `NOTIFY` (see [`WORK_CHANNEL`]).
     work: std::sync::Arc<tokio::sync::Notify>,
     url: std::sync::Arc<str>,
+    /// A random id for this store handle (and its clones), sent as the
+    /// `NOTIFY` payload so this process's listener can skip its own
+    /// announcements: its workers were already woken in process.
+    node: std::sync::Arc<str>,
 }
 
 /// The PostgreSQL `LISTEN`/`NOTIFY` channel announcing new work.
@@ -261,6 +265,7 @@ impl Store {
             backend,
             work: Default::default(),
             url: url.as_str().into(),
+            node: uuid::Uuid::new_v4().to_string().into(),
         };
         if opts.migrate {
             store.migrate().await?;
@@ -302,12 +307,25 @@ impl Store {
         &self.work
     }
 
-    /// Wakes idle workers: those of this process at once, and on PostgreSQL
-    /// those of other hosts through `NOTIFY`. Best effort: workers also poll.
+    /// This handle's `NOTIFY` payload (see the `node` field).
+    pub fn node(&self) -> &str {
+        &self.node
+    }
+
+    /// Announces one new piece of claimable work: wakes one idle worker in
+    /// this process (or leaves a permit for the next one that looks), and
+    /// on PostgreSQL, when `other_hosts`, those of other hosts through
+    /// `NOTIFY`. One wake-up per item: waking every idle worker would have
+    /// them all run the claim statement for a single run. Best effort:
+    /// workers also poll.
     pub async fn signal_work(&self, other_hosts: bool) {
-        self.work.notify_waiters();
+        self.work.notify_one();
         if other_hosts && self.backend == Backend::Postgres {
-            let sent = sqlx::query("SELECT pg_notify($1, '')").bind(WORK_CHANNEL).execute(&self.pool).await;
+            let sent = sqlx::query("SELECT pg_notify($1, $2)")
+                .bind(WORK_CHANNEL)
+                .bind(&*self.node)
+                .execute(&self.pool)
+                .await;
             if let Err(e) = sent {
                 tracing::debug!(error = %e, "NOTIFY failed; other hosts will find the work by polling");
             }

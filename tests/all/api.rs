@@ -29,7 +29,7 @@ impl Server {
         let store = db.store.clone();
         let config = ExecutorConfig { owner: "api-test".into(), lease_ttl: Duration::from_secs(30), renew_every: None, model: None };
         let exec = Arc::new(Executor::new(store.clone(), runtime.clone(), config));
-        let pool = WorkerPool::start(store.clone(), exec, PoolConfig { workers: 2, poll: Duration::from_millis(200) });
+        let pool = WorkerPool::start(store.clone(), exec, PoolConfig { workers: 2, poll: Duration::from_millis(200), ..PoolConfig::default() });
         let (stop, shutdown) = watch::channel(false);
         let state = AppState {
             store,

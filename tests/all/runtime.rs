@@ -48,6 +48,32 @@ both! {
         Ok(())
     }
 
+    async fn a_delta_reaches_the_stream_while_the_turn_still_computes(db) {
+        // Deltas are buffered for a few milliseconds (EMIT_FLUSH), not until
+        // the segment's next write: here there is none for seconds.
+        let runtime = plugins::runtime()?;
+        let limits = leasehold::runtime::Limits { segment_budget: Duration::from_secs(120), ..plugins::test_limits() };
+        runtime.add_plugin("testkit", &plugins::rust_plugin("testkit")?, limits)?;
+        let exec = Executor::new(db.store.clone(), runtime.clone(), worker("worker-a"));
+        let id = submit(&db.store, serde_json::json!({ "mode": "emit-then-spin", "spins": 1u64 << 32 })).await?;
+        let task = tokio::spawn(async move { exec.run_once().await });
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            let run = db.store.get_run(id).await?;
+            if run.partial == "early " {
+                ensure!(run.status == RunStatus::Running, "{run:?}");
+                break;
+            }
+            ensure!(!run.status.is_terminal(), "the turn ended before its first delta was stored: {run:?}");
+            ensure!(std::time::Instant::now() < deadline, "no delta after 60 s: {run:?}");
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        ensure!(task.await?? == Some((id, SegmentOutcome::Completed)));
+        let run = db.store.get_run(id).await?;
+        ensure!(run.partial == "early late" && run.emit_pos == 2 && run.output.as_deref() == Some("spun"), "{run:?}");
+        Ok(())
+    }
+
     async fn a_dead_segment_is_resumed_by_replay_without_repeating_committed_effects(db) {
         let (rt, exec) = setup(db)?;
         let id = submit(&db.store, serde_json::json!({ "steps": 300 })).await?;

@@ -20,6 +20,9 @@
 //!   and returns `"did <n> chaos steps, <k> in doubt"`. For the
 //!   fault-injection suite, which checks each effect at its sink.
 //! * `calls`: makes `n` `log` calls at trace level (host-call overhead).
+//! * `emit-then-spin`: emits `"early "`, burns `spins` iterations, emits
+//!   `"late"` and returns `"spun"` (a delta must reach the stream while
+//!   the turn still computes).
 //! * hostile: `loop` (never returns), `oom` (allocates without bound),
 //!   `emit-bomb` (emits 1 MiB chunks forever), `trap` (unreachable),
 //!   `big-output` (returns 2 MiB), `fail` (returns an error).
@@ -78,6 +81,12 @@ impl Guest for Testkit {
                 }
                 spin(spins);
                 Ok(format!("did {n} chaos steps, {in_doubt} in doubt"))
+            }
+            "emit-then-spin" => {
+                emit("early ");
+                spin(v["spins"].as_u64().unwrap_or(1 << 32));
+                emit("late");
+                Ok("spun".to_string())
             }
             "calls" => {
                 let n = v["n"].as_u64().unwrap_or(0);
