@@ -90,26 +90,29 @@ fn ms(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
 
-/// PostgreSQL: like `pg_append_event!`, for the deltas of CTE `d` (`delta`,
-/// `ord` from 1) after CTE `r` has moved the run's `emit_pos` on by the
-/// delta count (returning the first new position as `first`). `emit`: the
-/// count is `$5`. `close`: the count is `$9`, and `$more` (`UNION ALL
-/// SELECT …`) adds the one final event, numbered `t.base + $9 + 1`; the
-/// thread counter moves on by every event appended.
-macro_rules! pg_append_deltas {
-    (emit) => {
+/// PostgreSQL: CTE `d`, the deltas of the JSON list in parameter `$list`,
+/// one row each: `delta`, and `ord` from 1.
+macro_rules! pg_deltas {
+    ($list:literal) => {
         concat!(
-            ", t AS (INSERT INTO threads (id, last_seq) SELECT thread_id, $5 FROM r \
-             ON CONFLICT (id) DO UPDATE SET last_seq = threads.last_seq + $5 RETURNING id, last_seq - $5 AS base), \
-             e AS (INSERT INTO events (thread_id, seq, run_id, fence, kind, payload, created_at) \
-             SELECT t.id, t.base + d.ord, r.id, r.fence, 'delta', \
-             jsonb_build_object('pos', r.first + d.ord - 1, 'delta', d.delta)::text, {now} FROM t, r, d RETURNING seq) "
+            "WITH d AS (SELECT value AS delta, ordinality AS ord FROM jsonb_array_elements_text(",
+            $list,
+            "::text::jsonb) WITH ORDINALITY), "
         )
     };
-    (close, $more:literal) => {
+}
+
+/// PostgreSQL: like `pg_append_event!`, for the deltas of CTE `d` (see
+/// `pg_deltas!`) after CTE `r` has moved the run's `emit_pos` on by their
+/// count `$n` (returning the first new position as `first`). `$more` (`""`
+/// or `UNION ALL SELECT …`) adds `$extra` more events, numbered from
+/// `t.base + $n + 1`; the thread counter moves on by every event appended.
+macro_rules! pg_append_deltas {
+    ($n:literal, $extra:literal, $more:literal) => {
         concat!(
-            ", t AS (INSERT INTO threads (id, last_seq) SELECT thread_id, $9 + 1 FROM r \
-             ON CONFLICT (id) DO UPDATE SET last_seq = threads.last_seq + $9 + 1 RETURNING id, last_seq - $9 - 1 AS base), \
+            ", t AS (INSERT INTO threads (id, last_seq) SELECT thread_id, ", $n, " + ", $extra, " FROM r \
+             ON CONFLICT (id) DO UPDATE SET last_seq = threads.last_seq + ", $n, " + ", $extra,
+            " RETURNING id, last_seq - ", $n, " - ", $extra, " AS base), \
              e AS (INSERT INTO events (thread_id, seq, run_id, fence, kind, payload, created_at) \
              SELECT t.id, t.base + d.ord, r.id, r.fence, 'delta', \
              jsonb_build_object('pos', r.first + d.ord - 1, 'delta', d.delta)::text, {now} FROM t, r, d",
@@ -388,19 +391,18 @@ impl Store {
         }
         if self.backend() == Backend::Postgres {
             let (list, n) = (json!(deltas).to_string(), deltas.len() as i64);
-            let (list, n) = (list.as_str(), n);
+            let list = list.as_str();
             let first = self
                 .retry(|| async move {
                     Ok(sqlx::query_scalar::<_, i64>(sql!(
                         self,
                         concat!(
-                            "WITH d AS (SELECT value AS delta, ordinality AS ord \
-                             FROM jsonb_array_elements_text($4::text::jsonb) WITH ORDINALITY), \
-                             r AS (UPDATE runs SET partial = partial || (SELECT string_agg(delta, '' ORDER BY ord) FROM d), \
+                            pg_deltas!("$4"),
+                            "r AS (UPDATE runs SET partial = partial || (SELECT string_agg(delta, '' ORDER BY ord) FROM d), \
                              emit_pos = emit_pos + $5, heartbeat_at = {now}, updated_at = {now} WHERE ",
                             guarded!(),
                             " RETURNING id, fence, thread_id, emit_pos - $5 AS first)",
-                            pg_append_deltas!(emit),
+                            pg_append_deltas!("$5", "0", ""),
                             "SELECT r.first FROM r"
                         )
                     ))
@@ -497,16 +499,16 @@ impl Store {
                     Ok(sqlx::query_scalar::<_, i64>(sql!(
                         self,
                         concat!(
-                            "WITH d AS (SELECT value AS delta, ordinality AS ord \
-                             FROM jsonb_array_elements_text($8::text::jsonb) WITH ORDINALITY), \
-                             r AS (UPDATE runs SET status = $4, output = $5, error = $6, lease_owner = NULL, \
+                            pg_deltas!("$8"),
+                            "r AS (UPDATE runs SET status = $4, output = $5, error = $6, lease_owner = NULL, \
                              lease_expires_at = NULL, finished_at = {now}, updated_at = {now}, \
                              partial = partial || COALESCE((SELECT string_agg(delta, '' ORDER BY ord) FROM d), ''), \
                              emit_pos = emit_pos + $9 WHERE ",
                             guarded!(),
                             " RETURNING id, fence, thread_id, emit_pos - $9 AS first)",
                             pg_append_deltas!(
-                                close,
+                                "$9",
+                                "1",
                                 " UNION ALL SELECT t.id, t.base + $9 + 1, r.id, r.fence, 'message', $7, {now} FROM t, r"
                             ),
                             "SELECT MAX(seq) FROM e HAVING COUNT(*) > 0"

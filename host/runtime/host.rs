@@ -174,10 +174,7 @@ impl SegmentState {
 
     /// Maps a store error to the interrupt it means.
     fn store_failed<T>(&mut self, e: StoreError) -> wasmtime::Result<T> {
-        match e {
-            StoreError::LeaseLost(_) => self.stop(Interrupt::LeaseLost),
-            other => self.stop(Interrupt::Store(other.to_string())),
-        }
+        self.stop(interrupt_for(e))
     }
 
     /// Counts a host call against the segment's budget.
