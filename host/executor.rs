@@ -267,13 +267,15 @@ impl Executor {
             deadline_ms: lease_deadline.clone(),
             start,
         };
-        let renewer = tokio::spawn(renew_loop(
+        // Aborted on drop too: a segment future dropped mid-call (its task
+        // aborted) must not leave a task renewing a lease nobody uses.
+        let renewer = AbortOnDrop(tokio::spawn(renew_loop(
             self.store.clone(),
             lease,
             self.config.lease_ttl,
             self.config.renew_every.unwrap_or(self.config.lease_ttl / 3),
             watch,
-        ));
+        )));
 
         let mut store = wasmtime::Store::new(self.runtime.engine(), SegmentState::new(init));
         store.limiter(|s| &mut s.limiter);
@@ -325,7 +327,7 @@ impl Executor {
                 Err(wasmtime::Error::new(crate::runtime::host::Interrupted))
             }
         };
-        renewer.abort();
+        drop(renewer);
         (result, store.into_data())
     }
 
@@ -456,6 +458,15 @@ fn trap_detail(trap: &wasmtime::Error) -> String {
     match trap.downcast_ref::<wasmtime::Trap>() {
         Some(t) => format!("{t}"),
         None => format!("{trap:#}"),
+    }
+}
+
+/// Aborts the task when dropped (a `JoinHandle` dropped detaches it).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{Result, ensure};
+use anyhow::{Result, bail, ensure};
 use leasehold::executor::{Executor, ExecutorConfig, GuestErrorKind, SegmentOutcome};
 use leasehold::runtime::{PluginError, Runtime};
 use leasehold::store::{EffectState, NewRun, RunStatus, Store};
@@ -75,7 +75,11 @@ both! {
     }
 
     async fn a_dead_segment_is_resumed_by_replay_without_repeating_committed_effects(db) {
-        let (rt, exec) = setup(db)?;
+        let (rt, _) = setup(db)?;
+        // A renews often, so a renewer that outlived A's dropped segment
+        // would move the backdated lease on before B's claim below.
+        let renew_every = Duration::from_millis(20);
+        let exec = Executor::new(db.store.clone(), rt.clone(), ExecutorConfig { renew_every: Some(renew_every), ..worker("worker-a") });
         let id = submit(&db.store, serde_json::json!({ "steps": 300 })).await?;
         // Worker A dies mid-turn: its segment future is dropped once some
         // effects are committed (no graceful suspend, no close).
@@ -86,14 +90,18 @@ both! {
             }
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
+        ensure!(!task.is_finished(), "A ended before dying: {:?}", db.store.get_run(id).await?);
         task.abort();
         let _ = task.await;
         db.backdate_lease(id, 60_000).await?;
+        tokio::time::sleep(renew_every * 5).await;
 
         // B claims: from here on every write of A's segment fails its guard,
         // so this snapshot is final for fence 1.
         let b = Executor::new(db.store.clone(), rt, worker("worker-b"));
-        let claimed = db.store.claim("worker-b", Duration::from_secs(30)).await?.unwrap();
+        let Some(claimed) = db.store.claim("worker-b", Duration::from_secs(30)).await? else {
+            bail!("B could not claim A's expired lease: {:?}", db.store.get_run(id).await?);
+        };
         let before = db.store.effects(id).await?;
         ensure!(before.len() >= 20 && before.len() < 300, "A died mid-turn after {} effects", before.len());
         ensure!(before.iter().all(|r| r.fence_started == 1));
