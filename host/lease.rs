@@ -17,6 +17,17 @@ use crate::store::{
     Backend, Claimed, Lease, NewRun, Outcome, Run, RunStatus, Store, StoreError, Suspend, WORK_CHANNEL, sql,
 };
 
+/// The runs in the rows a claim returned, leased to `owner`.
+fn claimed_rows(rows: &[sqlx::any::AnyRow], owner: &str) -> Result<Vec<Claimed>, StoreError> {
+    rows.iter()
+        .map(|row| {
+            let run = Run::from_row(row)?;
+            let lease = Lease { run_id: run.id, owner: owner.to_string(), fence: run.fence };
+            Ok(Claimed { run, lease })
+        })
+        .collect()
+}
+
 /// The (owner, fence) guard of every guarded write, on a statement whose
 /// run id, owner and fence are `$1`, `$2`, `$3`.
 macro_rules! guarded {
@@ -337,18 +348,7 @@ impl Store {
                     .await?)
             })
             .await?;
-        let mut claimed = rows
-            .iter()
-            .map(|row| {
-                let run = Run::from_row(row)?;
-                let lease = Lease {
-                    run_id: run.id,
-                    owner: owner.to_string(),
-                    fence: run.fence,
-                };
-                Ok(Claimed { run, lease })
-            })
-            .collect::<Result<Vec<_>, StoreError>>()?;
+        let mut claimed = claimed_rows(&rows, owner)?;
         claimed.sort_by_key(|c| c.run.id);
         Ok(claimed)
     }
@@ -485,18 +485,37 @@ impl Store {
     /// last buffered deltas), in one transaction: the stream's tail and the
     /// final message are written together.
     pub async fn close_with_deltas(&self, lease: &Lease, deltas: &[&str], outcome: &Outcome) -> Result<(), StoreError> {
+        self.close_and_claim(lease, deltas, outcome, None).await.map(drop)
+    }
+
+    /// [`Store::close_with_deltas`], then, when `next` names an owner and a
+    /// lease length, statement 1 for one run in the same transaction: the
+    /// worker that finishes a turn takes the next claimable run without a
+    /// claim round trip of its own. Nothing is claimed when the close is
+    /// rejected. Returns the run claimed, if any; its lease is running.
+    pub async fn close_and_claim(
+        &self,
+        lease: &Lease,
+        deltas: &[&str],
+        outcome: &Outcome,
+        next: Option<(&str, Duration)>,
+    ) -> Result<Option<Claimed>, StoreError> {
         let (status, output, error) = match outcome {
             Outcome::Completed { output } => (RunStatus::Completed, Some(output.as_str()), None),
             Outcome::Failed { error } => (RunStatus::Failed, None, Some(error.as_str())),
         };
         let payload = json!({ "status": status, "output": output, "error": error }).to_string();
         let payload = payload.as_str();
+        let (next_owner, next_ttl, next_max) = match next {
+            Some((owner, ttl)) => (owner, ms(ttl), 1i64),
+            None => ("", 0, 0),
+        };
         if self.backend() == Backend::Postgres {
             let (list, n) = (json!(deltas).to_string(), deltas.len() as i64);
             let list = list.as_str();
-            let seq = self
+            let row = self
                 .retry(|| async move {
-                    Ok(sqlx::query_scalar::<_, i64>(sql!(
+                    Ok(sqlx::query(sql!(
                         self,
                         concat!(
                             pg_deltas!("$8"),
@@ -511,7 +530,18 @@ impl Store {
                                 "1",
                                 " UNION ALL SELECT t.id, t.base + $9 + 1, r.id, r.fence, 'message', $7, {now} FROM t, r"
                             ),
-                            "SELECT MAX(seq) FROM e HAVING COUNT(*) > 0"
+                            // Only after a close that held: `EXISTS (… r)`.
+                            // Never the run just closed: a row updated twice
+                            // in one statement keeps one update, unpredictably.
+                            ", ",
+                            crate::store::postgres::claim_ctes!(
+                                "$10",
+                                "$11",
+                                "$12",
+                                " AND EXISTS (SELECT 1 FROM r) AND id <> $1"
+                            ),
+                            " SELECT z.closed, n.* FROM (SELECT MAX(seq) AS closed FROM e HAVING COUNT(*) > 0) z \
+                             LEFT JOIN n ON true"
                         )
                     ))
                     .bind(lease.run_id)
@@ -523,11 +553,18 @@ impl Store {
                     .bind(payload)
                     .bind(list)
                     .bind(n)
+                    .bind(next_owner)
+                    .bind(next_ttl)
+                    .bind(next_max)
                     .fetch_optional(self.writer())
                     .await?)
                 })
                 .await?;
-            return seq.map(drop).ok_or_else(|| rejected(lease));
+            let row = row.ok_or_else(|| rejected(lease))?;
+            return match row.try_get::<Option<i64>, _>("id")? {
+                Some(_) => Ok(claimed_rows(&[row], next_owner)?.pop()),
+                None => Ok(None),
+            };
         }
         self.retry(|| async move {
             let mut tx = self.writer().begin().await?;
@@ -553,8 +590,20 @@ impl Store {
             let payload: serde_json::Value = serde_json::from_str(payload).expect("built above");
             events::append(self, &mut tx, &thread_id, lease.run_id, lease.fence, kind::MESSAGE, &payload)
                 .await?;
+            let mut claimed = Vec::new();
+            if next_max > 0 {
+                // The closed run is no longer claimable: this transaction
+                // has just finished it.
+                let rows = sqlx::query(crate::store::claim_sql(self, 1))
+                    .bind(next_owner)
+                    .bind(next_ttl)
+                    .bind(next_max)
+                    .fetch_all(&mut *tx)
+                    .await?;
+                claimed = claimed_rows(&rows, next_owner)?;
+            }
             tx.commit().await?;
-            Ok(())
+            Ok(claimed.pop())
         })
         .await
     }

@@ -6,6 +6,11 @@
 //! signalled (in process, and on PostgreSQL by `LISTEN`), with a slow poll
 //! as the fallback that also picks up sleep timers and expired leases.
 //!
+//! Under load most runs are not claimed by the dispatcher at all: a segment
+//! that finishes its turn claims the next run in its close statement and
+//! runs it in the same slot (see [`Executor::run_claimed_then`]); the slot
+//! returns to the dispatcher when a close finds nothing to claim.
+//!
 //! Why one claimer rather than one per slot: under load, slots free up
 //! while a claim is in flight, so the next claim takes them together, one
 //! round trip for several runs; and an announcement wakes one claimer,
@@ -102,7 +107,7 @@ async fn dispatch(store: Store, exec: Arc<Executor>, config: PoolConfig, mut sto
             Ok(claimed) if claimed.len() == permits.len() => {
                 backoff = Duration::from_millis(100);
                 for (claimed, permit) in claimed.into_iter().zip(permits) {
-                    spawn_segment(&mut running, &exec, claimed, permit);
+                    spawn_segment(&mut running, &exec, claimed, permit, &stopping);
                 }
             }
             Ok(claimed) => {
@@ -111,7 +116,7 @@ async fn dispatch(store: Store, exec: Arc<Executor>, config: PoolConfig, mut sto
                 // so wait for a signal rather than ask again at once. Slots
                 // beyond the runs claimed are released here.
                 for (claimed, permit) in claimed.into_iter().zip(permits) {
-                    spawn_segment(&mut running, &exec, claimed, permit);
+                    spawn_segment(&mut running, &exec, claimed, permit, &stopping);
                 }
                 // A signal sent while the claim ran is kept as a permit of
                 // the `Notify` (see `Store::signal_work`), so it is not lost.
@@ -137,14 +142,31 @@ async fn dispatch(store: Store, exec: Arc<Executor>, config: PoolConfig, mut sto
     while running.join_next().await.is_some() {}
 }
 
-/// Runs one segment of `claimed` in its own task, holding its slot.
-fn spawn_segment(running: &mut JoinSet<()>, exec: &Arc<Executor>, claimed: Claimed, slot: OwnedSemaphorePermit) {
+/// Runs one segment of `claimed` in its own task, holding its slot. A
+/// segment that finishes its turn claims the next run in its close (one
+/// round trip for both) and the task runs that one too, until a close finds
+/// nothing to claim or the pool stops claiming.
+fn spawn_segment(
+    running: &mut JoinSet<()>,
+    exec: &Arc<Executor>,
+    claimed: Claimed,
+    slot: OwnedSemaphorePermit,
+    stopping: &watch::Receiver<bool>,
+) {
     let exec = exec.clone();
+    let stopping = stopping.clone();
     running.spawn(async move {
-        let run_id = claimed.run.id;
-        match exec.run_claimed(claimed).await {
-            Ok(outcome) => tracing::debug!(run_id, ?outcome, "segment done"),
-            Err(e) => tracing::warn!(run_id, error = %e, "segment abandoned: the database failed"),
+        let mut next = Some(claimed);
+        while let Some(claimed) = next.take() {
+            let run_id = claimed.run.id;
+            let take_next = !*stopping.borrow();
+            match exec.run_claimed_then(claimed, take_next).await {
+                Ok((outcome, then)) => {
+                    tracing::debug!(run_id, ?outcome, "segment done");
+                    next = then;
+                }
+                Err(e) => tracing::warn!(run_id, error = %e, "segment abandoned: the database failed"),
+            }
         }
         drop(slot);
     });

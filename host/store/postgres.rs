@@ -4,16 +4,27 @@
 
 use super::Dialect;
 
+/// The claim as two CTEs: `c` locks up to `$limit` claimable runs (the
+/// condition `$extra`, `""` or `AND …`, narrows them), `n` leases them to
+/// `$owner` for `$ttl` ms and returns their rows. Shared by the claim
+/// statement and the close that claims the next run (`Store::close_and_claim`).
+macro_rules! claim_ctes {
+    ($owner:literal, $ttl:literal, $limit:literal, $extra:literal) => {
+        concat!(
+            "c AS (SELECT id FROM runs WHERE ", crate::claimable!(),
+            " AND ", crate::eligible_at!(), " <= {now} AND attempt < max_attempts", $extra,
+            " ORDER BY ", crate::eligible_at!(), ", id LIMIT ", $limit, " FOR UPDATE SKIP LOCKED), ",
+            "n AS (UPDATE runs x SET status = 'running', lease_owner = ", $owner, ", fence = x.fence + 1, ",
+            "attempt = x.attempt + 1, lease_expires_at = {now} + ", $ttl,
+            ", heartbeat_at = {now}, updated_at = {now} FROM c WHERE x.id = c.id RETURNING x.*)"
+        )
+    };
+}
+pub(crate) use claim_ctes;
+
 macro_rules! claim {
     () => {
-        concat!(
-            "WITH c AS (SELECT id FROM runs WHERE ", crate::claimable!(),
-            " AND ", crate::eligible_at!(), " <= {now} AND attempt < max_attempts",
-            " ORDER BY ", crate::eligible_at!(), ", id LIMIT $3 FOR UPDATE SKIP LOCKED) ",
-            "UPDATE runs r SET status = 'running', lease_owner = $1, fence = r.fence + 1, ",
-            "attempt = r.attempt + 1, lease_expires_at = {now} + $2, heartbeat_at = {now}, updated_at = {now} ",
-            "FROM c WHERE r.id = c.id RETURNING r.*"
-        )
+        concat!("WITH ", claim_ctes!("$1", "$2", "$3", ""), " SELECT * FROM n")
     };
 }
 

@@ -445,6 +445,48 @@ both! {
         Ok(())
     }
 
+    async fn a_close_that_holds_claims_the_next_run_in_the_same_write(db) {
+        let s = &db.store;
+        let first = submit(s, 3).await?;
+        let a = claim(s, "a").await?;
+        ensure!(a.run.id == first);
+        let second = submit(s, 3).await?;
+
+        // A rejected close claims nothing.
+        let stale = leasehold::store::Lease { fence: a.lease.fence + 1, ..a.lease.clone() };
+        let err = s.close_and_claim(&stale, &[], &completed("late"), Some(("z", TTL))).await.unwrap_err();
+        ensure!(err.is_lease_lost(), "{err:?}");
+        let waiting = s.get_run(second).await?;
+        ensure!(waiting.status == RunStatus::Queued && waiting.fence == 0, "{waiting:?}");
+
+        // The close holds: the run is finished with its tail, and the next
+        // one is leased to the closer with the next fence, from the
+        // database clock.
+        let now = s.now_ms().await?;
+        let next = s.close_and_claim(&a.lease, &["tail"], &completed("one"), Some(("a", TTL))).await?;
+        let done = s.get_run(first).await?;
+        ensure!(done.status == RunStatus::Completed && done.partial == "tail" && done.lease_owner.is_none(), "{done:?}");
+        let Some(next) = next else { anyhow::bail!("the close claimed nothing") };
+        ensure!(next.run.id == second && next.lease.fence == 1 && next.lease.owner == "a", "{next:?}");
+        let leased = s.get_run(second).await?;
+        ensure!(leased.status == RunStatus::Running && leased.lease_owner.as_deref() == Some("a"), "{leased:?}");
+        ensure!(leased.attempt == 1 && leased.fence == 1, "{leased:?}");
+        let expires = leased.lease_expires_at.unwrap_or(0);
+        ensure!(expires >= now + TTL.as_millis() as i64 && expires < now + TTL.as_millis() as i64 + 60_000, "{leased:?}");
+
+        // Nothing claimable: the close still holds and claims nothing; and
+        // a close that is not asked to claim leaves the queue alone.
+        ensure!(s.close_and_claim(&next.lease, &[], &completed("two"), Some(("a", TTL))).await?.is_none());
+        ensure!(s.get_run(second).await?.status == RunStatus::Completed);
+        let third = submit(s, 3).await?;
+        let fourth = submit(s, 3).await?;
+        let c = claim(s, "c").await?;
+        ensure!(c.run.id == third);
+        ensure!(s.close_and_claim(&c.lease, &[], &completed("three"), None).await?.is_none());
+        ensure!(s.get_run(fourth).await?.status == RunStatus::Queued);
+        Ok(())
+    }
+
     async fn concurrent_submits_each_get_their_run_and_keys_and_thread_order_hold(db) {
         // Concurrent submits sharing threads and idempotency keys: each gets
         // its run, a key gets one run, a thread's log stays gap-free.
