@@ -14,7 +14,7 @@ use sqlx::{AnyConnection, Row};
 
 use crate::events::{self, kind};
 use crate::store::{
-    Backend, Claimed, Lease, NewRun, Outcome, Run, RunStatus, Store, StoreError, Suspend, WORK_CHANNEL, sql,
+    Backend, Claimed, Lease, NewRun, Outcome, Run, RunStatus, Store, StoreError, Suspend, sql,
 };
 
 /// The runs in the rows a claim returned, leased to `owner`.
@@ -229,8 +229,9 @@ impl Store {
         Ok(created)
     }
 
-    /// [`Store::create_run`] on PostgreSQL: the run, its `submitted` event
-    /// and the `NOTIFY` to other hosts (sent at commit) in one statement.
+    /// [`Store::create_run`] on PostgreSQL: the run and its `submitted`
+    /// event in one statement; other hosts hear of it by a `NOTIFY` sent
+    /// after it (see [`Store::signal_work`]).
     async fn create_run_pg(&self, new: &NewRun, thread_id: &str, max_attempts: i64) -> Result<(Run, bool), StoreError> {
         let payload = json!({ "plugin": new.plugin, "input": new.input }).to_string();
         let payload = payload.as_str();
@@ -244,7 +245,7 @@ impl Store {
                          VALUES ($1, $2, $3, $4, $5, 'queued', $6, {now}, {now}, {now}) \
                          ON CONFLICT (idempotency_key) DO NOTHING RETURNING *)",
                         pg_append_event!("submitted", "$7"),
-                        ", n AS (SELECT pg_notify($8, $9) FROM r) SELECT r.* FROM r, e, n"
+                        "SELECT r.* FROM r, e"
                     )
                 ))
                 .bind(thread_id)
@@ -254,14 +255,12 @@ impl Store {
                 .bind(&new.idempotency_key)
                 .bind(max_attempts)
                 .bind(payload)
-                .bind(WORK_CHANNEL)
-                .bind(self.node())
                 .fetch_optional(self.writer())
                 .await?)
             })
             .await?;
         if let Some(row) = inserted {
-            self.signal_work(false).await;
+            self.signal_work(true).await;
             return Ok((Run::from_row(&row)?, true));
         }
         // Only a duplicate key gets here (a NULL key never conflicts), and

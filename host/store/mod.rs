@@ -189,6 +189,24 @@ pub struct Store {
     /// `NOTIFY` payload so this process's listener can skip its own
     /// announcements: its workers were already woken in process.
     node: std::sync::Arc<str>,
+    /// Coalesces `NOTIFY`s (see [`Store::signal_work`]).
+    announce: std::sync::Arc<Announce>,
+}
+
+/// PostgreSQL takes one database-wide lock for every committing transaction
+/// that has sent a `NOTIFY`, held through its commit's WAL flush, so
+/// notifying transactions commit one at a time. A `NOTIFY` inside each
+/// submit's statement made submits queue on that lock (under the e2e bench,
+/// the most sampled wait event). So a store sends its `NOTIFY`s one at a
+/// time, on their own, and announcements made while one is in flight are
+/// folded into the next: under load one `NOTIFY` covers many submits. A
+/// woken host claims a batch, so it finds every run announced.
+#[derive(Debug, Default)]
+struct Announce {
+    /// An announcement not yet covered by a sent `NOTIFY`.
+    owed: std::sync::atomic::AtomicBool,
+    /// A task is sending.
+    sending: std::sync::atomic::AtomicBool,
 }
 
 /// The PostgreSQL `LISTEN`/`NOTIFY` channel announcing new work.
@@ -266,6 +284,7 @@ impl Store {
             work: Default::default(),
             url: url.as_str().into(),
             node: uuid::Uuid::new_v4().to_string().into(),
+            announce: Default::default(),
         };
         if opts.migrate {
             store.migrate().await?;
@@ -319,17 +338,37 @@ impl Store {
     /// them all run the claim statement for a single run. Best effort:
     /// workers also poll.
     pub async fn signal_work(&self, other_hosts: bool) {
+        use std::sync::atomic::Ordering::SeqCst;
         self.work.notify_one();
-        if other_hosts && self.backend == Backend::Postgres {
-            let sent = sqlx::query("SELECT pg_notify($1, $2)")
-                .bind(WORK_CHANNEL)
-                .bind(&*self.node)
-                .execute(&self.pool)
-                .await;
-            if let Err(e) = sent {
-                tracing::debug!(error = %e, "NOTIFY failed; other hosts will find the work by polling");
-            }
+        if !(other_hosts && self.backend == Backend::Postgres) {
+            return;
         }
+        self.announce.owed.store(true, SeqCst);
+        if self.announce.sending.swap(true, SeqCst) {
+            return; // the sender in flight sends again for this one
+        }
+        let store = self.clone();
+        // Its own task: the caller (a submit) does not wait for the NOTIFY.
+        tokio::spawn(async move {
+            loop {
+                while store.announce.owed.swap(false, SeqCst) {
+                    let sent = sqlx::query("SELECT pg_notify($1, $2)")
+                        .bind(WORK_CHANNEL)
+                        .bind(&*store.node)
+                        .execute(&store.pool)
+                        .await;
+                    if let Err(e) = sent {
+                        tracing::debug!(error = %e, "NOTIFY failed; other hosts will find the work by polling");
+                    }
+                }
+                store.announce.sending.store(false, SeqCst);
+                // An announcement made after the last check whose caller
+                // saw `sending` still set: take the sender's role back.
+                if !store.announce.owed.load(SeqCst) || store.announce.sending.swap(true, SeqCst) {
+                    return;
+                }
+            }
+        });
     }
 
     /// The database's clock, in epoch milliseconds.
