@@ -51,10 +51,12 @@ both! {
             ensure!(started.elapsed() < Duration::from_secs(300), "too slow before the kill");
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+        let killed_at = Instant::now();
+        drop(hosts[1].take()); // SIGKILL, and wait for the process to end
+        // Counted after the kill: a run counted before it could still be
+        // finished by host-1 in between, and then need no resume.
         let held: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM runs WHERE lease_owner = 'host-1' AND status = 'running'")
             .fetch_one(db.store.pool()).await?;
-        let killed_at = Instant::now();
-        drop(hosts[1].take()); // SIGKILL
         while count(db, "completed").await? < runs {
             let stuck: Vec<(i64, String)> = sqlx::query_as("SELECT id, status FROM runs WHERE status <> 'completed' LIMIT 5")
                 .fetch_all(db.store.pool()).await?;
@@ -95,6 +97,9 @@ both! {
 
 both! {
     async fn sigterm_suspends_a_running_segment_for_another_host_and_exits_zero(db) {
+        // The HTTP client needs the process's TLS provider even when this
+        // test runs alone.
+        leasehold::effects::http::install_tls();
         let dir = tempfile::tempdir()?;
         std::fs::write(dir.path().join("testkit.wasm"), plugins::rust_plugin("testkit")?)?;
         let http = reqwest::Client::new();
