@@ -5,8 +5,8 @@
 //! Two phases on the same database: *peak* submits `runs` one-effect runs as
 //! fast as it can and times until all are completed; *latency* then submits
 //! `runs` more at half the peak rate and reads each run's submit→start delay
-//! from the database clock (its `created_at` to its first ledger row; 1 ms
-//! resolution). The baseline bulk-loads `runs` queued runs and drains them
+//! from the database clock (its `created_at` to its `started_at`, set by its
+//! claim; 1 ms resolution). The baseline bulk-loads `runs` queued runs and drains them
 //! with `concurrency` tasks, each doing the bench claim statement and a bare
 //! `UPDATE … SET status = 'completed'`.
 
@@ -129,8 +129,7 @@ impl E2eBench {
         pool.shutdown(Duration::from_secs(10)).await;
         let mut delays: Vec<f64> = sqlx::query_scalar::<_, i64>(sql!(
             store,
-            "SELECT e.created_at - r.created_at FROM runs r JOIN effects e ON e.run_id = r.id AND e.seq = 0 \
-             WHERE r.id > $1"
+            "SELECT started_at - created_at FROM runs WHERE id > $1"
         ))
         .bind(first_latency_id)
         .fetch_all(store.pool())

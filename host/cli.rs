@@ -229,6 +229,9 @@ pub async fn runs(api: &Api, command: RunsCommand) -> Result<()> {
                         println!("{key:<17} {}", r[key].as_str().map(str::to_string).unwrap_or_else(|| r[key].to_string()));
                     }
                 }
+                if let (Some(created), Some(started)) = (r["created_at"].as_i64(), r["started_at"].as_i64()) {
+                    println!("queued            {} ms before its first segment", started - created);
+                }
                 println!("input             {}", r["input"].as_str().unwrap_or(""));
                 if let Some(p) = r["partial"].as_str().filter(|p| !p.is_empty()) {
                     println!("streamed          {p}");

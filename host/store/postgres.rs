@@ -16,7 +16,8 @@ macro_rules! claim_ctes {
             " ORDER BY ", crate::eligible_at!(), ", id LIMIT ", $limit, " FOR UPDATE SKIP LOCKED), ",
             "n AS (UPDATE runs x SET status = 'running', lease_owner = ", $owner, ", fence = x.fence + 1, ",
             "attempt = x.attempt + 1, lease_expires_at = {now} + ", $ttl,
-            ", heartbeat_at = {now}, updated_at = {now} FROM c WHERE x.id = c.id RETURNING x.*)"
+            ", heartbeat_at = {now}, updated_at = {now}, started_at = COALESCE(x.started_at, {now}) ",
+            "FROM c WHERE x.id = c.id RETURNING x.*)"
         )
     };
 }

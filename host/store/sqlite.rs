@@ -10,7 +10,8 @@ use super::{Dialect, SqliteSync};
 macro_rules! claim_set {
     () => {
         "status = 'running', lease_owner = $1, fence = fence + 1, attempt = attempt + 1, \
-         lease_expires_at = {now} + $2, heartbeat_at = {now}, updated_at = {now}"
+         lease_expires_at = {now} + $2, heartbeat_at = {now}, updated_at = {now}, \
+         started_at = COALESCE(started_at, {now})"
     };
 }
 

@@ -100,6 +100,9 @@ pub struct Run {
     pub created_at: i64,
     pub updated_at: i64,
     pub finished_at: Option<i64>,
+    /// When the run's first segment started (its first claim); `None`
+    /// until then. `started_at - created_at` is the time it queued.
+    pub started_at: Option<i64>,
 }
 
 impl Run {
@@ -128,6 +131,7 @@ impl Run {
             created_at: row.try_get("created_at")?,
             updated_at: row.try_get("updated_at")?,
             finished_at: row.try_get("finished_at")?,
+            started_at: row.try_get("started_at")?,
         })
     }
 }

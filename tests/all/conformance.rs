@@ -117,14 +117,22 @@ both! {
     async fn each_claim_increments_fence_and_attempt_by_exactly_one(db) {
         let s = &db.store;
         let id = submit(s, 10).await?;
+        ensure!(s.get_run(id).await?.started_at.is_none(), "not started before its first claim");
+        let before = s.now_ms().await?;
+        let mut first_start = None;
         for n in 1..=4 {
             let c = claim(s, &format!("w{n}")).await?;
             ensure!(c.run.fence == n && c.run.attempt == n, "claim {n}: fence {} attempt {}", c.run.fence, c.run.attempt);
             ensure!(c.lease.fence == n);
+            // The first claim sets `started_at` from the database clock;
+            // later claims keep it.
+            let started = c.run.started_at.ok_or_else(|| anyhow::anyhow!("claim {n} left started_at unset"))?;
+            ensure!(started >= before && *first_start.get_or_insert(started) == started, "claim {n}: {started}");
             db.backdate_lease(id, 60_000).await?;
         }
         let batch = s.claim_batch("w", TTL, 10).await?;
         ensure!(batch.len() == 1 && batch[0].run.fence == 5 && batch[0].run.attempt == 5);
+        ensure!(batch[0].run.started_at == first_start);
         Ok(())
     }
 
