@@ -15,7 +15,7 @@ use serde::Serialize;
 use wasmtime::UpdateDeadline;
 
 use crate::effects::model::ModelConfig;
-use crate::runtime::host::{Interrupt, SegmentInit, SegmentState};
+use crate::runtime::host::{Held, Interrupt, SegmentInit, SegmentState};
 use crate::runtime::{Plugin, Runtime};
 use crate::store::{Claimed, EffectState, Lease, Outcome, RunStatus, Store, StoreError, Suspend};
 
@@ -207,12 +207,12 @@ impl Executor {
             Ok(Some(plugin)) => plugin,
             Ok(None) => {
                 let error = format!("unknown-plugin: no plugin named {:?} is registered", run.plugin);
-                return self.finish(&lease, Outcome::Failed { error }, GuestErrorKind::UnknownPlugin, &[], next).await;
+                return self.finish(&lease, Outcome::Failed { error }, GuestErrorKind::UnknownPlugin, &Held::default(), next).await;
             }
             Err(crate::plugins::RegisterError::Store(e)) => return Err(e),
             Err(e) => {
                 let error = format!("unknown-plugin: plugin {:?} could not be loaded: {e}", run.plugin);
-                return self.finish(&lease, Outcome::Failed { error }, GuestErrorKind::UnknownPlugin, &[], next).await;
+                return self.finish(&lease, Outcome::Failed { error }, GuestErrorKind::UnknownPlugin, &Held::default(), next).await;
             }
         };
         // Fence 1 is a run's first segment: no segment held it before, so it
@@ -360,7 +360,7 @@ impl Executor {
         (result, state): (wasmtime::Result<Result<String, String>>, SegmentState),
         next: &mut Handoff,
     ) -> Result<SegmentOutcome, StoreError> {
-        // Deltas still buffered are written with the segment's last write.
+        // Deltas and puts still held are written with the segment's last write.
         // A timed flush that failed left a gap in the stored stream: then
         // nothing more is written, and the run is resumed by replay.
         let tail = match state.take_stream_tail().await {
@@ -433,7 +433,7 @@ impl Executor {
         lease: &Lease,
         outcome: Outcome,
         kind: GuestErrorKind,
-        tail: &[String],
+        tail: &Held,
         next: &mut Handoff,
     ) -> Result<SegmentOutcome, StoreError> {
         tracing::warn!(run_id = lease.run_id, kind = kind.as_str(), "run failed");
@@ -441,19 +441,19 @@ impl Executor {
         self.close(lease, outcome, SegmentOutcome::Failed(kind), tail, next).await
     }
 
-    /// Closes the run, writing `tail` (its last buffered deltas) first in
+    /// Closes the run, writing `tail` (its last held deltas and puts) in
     /// the same transaction, and claims the next run with it if `next` wants.
     async fn close(
         &self,
         lease: &Lease,
         outcome: Outcome,
         done: SegmentOutcome,
-        tail: &[String],
+        tail: &Held,
         next: &mut Handoff,
     ) -> Result<SegmentOutcome, StoreError> {
-        let tail: Vec<&str> = tail.iter().map(String::as_str).collect();
+        let deltas: Vec<&str> = tail.deltas.iter().map(String::as_str).collect();
         let claim = next.want.then_some((self.config.owner.as_str(), self.config.lease_ttl));
-        match self.store.close_and_claim(lease, &tail, &outcome, claim).await {
+        match self.store.close_and_claim(lease, &deltas, &tail.puts, &outcome, claim).await {
             Ok(got) => {
                 next.got = got;
                 Ok(done)
@@ -463,12 +463,12 @@ impl Executor {
         }
     }
 
-    /// Suspends the run after writing `tail` (its last buffered deltas).
-    async fn suspend(&self, lease: &Lease, how: Suspend, tail: &[String]) -> Result<SegmentOutcome, StoreError> {
-        if !tail.is_empty() {
-            let tail: Vec<&str> = tail.iter().map(String::as_str).collect();
-            match self.store.emit_deltas(lease, &tail).await {
-                Ok(_) => {}
+    /// Suspends the run after writing `tail` (its last held deltas and puts).
+    async fn suspend(&self, lease: &Lease, how: Suspend, tail: &Held) -> Result<SegmentOutcome, StoreError> {
+        if !tail.deltas.is_empty() || !tail.puts.is_empty() {
+            let deltas: Vec<&str> = tail.deltas.iter().map(String::as_str).collect();
+            match self.store.write_held(lease, &deltas, &tail.puts).await {
+                Ok(()) => {}
                 Err(StoreError::LeaseLost(_)) => return Ok(SegmentOutcome::LeaseLost),
                 Err(e) => return Err(e),
             }

@@ -13,6 +13,7 @@ use serde_json::json;
 use sqlx::{AnyConnection, Row};
 
 use crate::events::{self, kind};
+use crate::ledger::{HeldPut, held_puts_json, insert_held_puts, pg_held_puts};
 use crate::store::{
     Backend, Claimed, Lease, NewRun, Outcome, Run, RunStatus, Store, StoreError, Suspend, sql,
 };
@@ -121,8 +122,8 @@ macro_rules! pg_deltas {
 macro_rules! pg_append_deltas {
     ($n:literal, $extra:literal, $more:literal) => {
         concat!(
-            ", t AS (INSERT INTO threads (id, last_seq) SELECT thread_id, ", $n, " + ", $extra, " FROM r \
-             ON CONFLICT (id) DO UPDATE SET last_seq = threads.last_seq + ", $n, " + ", $extra,
+            ", t AS (INSERT INTO threads (id, last_seq) SELECT thread_id, ", $n, " + ", $extra, " FROM r WHERE ",
+            $n, " + ", $extra, " > 0 ON CONFLICT (id) DO UPDATE SET last_seq = threads.last_seq + ", $n, " + ", $extra,
             " RETURNING id, last_seq - ", $n, " - ", $extra, " AS base), \
              e AS (INSERT INTO events (thread_id, seq, run_id, fence, kind, payload, created_at) \
              SELECT t.id, t.base + d.ord, r.id, r.fence, 'delta', \
@@ -425,6 +426,61 @@ impl Store {
         .await
     }
 
+    /// Statement 3 with the segment's held puts (see [`HeldPut`]): writes
+    /// `deltas` as [`Store::emit_deltas`] does and each put with its
+    /// `committed` ledger row, in one write. Nothing to write is a no-op.
+    pub async fn write_held(&self, lease: &Lease, deltas: &[&str], puts: &[HeldPut]) -> Result<(), StoreError> {
+        if puts.is_empty() {
+            if !deltas.is_empty() {
+                self.emit_deltas(lease, deltas).await?;
+            }
+            return Ok(());
+        }
+        if self.backend() == Backend::Postgres {
+            let (list, n, held) = (json!(deltas).to_string(), deltas.len() as i64, held_puts_json(puts));
+            let (list, held) = (list.as_str(), held.as_str());
+            let first = self
+                .retry(|| async move {
+                    Ok(sqlx::query_scalar::<_, i64>(sql!(
+                        self,
+                        concat!(
+                            pg_deltas!("$4"),
+                            "r AS (UPDATE runs SET \
+                             partial = partial || COALESCE((SELECT string_agg(delta, '' ORDER BY ord) FROM d), ''), \
+                             emit_pos = emit_pos + $5, heartbeat_at = {now}, updated_at = {now} WHERE ",
+                            guarded!(),
+                            " RETURNING id, fence, thread_id, emit_pos - $5 AS first)",
+                            pg_append_deltas!("$5", "0", ""),
+                            pg_held_puts!("$6"),
+                            "SELECT r.first FROM r"
+                        )
+                    ))
+                    .bind(lease.run_id)
+                    .bind(&lease.owner)
+                    .bind(lease.fence)
+                    .bind(list)
+                    .bind(n)
+                    .bind(held)
+                    .fetch_optional(self.writer())
+                    .await?)
+                })
+                .await?;
+            return first.map(drop).ok_or_else(|| rejected(lease));
+        }
+        self.retry(|| async move {
+            let mut tx = self.writer().begin().await?;
+            if deltas.is_empty() {
+                guard(self, &mut tx, lease).await?;
+            } else {
+                append_deltas(self, &mut tx, lease, deltas).await?.ok_or_else(|| rejected(lease))?;
+            }
+            insert_held_puts(self, &mut tx, lease, puts).await?;
+            tx.commit().await?;
+            Ok(())
+        })
+        .await
+    }
+
     /// After a death: cuts the run's stream back to position `cut` (every
     /// delta from `cut` on came from a dead segment after a call whose result
     /// was never recorded, so the replay may stream something else there).
@@ -484,10 +540,11 @@ impl Store {
     /// last buffered deltas), in one transaction: the stream's tail and the
     /// final message are written together.
     pub async fn close_with_deltas(&self, lease: &Lease, deltas: &[&str], outcome: &Outcome) -> Result<(), StoreError> {
-        self.close_and_claim(lease, deltas, outcome, None).await.map(drop)
+        self.close_and_claim(lease, deltas, &[], outcome, None).await.map(drop)
     }
 
-    /// [`Store::close_with_deltas`], then, when `next` names an owner and a
+    /// [`Store::close_with_deltas`] with the segment's held puts (see
+    /// [`HeldPut`]), then, when `next` names an owner and a
     /// lease length, statement 1 for one run in the same transaction: the
     /// worker that finishes a turn takes the next claimable run without a
     /// claim round trip of its own. Nothing is claimed when the close is
@@ -496,6 +553,7 @@ impl Store {
         &self,
         lease: &Lease,
         deltas: &[&str],
+        puts: &[HeldPut],
         outcome: &Outcome,
         next: Option<(&str, Duration)>,
     ) -> Result<Option<Claimed>, StoreError> {
@@ -510,8 +568,8 @@ impl Store {
             None => ("", 0, 0),
         };
         if self.backend() == Backend::Postgres {
-            let (list, n) = (json!(deltas).to_string(), deltas.len() as i64);
-            let list = list.as_str();
+            let (list, n, held) = (json!(deltas).to_string(), deltas.len() as i64, held_puts_json(puts));
+            let (list, held) = (list.as_str(), held.as_str());
             let row = self
                 .retry(|| async move {
                     Ok(sqlx::query(sql!(
@@ -529,6 +587,7 @@ impl Store {
                                 "1",
                                 " UNION ALL SELECT t.id, t.base + $9 + 1, r.id, r.fence, 'message', $7, {now} FROM t, r"
                             ),
+                            pg_held_puts!("$13"),
                             // Only after a close that held: `EXISTS (… r)`.
                             // Never the run just closed: a row updated twice
                             // in one statement keeps one update, unpredictably.
@@ -555,6 +614,7 @@ impl Store {
                     .bind(next_owner)
                     .bind(next_ttl)
                     .bind(next_max)
+                    .bind(held)
                     .fetch_optional(self.writer())
                     .await?)
                 })
@@ -589,6 +649,7 @@ impl Store {
             let payload: serde_json::Value = serde_json::from_str(payload).expect("built above");
             events::append(self, &mut tx, &thread_id, lease.run_id, lease.fence, kind::MESSAGE, &payload)
                 .await?;
+            insert_held_puts(self, &mut tx, lease, puts).await?;
             let mut claimed = Vec::new();
             if next_max > 0 {
                 // The closed run is no longer claimable: this transaction

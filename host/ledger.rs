@@ -47,6 +47,90 @@ pub enum LocalOp {
     TakeInput { value: String },
 }
 
+/// A `kv.put` a segment has made and not yet written: it is written, with
+/// its `committed` ledger row, by the segment's next write (see
+/// `runtime::host::EMIT_FLUSH`). The put and its row are one write, so a
+/// host that dies first loses both, and the replay makes the put again.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeldPut {
+    pub call: EffectCall,
+    pub namespace: String,
+    pub key: String,
+    pub value: String,
+}
+
+/// PostgreSQL: CTEs that write the held puts in the JSON list `$list`
+/// (see [`held_puts_json`]) after CTE `r` (the guarded write of the run,
+/// returning its `id` and `fence`): one `committed` local ledger row each
+/// (`w`) and the last value per key (`k`; one row may be updated only once
+/// per statement). No row in `r`, nothing written.
+macro_rules! pg_held_puts {
+    ($list:literal) => {
+        concat!(
+            ", l AS (SELECT * FROM jsonb_to_recordset(", $list, "::text::jsonb) AS \
+             l(seq bigint, name text, hash text, emit_pos bigint, ns text, key text, value text)), \
+             w AS (INSERT INTO effects (run_id, seq, name, request_hash, idempotency_key, class, state, \
+             result, emit_pos, fence_started, fence_completed, created_at, updated_at) \
+             SELECT r.id, l.seq, l.name, l.hash, r.id || ':' || l.seq, 'local', 'committed', 'null', \
+             l.emit_pos, r.fence, r.fence, {now}, {now} FROM r, l RETURNING seq), \
+             k AS (INSERT INTO kv (namespace, key, value, updated_at) \
+             SELECT DISTINCT ON (l.ns, l.key) l.ns, l.key, l.value, {now} FROM l JOIN w ON w.seq = l.seq \
+             ORDER BY l.ns, l.key, l.seq DESC \
+             ON CONFLICT (namespace, key) DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at) "
+        )
+    };
+}
+pub(crate) use pg_held_puts;
+
+/// The JSON list `pg_held_puts!` reads.
+pub(crate) fn held_puts_json(puts: &[HeldPut]) -> String {
+    let list: Vec<serde_json::Value> = puts
+        .iter()
+        .map(|p| {
+            serde_json::json!({
+                "seq": p.call.seq, "name": p.call.name, "hash": p.call.request_hash,
+                "emit_pos": p.call.emit_pos, "ns": p.namespace, "key": p.key, "value": p.value,
+            })
+        })
+        .collect();
+    serde_json::Value::Array(list).to_string()
+}
+
+/// SQLite: writes the held puts inside the caller's guarded transaction.
+pub(crate) async fn insert_held_puts(
+    store: &Store,
+    conn: &mut sqlx::AnyConnection,
+    lease: &Lease,
+    puts: &[HeldPut],
+) -> Result<(), StoreError> {
+    for put in puts {
+        insert_row(store, conn, lease, &put.call, EffectClass::Local, EffectState::Committed, Some("null")).await?;
+        kv_put(store, conn, &put.namespace, &put.key, &put.value).await?;
+    }
+    Ok(())
+}
+
+async fn kv_put(
+    store: &Store,
+    conn: &mut sqlx::AnyConnection,
+    namespace: &str,
+    key: &str,
+    value: &str,
+) -> Result<(), StoreError> {
+    sqlx::query(sql!(
+        store,
+        "INSERT INTO kv (namespace, key, value, updated_at) VALUES ($1, $2, $3, {now}) \
+         ON CONFLICT (namespace, key) DO UPDATE SET value = excluded.value, \
+         updated_at = excluded.updated_at"
+    ))
+    .bind(namespace)
+    .bind(key)
+    .bind(value)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
 pub fn idempotency_key(run_id: i64, seq: i64) -> String {
     format!("{run_id}:{seq}")
 }
@@ -349,17 +433,7 @@ impl Store {
                     key,
                     value,
                 } => {
-                    sqlx::query(sql!(
-                        self,
-                        "INSERT INTO kv (namespace, key, value, updated_at) VALUES ($1, $2, $3, {now}) \
-                         ON CONFLICT (namespace, key) DO UPDATE SET value = excluded.value, \
-                         updated_at = excluded.updated_at"
-                    ))
-                    .bind(namespace)
-                    .bind(key)
-                    .bind(value)
-                    .execute(&mut *tx)
-                    .await?;
+                    kv_put(self, &mut tx, namespace, key, value).await?;
                     "null".to_string()
                 }
                 LocalOp::Record { value } => value.clone(),

@@ -19,7 +19,7 @@ use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 use crate::effects::model::{DeltaSink, ModelConfig};
 use crate::effects::{self, Effect};
 use crate::executor::GuestErrorKind;
-use crate::ledger::{Completion, EffectCall, LocalOp};
+use crate::ledger::{Completion, EffectCall, HeldPut, LocalOp};
 use crate::runtime::Limits;
 use crate::store::{EffectClass, EffectRow, EffectState, Lease, Store, StoreError};
 
@@ -232,6 +232,23 @@ impl SegmentState {
     }
 
     async fn perform(&mut self, call: EffectCall, effect: Effect, reissue: bool) -> wasmtime::Result<Result<String, EffectError>> {
+        // A put is held for the segment's next write (see `EMIT_FLUSH`), so
+        // a turn's puts and deltas cost one write together. Other runs see
+        // it at most `EMIT_FLUSH` later; everything this segment does that
+        // others can observe (a remote call, any other write, its end)
+        // writes it first, and `kv.get` too, so a turn reads its own puts.
+        let effect = match effect {
+            Effect::Local(LocalOp::KvPut { namespace, key, value }) => {
+                return match self.stream.hold(HeldPut { call, namespace, key, value }).await {
+                    Ok(()) => {
+                        self.new_rows += 1;
+                        Ok(Ok("null".to_string()))
+                    }
+                    Err(why) => self.stop(why),
+                };
+            }
+            other => other,
+        };
         self.flush_stream().await?;
         match effect {
             Effect::Local(op) => match self.local(&call, op).await {
@@ -434,14 +451,16 @@ impl WasiView for SegmentState {
     }
 }
 
-/// How long a delta may wait in a segment's buffer before it is written.
-/// A delta is written with the segment's next write (an effect, a
-/// suspension, the close), or this long after it was emitted, whichever
-/// comes first; so a thread's readers see it at most this late, and a turn
-/// that streams many small deltas (model tokens) costs one write per
-/// window rather than one per delta. Deltas still buffered when a host
-/// dies are lost with it and emitted again by the replay, which starts at
-/// the run's stored `emit_pos`. 10 ms.
+/// How long a delta or a `kv.put` may wait in a segment's buffer before it
+/// is written. Either is written with the segment's next write (another
+/// effect, a suspension, the close), or this long after it was made,
+/// whichever comes first; so a thread's readers see a delta, and other
+/// runs a put, at most this late, and a turn that streams many small
+/// deltas (model tokens) or makes several puts costs one write per window
+/// rather than one per call. Deltas and puts still buffered when a host
+/// dies are lost with it and made again by the replay: the stream resumes
+/// at the run's stored `emit_pos`, and a put with no ledger row is not
+/// recorded, so it is performed again. 10 ms.
 pub const EMIT_FLUSH: Duration = Duration::from_millis(10);
 
 /// The turn's output stream. Each delta has a position; positions below
@@ -465,6 +484,8 @@ struct Stream {
 #[derive(Default)]
 struct Buffer {
     deltas: Vec<String>,
+    /// `kv.put`s made and not yet written (see [`HeldPut`]).
+    puts: Vec<HeldPut>,
     /// A timed flush is scheduled.
     armed: bool,
     /// The segment has taken the buffer for its last write.
@@ -485,12 +506,20 @@ async fn write_buffered(db: &Store, lease: &Lease, buf: &mut Buffer) -> Result<(
     if let Some(why) = buf.failed.take() {
         return Err(why);
     }
-    if buf.deltas.is_empty() {
+    if buf.deltas.is_empty() && buf.puts.is_empty() {
         return Ok(());
     }
-    let deltas = std::mem::take(&mut buf.deltas);
+    let (deltas, puts) = (std::mem::take(&mut buf.deltas), std::mem::take(&mut buf.puts));
     let refs: Vec<&str> = deltas.iter().map(String::as_str).collect();
-    db.emit_deltas(lease, &refs).await.map(drop).map_err(interrupt_for)
+    db.write_held(lease, &refs, &puts).await.map_err(interrupt_for)
+}
+
+/// What a segment still holds when it ends: its last deltas and puts, for
+/// its close or suspension to write.
+#[derive(Debug, Default)]
+pub(crate) struct Held {
+    pub deltas: Vec<String>,
+    pub puts: Vec<HeldPut>,
 }
 
 impl Stream {
@@ -525,22 +554,42 @@ impl DeltaSink for Stream {
             return Err(());
         }
         buf.deltas.push(text);
-        if !buf.armed {
-            buf.armed = true;
-            let (db, lease, buffer) = (self.db.clone(), self.lease.clone(), self.buffer.clone());
-            tokio::spawn(async move {
-                tokio::time::sleep(EMIT_FLUSH).await;
-                let mut buf = buffer.lock().await;
-                buf.armed = false;
-                if buf.closed {
-                    return;
-                }
-                if let Err(why) = write_buffered(&db, &lease, &mut buf).await {
-                    buf.failed = Some(why);
-                }
-            });
-        }
+        self.arm(&mut buf);
         Ok(())
+    }
+}
+
+impl Stream {
+    /// Holds a `kv.put` for the segment's next write. `Err`: a timed flush
+    /// failed; the guest must stop.
+    async fn hold(&mut self, put: HeldPut) -> Result<(), Interrupt> {
+        let mut buf = self.buffer.lock().await;
+        if let Some(why) = buf.failed.take() {
+            return Err(why);
+        }
+        buf.puts.push(put);
+        self.arm(&mut buf);
+        Ok(())
+    }
+
+    /// Schedules a timed flush of the buffer, unless one is scheduled.
+    fn arm(&self, buf: &mut Buffer) {
+        if buf.armed {
+            return;
+        }
+        buf.armed = true;
+        let (db, lease, buffer) = (self.db.clone(), self.lease.clone(), self.buffer.clone());
+        tokio::spawn(async move {
+            tokio::time::sleep(EMIT_FLUSH).await;
+            let mut buf = buffer.lock().await;
+            buf.armed = false;
+            if buf.closed {
+                return;
+            }
+            if let Err(why) = write_buffered(&db, &lease, &mut buf).await {
+                buf.failed = Some(why);
+            }
+        });
     }
 }
 
@@ -562,7 +611,7 @@ impl SegmentState {
     /// `Sync`.
     pub(crate) fn take_stream_tail(
         &self,
-    ) -> impl std::future::Future<Output = Result<Vec<String>, Interrupt>> + Send + 'static {
+    ) -> impl std::future::Future<Output = Result<Held, Interrupt>> + Send + 'static {
         let buffer = self.stream.buffer.clone();
         async move {
             let mut buf = buffer.lock().await;
@@ -570,7 +619,7 @@ impl SegmentState {
             if let Some(why) = buf.failed.take() {
                 return Err(why);
             }
-            Ok(std::mem::take(&mut buf.deltas))
+            Ok(Held { deltas: std::mem::take(&mut buf.deltas), puts: std::mem::take(&mut buf.puts) })
         }
     }
 }

@@ -2,7 +2,7 @@
 //! run on both backends.
 
 use anyhow::{Result, ensure};
-use leasehold::ledger::{Completion, EffectCall, LocalOp};
+use leasehold::ledger::{Completion, EffectCall, HeldPut, LocalOp};
 use leasehold::reaper::{self, ReaperConfig};
 use leasehold::store::{
     Claimed, EffectClass, EffectState, NewRun, Outcome, RunStatus, Store, StoreError, Suspend,
@@ -453,6 +453,57 @@ both! {
         Ok(())
     }
 
+    async fn held_puts_are_written_with_their_ledger_rows_and_the_last_put_of_a_key_wins(db) {
+        let s = &db.store;
+        let mut new = NewRun::new("p", "{}");
+        new.thread_id = Some("held".into());
+        let (run, _) = s.create_run(&new).await?;
+        let a = claim(s, "a").await?;
+        let put = |seq: i64, key: &str, value: &str| HeldPut {
+            call: EffectCall { seq, name: "kv.put".into(), request_hash: format!("h{seq}"), emit_pos: seq.min(1) },
+            namespace: "ns".into(),
+            key: key.into(),
+            value: value.into(),
+        };
+        let value = |key: &'static str| async move {
+            sqlx::query_scalar::<_, String>("SELECT value FROM kv WHERE namespace = 'ns' AND key = $1")
+                .bind(key)
+                .fetch_optional(s.pool())
+                .await
+        };
+        s.write_held(&a.lease, &["x"], &[put(0, "k", "1"), put(1, "k", "2"), put(2, "j", "\"v\"")]).await?;
+        let rows = s.effects(run.id).await?;
+        ensure!(rows.len() == 3, "{rows:?}");
+        for (i, r) in rows.iter().enumerate() {
+            ensure!(r.seq == i as i64 && r.state == EffectState::Committed && r.class == EffectClass::Local, "{r:?}");
+            ensure!(r.fence_started == a.lease.fence && r.fence_completed == Some(a.lease.fence), "{r:?}");
+            ensure!(r.result.as_deref() == Some("null") && r.emit_pos == (i as i64).min(1), "{r:?}");
+            ensure!(r.idempotency_key == format!("{}:{i}", run.id), "{r:?}");
+        }
+        ensure!(value("k").await?.as_deref() == Some("2") && value("j").await?.as_deref() == Some("\"v\""));
+        let after = s.get_run(run.id).await?;
+        ensure!(after.partial == "x" && after.emit_pos == 1, "{after:?}");
+
+        // Puts alone append no event.
+        s.write_held(&a.lease, &[], &[put(3, "m", "3")]).await?;
+        ensure!(value("m").await?.as_deref() == Some("3"));
+        let kinds: Vec<String> = s.events_after("held", 0, 100).await?.into_iter().map(|e| e.kind).collect();
+        ensure!(kinds == ["submitted", "delta"], "{kinds:?}");
+
+        // A stale lease writes none of it.
+        let stale = leasehold::store::Lease { fence: a.lease.fence + 1, ..a.lease.clone() };
+        ensure!(s.write_held(&stale, &["y"], &[put(4, "z", "9")]).await.unwrap_err().is_lease_lost());
+        ensure!(s.close_and_claim(&stale, &[], &[put(4, "z", "9")], &completed("late"), None).await.unwrap_err().is_lease_lost());
+        ensure!(s.effects(run.id).await?.len() == 4 && value("z").await?.is_none());
+
+        // The close takes the last ones.
+        s.close_and_claim(&a.lease, &["!"], &[put(4, "k", "4")], &completed("done"), None).await?;
+        ensure!(s.effects(run.id).await?.len() == 5 && value("k").await?.as_deref() == Some("4"));
+        let done = s.get_run(run.id).await?;
+        ensure!(done.status == RunStatus::Completed && done.partial == "x!", "{done:?}");
+        Ok(())
+    }
+
     async fn a_close_that_holds_claims_the_next_run_in_the_same_write(db) {
         let s = &db.store;
         let first = submit(s, 3).await?;
@@ -462,7 +513,7 @@ both! {
 
         // A rejected close claims nothing.
         let stale = leasehold::store::Lease { fence: a.lease.fence + 1, ..a.lease.clone() };
-        let err = s.close_and_claim(&stale, &[], &completed("late"), Some(("z", TTL))).await.unwrap_err();
+        let err = s.close_and_claim(&stale, &[], &[], &completed("late"), Some(("z", TTL))).await.unwrap_err();
         ensure!(err.is_lease_lost(), "{err:?}");
         let waiting = s.get_run(second).await?;
         ensure!(waiting.status == RunStatus::Queued && waiting.fence == 0, "{waiting:?}");
@@ -471,7 +522,7 @@ both! {
         // one is leased to the closer with the next fence, from the
         // database clock.
         let now = s.now_ms().await?;
-        let next = s.close_and_claim(&a.lease, &["tail"], &completed("one"), Some(("a", TTL))).await?;
+        let next = s.close_and_claim(&a.lease, &["tail"], &[], &completed("one"), Some(("a", TTL))).await?;
         let done = s.get_run(first).await?;
         ensure!(done.status == RunStatus::Completed && done.partial == "tail" && done.lease_owner.is_none(), "{done:?}");
         let Some(next) = next else { anyhow::bail!("the close claimed nothing") };
@@ -484,13 +535,13 @@ both! {
 
         // Nothing claimable: the close still holds and claims nothing; and
         // a close that is not asked to claim leaves the queue alone.
-        ensure!(s.close_and_claim(&next.lease, &[], &completed("two"), Some(("a", TTL))).await?.is_none());
+        ensure!(s.close_and_claim(&next.lease, &[], &[], &completed("two"), Some(("a", TTL))).await?.is_none());
         ensure!(s.get_run(second).await?.status == RunStatus::Completed);
         let third = submit(s, 3).await?;
         let fourth = submit(s, 3).await?;
         let c = claim(s, "c").await?;
         ensure!(c.run.id == third);
-        ensure!(s.close_and_claim(&c.lease, &[], &completed("three"), None).await?.is_none());
+        ensure!(s.close_and_claim(&c.lease, &[], &[], &completed("three"), None).await?.is_none());
         ensure!(s.get_run(fourth).await?.status == RunStatus::Queued);
         Ok(())
     }

@@ -74,13 +74,45 @@ both! {
         Ok(())
     }
 
+    async fn a_put_reaches_the_database_while_the_turn_still_computes(db) {
+        // Puts are held for a few milliseconds (EMIT_FLUSH), like deltas,
+        // not until the segment's next write: here there is none for seconds.
+        let runtime = plugins::runtime()?;
+        let limits = leasehold::runtime::Limits { segment_budget: Duration::from_secs(120), ..plugins::test_limits() };
+        runtime.add_plugin("testkit", &plugins::rust_plugin("testkit")?, limits)?;
+        let exec = Executor::new(db.store.clone(), runtime.clone(), worker("worker-a"));
+        let id = submit(&db.store, serde_json::json!({ "mode": "put-then-spin", "spins": 1u64 << 32 })).await?;
+        let task = tokio::spawn(async move { exec.run_once().await });
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            let effects = db.store.effects(id).await?;
+            if !effects.is_empty() {
+                ensure!(effects.len() == 1 && effects[0].state == EffectState::Committed && effects[0].name == "kv.put", "{effects:?}");
+                ensure!(kv_count(&db.store).await? == 1, "the put is written with its ledger row");
+                let run = db.store.get_run(id).await?;
+                ensure!(run.status == RunStatus::Running, "{run:?}");
+                break;
+            }
+            let run = db.store.get_run(id).await?;
+            ensure!(!run.status.is_terminal(), "the turn ended before its put was stored: {run:?}");
+            ensure!(std::time::Instant::now() < deadline, "no put after 60 s: {run:?}");
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        ensure!(task.await?? == Some((id, SegmentOutcome::Completed)));
+        ensure!(db.store.effects(id).await?.len() == 1 && kv_count(&db.store).await? == 1);
+        Ok(())
+    }
+
     async fn a_dead_segment_is_resumed_by_replay_without_repeating_committed_effects(db) {
         let (rt, _) = setup(db)?;
         // A renews often, so a renewer that outlived A's dropped segment
         // would move the backdated lease on before B's claim below.
         let renew_every = Duration::from_millis(20);
         let exec = Executor::new(db.store.clone(), rt.clone(), ExecutorConfig { renew_every: Some(renew_every), ..worker("worker-a") });
-        let id = submit(&db.store, serde_json::json!({ "steps": 300 })).await?;
+        // Each step computes a while, so A's puts are written in several
+        // timed flushes (EMIT_FLUSH) before it dies; without the spin the
+        // whole turn runs inside one flush window.
+        let id = submit(&db.store, serde_json::json!({ "steps": 300, "spin": 1_000_000 })).await?;
         // Worker A dies mid-turn: its segment future is dropped once some
         // effects are committed (no graceful suspend, no close).
         let task = tokio::spawn(async move { exec.run_once().await });

@@ -1,8 +1,9 @@
 //! The test plugin. The input's `mode` picks the behaviour:
 //!
-//! * `steps` (default): `steps` times, `kv.put` key `<prefix>-<i>` then emit
-//!   `"step <i> "`; returns `"did <n> steps"`. Deterministic, one effect per
-//!   step: for crash, replay and bench tests.
+//! * `steps` (default): `steps` times, burns `spin` iterations (default 0),
+//!   `kv.put` key `<prefix>-<i>` then emits `"step <i> "`; returns
+//!   `"did <n> steps"`. Deterministic, one effect per step: for crash,
+//!   replay and bench tests.
 //! * `wait`: asks for input, returns `"hello <input>"`.
 //! * `sleep`: sleeps `ms`, returns `"woke"`.
 //! * `spin-then-put`: burns CPU for `spins` iterations, then `kv.put`.
@@ -23,6 +24,9 @@
 //! * `emit-then-spin`: emits `"early "`, burns `spins` iterations, emits
 //!   `"late"` and returns `"spun"` (a delta must reach the stream while
 //!   the turn still computes).
+//! * `put-then-spin`: `kv.put` key `early`, burns `spins` iterations and
+//!   returns `"spun"` (a put must reach the database while the turn still
+//!   computes).
 //! * hostile: `loop` (never returns), `oom` (allocates without bound),
 //!   `emit-bomb` (emits 1 MiB chunks forever), `trap` (unreachable),
 //!   `big-output` (returns 2 MiB), `fail` (returns an error).
@@ -49,7 +53,9 @@ impl Guest for Testkit {
             "steps" => {
                 let n = v["steps"].as_u64().unwrap_or(3);
                 let prefix = v["prefix"].as_str().unwrap_or("step");
+                let work = v["spin"].as_u64().unwrap_or(0);
                 for i in 0..n {
+                    spin(work);
                     let request = serde_json::json!({ "key": format!("{prefix}-{i}"), "value": i });
                     effect("kv.put", &request.to_string()).map_err(describe)?;
                     emit(&format!("step {i} "));
@@ -81,6 +87,11 @@ impl Guest for Testkit {
                 }
                 spin(spins);
                 Ok(format!("did {n} chaos steps, {in_doubt} in doubt"))
+            }
+            "put-then-spin" => {
+                effect("kv.put", r#"{"key":"early","value":1}"#).map_err(describe)?;
+                spin(v["spins"].as_u64().unwrap_or(1 << 32));
+                Ok("spun".to_string())
             }
             "emit-then-spin" => {
                 emit("early ");
