@@ -15,7 +15,7 @@ use serde::Serialize;
 use wasmtime::UpdateDeadline;
 
 use crate::effects::model::ModelConfig;
-use crate::runtime::host::{Held, Interrupt, SegmentInit, SegmentState};
+use crate::runtime::host::{Held, Interrupt, SegmentInit, SegmentState, storable};
 use crate::runtime::{Plugin, Runtime};
 use crate::store::{Claimed, EffectState, Lease, Outcome, RunStatus, Store, StoreError, Suspend};
 
@@ -360,6 +360,7 @@ impl Executor {
         (result, state): (wasmtime::Result<Result<String, String>>, SegmentState),
         next: &mut Handoff,
     ) -> Result<SegmentOutcome, StoreError> {
+        let result = result.map(|r| r.map(storable).map_err(storable));
         // Deltas and puts still held are written with the segment's last write.
         // A timed flush that failed left a gap in the stored stream: then
         // nothing more is written, and the run is resumed by replay.

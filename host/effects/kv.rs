@@ -4,7 +4,7 @@
 //!
 //! Requests (JSON): `kv.get {"key": K}` returns the stored JSON value or
 //! `null`; `kv.put {"key": K, "value": V}` stores any JSON `V` and returns
-//! `null`. Keys are non-empty strings of at most 512 bytes.
+//! `null`. Keys are non-empty strings of at most 512 bytes, without NUL.
 
 use serde::Deserialize;
 
@@ -47,6 +47,10 @@ pub fn op(name: &str, request: &str, namespace: &str) -> Result<LocalOp, EffectE
         return Err(EffectError::Failed(format!(
             "{name}: key must be 1 to {MAX_KEY_BYTES} bytes"
         )));
+    }
+    // PostgreSQL cannot store it; replacing it could merge two keys.
+    if key.contains('\0') {
+        return Err(EffectError::Failed(format!("{name}: key must not contain NUL")));
     }
     Ok(op)
 }

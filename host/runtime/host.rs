@@ -328,6 +328,8 @@ impl SegmentState {
 impl leasehold::turn::host::Host for SegmentState {
     async fn effect(&mut self, name: String, request: String) -> wasmtime::Result<Result<String, EffectError>> {
         self.charge()?;
+        // The name is stored in the ledger (the request only as its hash).
+        let name = storable(name);
         let call = self.call(&name, &request);
         if let Some(row) = self.replayed(&call)? {
             return match (row.state, row.class) {
@@ -383,6 +385,7 @@ impl leasehold::turn::host::Host for SegmentState {
 
     async fn wait_input(&mut self, prompt: String) -> wasmtime::Result<String> {
         self.charge()?;
+        let prompt = storable(prompt);
         let call = self.call("wait-input", &prompt);
         if let Some(row) = self.replayed(&call)? {
             return Ok(row.result.unwrap_or_default());
@@ -494,6 +497,14 @@ struct Buffer {
     failed: Option<Interrupt>,
 }
 
+/// `text` as the store keeps it: each NUL replaced by U+FFFD. PostgreSQL
+/// cannot store NUL in text (SQLite can), so without this a guest that
+/// wrote one would fail differently on each backend, and on PostgreSQL only
+/// after its segments had been abandoned until the reaper gave up.
+pub(crate) fn storable(text: String) -> String {
+    if text.contains('\0') { text.replace('\0', "\u{FFFD}") } else { text }
+}
+
 fn interrupt_for(e: StoreError) -> Interrupt {
     match e {
         StoreError::LeaseLost(_) => Interrupt::LeaseLost,
@@ -537,6 +548,7 @@ impl Stream {
 
 impl DeltaSink for Stream {
     async fn delta(&mut self, text: String) -> Result<(), ()> {
+        let text = storable(text);
         let pos = self.pos;
         self.pos += 1;
         self.bytes += text.len();

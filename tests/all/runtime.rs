@@ -239,6 +239,29 @@ both! {
         Ok(())
     }
 
+    async fn text_with_nul_characters_is_kept_the_same_way_on_both_backends(db) {
+        // PostgreSQL cannot store NUL in text; SQLite can. The host replaces
+        // each NUL a guest writes with U+FFFD, and refuses a kv key with one.
+        let (_rt, exec) = setup(db)?;
+        let id = submit(&db.store, serde_json::json!({ "mode": "nul" })).await?;
+        let out = exec.run_once().await?;
+        ensure!(out == Some((id, SegmentOutcome::Completed)), "{out:?}: {:?}", db.store.get_run(id).await?);
+        let run = db.store.get_run(id).await?;
+        ensure!(run.partial == "a\u{FFFD}b", "{:?}", run.partial);
+        let output = run.output.unwrap_or_default();
+        ensure!(output.starts_with("x\u{FFFD}y | failed: kv.put: key must not contain NUL"), "{output:?}");
+        ensure!(output.contains("denied:"), "{output:?}");
+        let effects = db.store.effects(id).await?;
+        ensure!(effects.len() == 2 && effects[1].name == "no\u{FFFD}such", "{effects:?}");
+        ensure!(kv_count(&db.store).await? == 0);
+
+        let id = submit(&db.store, serde_json::json!({ "mode": "nul-fail" })).await?;
+        ensure!(exec.run_once().await? == Some((id, SegmentOutcome::Failed(GuestErrorKind::TurnError))));
+        let run = db.store.get_run(id).await?;
+        ensure!(run.error.as_deref() == Some("turn-error: gave\u{FFFD}up"), "{run:?}");
+        Ok(())
+    }
+
     async fn a_guest_that_outlives_its_lease_is_stopped_and_writes_nothing(db) {
         let runtime = plugins::runtime()?;
         let mut limits = plugins::test_limits();

@@ -29,7 +29,9 @@
 //!   computes).
 //! * hostile: `loop` (never returns), `oom` (allocates without bound),
 //!   `emit-bomb` (emits 1 MiB chunks forever), `trap` (unreachable),
-//!   `big-output` (returns 2 MiB), `fail` (returns an error).
+//!   `big-output` (returns 2 MiB), `fail` (returns an error), `nul` (emits,
+//!   puts a key, calls an effect and returns text, each holding a NUL),
+//!   `nul-fail` (returns an error holding a NUL).
 
 wit_bindgen::generate!({ path: "../../wit", world: "turn" });
 
@@ -164,6 +166,19 @@ impl Guest for Testkit {
             "trap" => std::process::abort(),
             "big-output" => Ok("x".repeat(2 << 20)),
             "fail" => Err("the turn gave up".to_string()),
+            "nul" => {
+                emit("a\0b");
+                let bad_key = match effect("kv.put", r#"{"key":"k\u0000","value":1}"#) {
+                    Ok(r) => format!("ok {r}"),
+                    Err(e) => describe(e),
+                };
+                let bad_name = match effect("no\0such", "{}") {
+                    Ok(r) => format!("ok {r}"),
+                    Err(e) => describe(e),
+                };
+                Ok(format!("x\0y | {bad_key} | {bad_name}"))
+            }
+            "nul-fail" => Err("gave\0up".to_string()),
             other => Err(format!("unknown mode {other:?}")),
         }
     }
