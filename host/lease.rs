@@ -389,53 +389,24 @@ impl Store {
         if deltas.is_empty() {
             return Err(StoreError::Config("emit_deltas needs at least one delta".into()));
         }
-        if self.backend() == Backend::Postgres {
-            let (list, n) = (json!(deltas).to_string(), deltas.len() as i64);
-            let list = list.as_str();
-            let first = self
-                .retry(|| async move {
-                    Ok(sqlx::query_scalar::<_, i64>(sql!(
-                        self,
-                        concat!(
-                            pg_deltas!("$4"),
-                            "r AS (UPDATE runs SET partial = partial || (SELECT string_agg(delta, '' ORDER BY ord) FROM d), \
-                             emit_pos = emit_pos + $5, heartbeat_at = {now}, updated_at = {now} WHERE ",
-                            guarded!(),
-                            " RETURNING id, fence, thread_id, emit_pos - $5 AS first)",
-                            pg_append_deltas!("$5", "0", ""),
-                            "SELECT r.first FROM r"
-                        )
-                    ))
-                    .bind(lease.run_id)
-                    .bind(&lease.owner)
-                    .bind(lease.fence)
-                    .bind(list)
-                    .bind(n)
-                    .fetch_optional(self.writer())
-                    .await?)
-                })
-                .await?;
-            return first.ok_or_else(|| rejected(lease));
-        }
-        self.retry(|| async move {
-            let mut tx = self.writer().begin().await?;
-            let first = append_deltas(self, &mut tx, lease, deltas).await?.ok_or_else(|| rejected(lease))?;
-            tx.commit().await?;
-            Ok(first.1)
-        })
-        .await
+        self.append_held(lease, deltas, &[])
+            .await?
+            .ok_or_else(|| StoreError::Config("no delta position returned".into()))
     }
 
     /// Statement 3 with the segment's held puts (see [`HeldPut`]): writes
     /// `deltas` as [`Store::emit_deltas`] does and each put with its
     /// `committed` ledger row, in one write. Nothing to write is a no-op.
     pub async fn write_held(&self, lease: &Lease, deltas: &[&str], puts: &[HeldPut]) -> Result<(), StoreError> {
-        if puts.is_empty() {
-            if !deltas.is_empty() {
-                self.emit_deltas(lease, deltas).await?;
-            }
+        if deltas.is_empty() && puts.is_empty() {
             return Ok(());
         }
+        self.append_held(lease, deltas, puts).await.map(drop)
+    }
+
+    /// Statement 3: `deltas` and `puts` in one guarded write. Returns the
+    /// first delta's position, `None` when there are no deltas.
+    async fn append_held(&self, lease: &Lease, deltas: &[&str], puts: &[HeldPut]) -> Result<Option<i64>, StoreError> {
         if self.backend() == Backend::Postgres {
             let (list, n, held) = (json!(deltas).to_string(), deltas.len() as i64, held_puts_json(puts));
             let (list, held) = (list.as_str(), held.as_str());
@@ -465,18 +436,20 @@ impl Store {
                     .await?)
                 })
                 .await?;
-            return first.map(drop).ok_or_else(|| rejected(lease));
+            let first = first.ok_or_else(|| rejected(lease))?;
+            return Ok((!deltas.is_empty()).then_some(first));
         }
         self.retry(|| async move {
             let mut tx = self.writer().begin().await?;
-            if deltas.is_empty() {
+            let first = if deltas.is_empty() {
                 guard(self, &mut tx, lease).await?;
+                None
             } else {
-                append_deltas(self, &mut tx, lease, deltas).await?.ok_or_else(|| rejected(lease))?;
-            }
+                Some(append_deltas(self, &mut tx, lease, deltas).await?.ok_or_else(|| rejected(lease))?.1)
+            };
             insert_held_puts(self, &mut tx, lease, puts).await?;
             tx.commit().await?;
-            Ok(())
+            Ok(first)
         })
         .await
     }
