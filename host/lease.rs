@@ -14,6 +14,7 @@ use sqlx::{AnyConnection, Row};
 
 use crate::events::{self, kind};
 use crate::ledger::{HeldPut, held_puts_json, insert_held_puts, pg_held_puts};
+use crate::store::submits::Submit;
 use crate::store::{
     Backend, Claimed, Lease, NewRun, Outcome, Run, RunStatus, Store, StoreError, Suspend, sql,
 };
@@ -172,9 +173,50 @@ async fn append_deltas(
     Ok(Some((thread_id, first)))
 }
 
+/// The `submitted` event's payload for `new`.
+fn submitted_payload(new: &NewRun) -> String {
+    json!({ "plugin": new.plugin, "input": new.input }).to_string()
+}
+
+/// SQLite: inserts one submit's run and its `submitted` event inside the
+/// caller's transaction; a taken idempotency key returns the run holding it.
+async fn insert_run(store: &Store, conn: &mut AnyConnection, submit: &Submit) -> Result<(Run, bool), StoreError> {
+    let new = &submit.new;
+    let inserted = sqlx::query(sql!(
+        store,
+        "INSERT INTO runs (thread_id, plugin, plugin_digest, input, idempotency_key, status, \
+         max_attempts, not_before, created_at, updated_at) \
+         VALUES ($1, $2, $3, $4, $5, 'queued', $6, {now}, {now}, {now}) \
+         ON CONFLICT (idempotency_key) DO NOTHING RETURNING *"
+    ))
+    .bind(&submit.thread_id)
+    .bind(&new.plugin)
+    .bind(&new.plugin_digest)
+    .bind(&new.input)
+    .bind(&new.idempotency_key)
+    .bind(submit.max_attempts)
+    .fetch_optional(&mut *conn)
+    .await?;
+    let Some(row) = inserted else {
+        // Only a taken key gets here (a NULL key never conflicts).
+        let row = sqlx::query(sql!(store, "SELECT * FROM runs WHERE idempotency_key = $1"))
+            .bind(&new.idempotency_key)
+            .fetch_one(&mut *conn)
+            .await?;
+        return Ok((Run::from_row(&row)?, false));
+    };
+    let run = Run::from_row(&row)?;
+    let payload = json!({ "plugin": run.plugin, "input": run.input });
+    events::append(store, conn, &run.thread_id, run.id, 0, kind::SUBMITTED, &payload).await?;
+    Ok((run, true))
+}
+
 impl Store {
     /// Enqueues a run. With an `idempotency_key` that already exists, returns
     /// the existing run and `false`; nothing new is written.
+    ///
+    /// Submits made while another is being written are group-committed
+    /// (see [`crate::store::submits`]).
     pub async fn create_run(&self, new: &NewRun) -> Result<(Run, bool), StoreError> {
         let thread_id = new
             .thread_id
@@ -186,55 +228,44 @@ impl Store {
                 "max_attempts must be at least 1, got {max_attempts}"
             )));
         }
-        let thread_id = thread_id.as_str();
-        if self.backend() == Backend::Postgres {
-            return self.create_run_pg(new, thread_id, max_attempts).await;
-        }
-        let created = self.retry(|| async move {
-            let mut tx = self.writer().begin().await?;
-            let inserted = sqlx::query(sql!(
-                self,
-                "INSERT INTO runs (thread_id, plugin, plugin_digest, input, idempotency_key, status, \
-                 max_attempts, not_before, created_at, updated_at) \
-                 VALUES ($1, $2, $3, $4, $5, 'queued', $6, {now}, {now}, {now}) \
-                 ON CONFLICT (idempotency_key) DO NOTHING RETURNING *"
-            ))
-            .bind(thread_id)
-            .bind(&new.plugin)
-            .bind(&new.plugin_digest)
-            .bind(&new.input)
-            .bind(&new.idempotency_key)
-            .bind(max_attempts)
-            .fetch_optional(&mut *tx)
-            .await?;
-            let Some(row) = inserted else {
-                // Only a duplicate key gets here (a NULL key never conflicts).
-                let row = sqlx::query(sql!(self, "SELECT * FROM runs WHERE idempotency_key = $1"))
-                    .bind(&new.idempotency_key)
-                    .fetch_one(&mut *tx)
-                    .await?;
-                tx.commit().await?;
-                return Ok((Run::from_row(&row)?, false));
-            };
-            let run = Run::from_row(&row)?;
-            let payload = json!({ "plugin": run.plugin, "input": run.input });
-            events::append(self, &mut tx, &run.thread_id, run.id, 0, kind::SUBMITTED, &payload)
-                .await?;
-            tx.commit().await?;
-            Ok((run, true))
-        })
-        .await?;
-        if created.1 {
+        let submit = Submit { new: new.clone(), thread_id, max_attempts };
+        self.submits.submit(self, submit).await
+    }
+
+    /// Writes `submits` (distinct threads, distinct idempotency keys) as one
+    /// commit: each run and its `submitted` event. Returns, in order, each
+    /// run and whether it is new (`false`: its key was taken; the run that
+    /// holds it). Wakes workers for the new runs.
+    pub(crate) async fn insert_runs(&self, submits: &[Submit]) -> Result<Vec<(Run, bool)>, StoreError> {
+        let created = match (self.backend(), submits) {
+            (_, []) => Vec::new(),
+            (Backend::Postgres, [one]) => vec![self.insert_run_pg(one).await?],
+            (Backend::Postgres, _) => self.insert_runs_pg(submits).await?,
+            (Backend::Sqlite, _) => {
+                self.retry(|| async move {
+                    let mut tx = self.writer().begin().await?;
+                    let mut created = Vec::with_capacity(submits.len());
+                    for submit in submits {
+                        created.push(insert_run(self, &mut tx, submit).await?);
+                    }
+                    tx.commit().await?;
+                    Ok(created)
+                })
+                .await?
+            }
+        };
+        for _ in created.iter().filter(|(_, new)| *new) {
             self.signal_work(true).await;
         }
         Ok(created)
     }
 
-    /// [`Store::create_run`] on PostgreSQL: the run and its `submitted`
-    /// event in one statement; other hosts hear of it by a `NOTIFY` sent
-    /// after it (see [`Store::signal_work`]).
-    async fn create_run_pg(&self, new: &NewRun, thread_id: &str, max_attempts: i64) -> Result<(Run, bool), StoreError> {
-        let payload = json!({ "plugin": new.plugin, "input": new.input }).to_string();
+    /// PostgreSQL, one submit: the run and its `submitted` event in one
+    /// statement. Other hosts hear of it by a `NOTIFY` sent after it (see
+    /// [`Store::signal_work`]).
+    async fn insert_run_pg(&self, submit: &Submit) -> Result<(Run, bool), StoreError> {
+        let new = &submit.new;
+        let payload = submitted_payload(new);
         let payload = payload.as_str();
         let inserted = self
             .retry(|| async move {
@@ -249,28 +280,90 @@ impl Store {
                         "SELECT r.* FROM r, e"
                     )
                 ))
-                .bind(thread_id)
+                .bind(&submit.thread_id)
                 .bind(&new.plugin)
                 .bind(&new.plugin_digest)
                 .bind(&new.input)
                 .bind(&new.idempotency_key)
-                .bind(max_attempts)
+                .bind(submit.max_attempts)
                 .bind(payload)
                 .fetch_optional(self.writer())
                 .await?)
             })
             .await?;
-        if let Some(row) = inserted {
-            self.signal_work(true).await;
-            return Ok((Run::from_row(&row)?, true));
+        match inserted {
+            Some(row) => Ok((Run::from_row(&row)?, true)),
+            None => Ok((self.run_with_key(submit).await?, false)),
         }
-        // Only a duplicate key gets here (a NULL key never conflicts), and
-        // `ON CONFLICT` has waited for the other insert to commit.
+    }
+
+    /// PostgreSQL, several submits: one statement, reading them from a JSON
+    /// list (bind parameters are per statement, not per row).
+    async fn insert_runs_pg(&self, submits: &[Submit]) -> Result<Vec<(Run, bool)>, StoreError> {
+        let list: Vec<serde_json::Value> = submits
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                json!({
+                    "i": i, "thread_id": s.thread_id, "plugin": s.new.plugin,
+                    "digest": s.new.plugin_digest, "input": s.new.input,
+                    "key": s.new.idempotency_key, "max_attempts": s.max_attempts,
+                    "payload": submitted_payload(&s.new),
+                })
+            })
+            .collect();
+        let list = serde_json::Value::Array(list).to_string();
+        let list = list.as_str();
+        let rows = self
+            .retry(|| async move {
+                Ok(sqlx::query(sql!(
+                    self,
+                    "WITH l AS (SELECT * FROM jsonb_to_recordset($1::text::jsonb) AS l(i bigint, thread_id text, \
+                     plugin text, digest text, input text, key text, max_attempts bigint, payload text)), \
+                     r AS (INSERT INTO runs (thread_id, plugin, plugin_digest, input, idempotency_key, \
+                     status, max_attempts, not_before, created_at, updated_at) \
+                     SELECT thread_id, plugin, digest, input, key, 'queued', max_attempts, {now}, {now}, {now} \
+                     FROM l ORDER BY i ON CONFLICT (idempotency_key) DO NOTHING RETURNING *), \
+                     t AS (INSERT INTO threads (id, last_seq) SELECT thread_id, 1 FROM r \
+                     ON CONFLICT (id) DO UPDATE SET last_seq = threads.last_seq + 1 RETURNING id, last_seq), \
+                     e AS (INSERT INTO events (thread_id, seq, run_id, fence, kind, payload, created_at) \
+                     SELECT t.id, t.last_seq, r.id, r.fence, 'submitted', l.payload, {now} \
+                     FROM t JOIN r ON r.thread_id = t.id JOIN l ON l.thread_id = t.id RETURNING seq) \
+                     SELECT r.* FROM r"
+                ))
+                .bind(list)
+                .fetch_all(self.writer())
+                .await?)
+            })
+            .await?;
+        // Threads are distinct within a batch, so a thread names its run.
+        let mut inserted = std::collections::HashMap::with_capacity(rows.len());
+        for row in &rows {
+            let run = Run::from_row(row)?;
+            inserted.insert(run.thread_id.clone(), run);
+        }
+        let mut created = Vec::with_capacity(submits.len());
+        for submit in submits {
+            created.push(match inserted.remove(&submit.thread_id) {
+                Some(run) => (run, true),
+                None => (self.run_with_key(submit).await?, false),
+            });
+        }
+        Ok(created)
+    }
+
+    /// The run holding `submit`'s idempotency key, for a submit that was not
+    /// inserted. Only a taken key gets here (a NULL key never conflicts), and
+    /// `ON CONFLICT` has waited for the other insert to commit.
+    async fn run_with_key(&self, submit: &Submit) -> Result<Run, StoreError> {
+        let Some(key) = &submit.new.idempotency_key else {
+            return Err(StoreError::Config("a submit without an idempotency key was not inserted".into()));
+        };
         let row = sqlx::query(sql!(self, "SELECT * FROM runs WHERE idempotency_key = $1"))
-            .bind(&new.idempotency_key)
+            .bind(key)
             .fetch_one(self.pool())
             .await?;
-        Ok((Run::from_row(&row)?, false))
+        Run::from_row(&row)
     }
 
     /// The run with `id`.

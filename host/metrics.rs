@@ -65,6 +65,11 @@ pub struct Metrics {
     pub segment_duration: Histogram,
     guest_errors: [AtomicU64; GUEST_ERROR_KINDS.len()],
     pub http_requests: AtomicU64,
+    /// Submit attempts written (new runs and repeated idempotency keys).
+    pub submits: AtomicU64,
+    /// Commits that wrote them: under concurrent submits fewer than
+    /// `submits` (group commit, see `store::submits`).
+    pub submit_commits: AtomicU64,
 }
 
 const GUEST_ERROR_KINDS: [GuestErrorKind; 8] = [
@@ -134,6 +139,13 @@ impl Metrics {
             let _ = writeln!(out, "leasehold_guest_errors_total{{kind=\"{}\"}} {}", kind.as_str(), self.guest_errors[i].load(Relaxed));
         }
         counter(&mut out, "leasehold_http_requests_total", "API requests served by this host.", &self.http_requests);
+        counter(&mut out, "leasehold_submits_total", "Submits written by this host.", &self.submits);
+        counter(
+            &mut out,
+            "leasehold_submit_commits_total",
+            "Commits that wrote them (concurrent submits share one).",
+            &self.submit_commits,
+        );
 
         let rows = sqlx::query(sql!(store, "SELECT status, COUNT(*) AS n FROM runs GROUP BY status"))
             .fetch_all(store.pool())

@@ -12,6 +12,7 @@
 
 pub mod postgres;
 pub mod sqlite;
+pub(crate) mod submits;
 mod types;
 
 use std::str::FromStr;
@@ -191,6 +192,8 @@ pub struct Store {
     node: std::sync::Arc<str>,
     /// Coalesces `NOTIFY`s (see [`Store::signal_work`]).
     announce: std::sync::Arc<Announce>,
+    /// Submits waiting to be group-committed (see [`submits`]).
+    pub(crate) submits: std::sync::Arc<submits::Queue>,
 }
 
 /// PostgreSQL takes one database-wide lock for every committing transaction
@@ -285,6 +288,7 @@ impl Store {
             url: url.as_str().into(),
             node: uuid::Uuid::new_v4().to_string().into(),
             announce: Default::default(),
+            submits: Default::default(),
         };
         if opts.migrate {
             store.migrate().await?;
@@ -324,6 +328,13 @@ impl Store {
     /// Notified when work arrives in this process (see [`Store::signal_work`]).
     pub fn work_signal(&self) -> &tokio::sync::Notify {
         &self.work
+    }
+
+    /// Submits this store (and its clones) has written, and the commits
+    /// that wrote them: fewer commits when concurrent submits were
+    /// group-committed (see [`submits`]).
+    pub fn submits_written(&self) -> (u64, u64) {
+        self.submits.written()
     }
 
     /// This handle's `NOTIFY` payload (see the `node` field).

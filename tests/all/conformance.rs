@@ -554,7 +554,9 @@ both! {
 
     async fn concurrent_submits_each_get_their_run_and_keys_and_thread_order_hold(db) {
         // Concurrent submits sharing threads and idempotency keys: each gets
-        // its run, a key gets one run, a thread's log stays gap-free.
+        // its run, a key gets one run, a thread's log stays gap-free, though
+        // they are group-committed (a batch never holds two submits to one
+        // thread or key, and one that fails is retried alone).
         let s = &db.store;
         let mut tasks = tokio::task::JoinSet::new();
         for i in 0..60 {
@@ -615,6 +617,9 @@ both! {
             .fetch_one(s.pool())
             .await?;
         ensure!(total == runs, "{total} events for {runs} runs");
+        // Submits made at once shared commits (group commit).
+        let (written, commits) = s.submits_written();
+        ensure!(written >= 60 && commits < written, "{written} submits in {commits} commits");
         Ok(())
     }
 
