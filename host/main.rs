@@ -103,6 +103,11 @@ enum BenchCommand {
         /// Workers (and baseline tasks).
         #[arg(long, default_value_t = 8)]
         concurrency: usize,
+        /// Tasks submitting runs in the peak phase, each one submit at a
+        /// time (the host group-commits submits made at once). Default:
+        /// --concurrency.
+        #[arg(long)]
+        submitters: Option<usize>,
         /// The one-effect plugin (the Rust test plugin).
         #[arg(long, default_value = "target/plugins/testkit.wasm")]
         plugin_file: PathBuf,
@@ -177,8 +182,12 @@ fn main() -> std::process::ExitCode {
 async fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Serve { config, options } => serve(options.resolve(config.as_deref())?).await,
-        Command::Bench { bench: BenchCommand::E2e { database_url, runs, concurrency, plugin_file, quiet } } => {
-            anyhow::ensure!(runs > 0 && concurrency > 0, "--runs and --concurrency must be positive");
+        Command::Bench { bench: BenchCommand::E2e { database_url, runs, concurrency, submitters, plugin_file, quiet } } => {
+            let submitters = submitters.unwrap_or(concurrency);
+            anyhow::ensure!(
+                runs > 0 && concurrency > 0 && submitters > 0,
+                "--runs, --concurrency and --submitters must be positive"
+            );
             let temp = database_url.is_none().then(|| {
                 std::env::temp_dir().join(format!("leasehold-bench-e2e-{}.db", std::process::id()))
             });
@@ -191,6 +200,7 @@ async fn run(cli: Cli) -> Result<()> {
                 database_url: url,
                 runs,
                 concurrency,
+                submitters,
                 plugin_file,
                 cache_dir: std::env::temp_dir().join("leasehold-cache"),
                 progress: !quiet,

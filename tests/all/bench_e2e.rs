@@ -15,6 +15,7 @@ both! {
             database_url: db.url().to_string(),
             runs: 40,
             concurrency: 2,
+            submitters: 3,
             plugin_file,
             cache_dir: std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/component-cache"),
             progress: false,
