@@ -104,7 +104,13 @@ both! {
     }
 
     async fn a_dead_segment_is_resumed_by_replay_without_repeating_committed_effects(db) {
-        let (rt, _) = setup(db)?;
+        // A budget far above the turn's compute: B replays A's steps before
+        // it makes progress, and a slice that makes none fails the run as a
+        // timeout. With the tests' 500 ms budget, a loaded machine (the
+        // whole suite at once on 2 cores) failed the run that way.
+        let rt = plugins::runtime()?;
+        let limits = leasehold::runtime::Limits { segment_budget: Duration::from_secs(20), ..plugins::test_limits() };
+        rt.add_plugin("testkit", &plugins::rust_plugin("testkit")?, limits)?;
         // A renews often, so a renewer that outlived A's dropped segment
         // would move the backdated lease on before B's claim below.
         let renew_every = Duration::from_millis(20);
