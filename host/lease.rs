@@ -39,34 +39,6 @@ macro_rules! guarded {
 }
 pub(crate) use guarded;
 
-/// PostgreSQL: the CTEs of a one-statement write that appends an event.
-/// The statement starts `WITH r AS (…)`, where `r` writes the run and
-/// returns its `id`, `fence` and `thread_id` (no row: nothing is appended).
-/// These take the thread's next sequence number (the upsert locks the
-/// thread's counter row until commit, as [`events::append`] does) and, as
-/// CTE `e`, insert the event of kind `$kind` with payload `$payload` (an SQL
-/// expression), returning its `seq`. The statement ends with a `SELECT`
-/// that names `e`.
-///
-/// Why: each statement is a round trip, and a transaction adds two more
-/// (`BEGIN`, `COMMIT`). One statement is one implicit transaction, with the
-/// same work and the same atomicity. SQLite has no data-modifying CTEs, and
-/// its round trips are function calls, so it keeps the transaction.
-macro_rules! pg_append_event {
-    ($kind:literal, $payload:literal) => {
-        concat!(
-            ", t AS (INSERT INTO threads (id, last_seq) SELECT thread_id, 1 FROM r \
-             ON CONFLICT (id) DO UPDATE SET last_seq = threads.last_seq + 1 RETURNING id, last_seq), \
-             e AS (INSERT INTO events (thread_id, seq, run_id, fence, kind, payload, created_at) \
-             SELECT t.id, t.last_seq, r.id, r.fence, '",
-            $kind,
-            "', ",
-            $payload,
-            ", {now} FROM t, r RETURNING seq) "
-        )
-    };
-}
-
 /// Checks (owner, fence) on `conn` and refreshes the heartbeat. The first
 /// statement of every guarded transaction.
 pub(crate) async fn guard(
@@ -115,11 +87,21 @@ macro_rules! pg_deltas {
     };
 }
 
-/// PostgreSQL: like `pg_append_event!`, for the deltas of CTE `d` (see
-/// `pg_deltas!`) after CTE `r` has moved the run's `emit_pos` on by their
-/// count `$n` (returning the first new position as `first`). `$more` (`""`
-/// or `UNION ALL SELECT …`) adds `$extra` more events, numbered from
-/// `t.base + $n + 1`; the thread counter moves on by every event appended.
+/// PostgreSQL: the CTEs of a one-statement write that appends events. The
+/// statement starts with CTE `d` (see `pg_deltas!`), then `r`, which writes
+/// the run (moving its `emit_pos` on by the deltas' count `$n`) and returns
+/// its `id`, `fence`, `thread_id` and the first new position as `first`
+/// (no row: nothing is appended). `t` moves the thread's counter on by
+/// every event appended (the upsert locks the counter row until commit, as
+/// [`events::append`] does) and `e` inserts one `delta` event per delta;
+/// `$more` (`""` or `UNION ALL SELECT …`) adds `$extra` more events,
+/// numbered from `t.base + $n + 1`.
+///
+/// Why one statement: each statement is a round trip, and a transaction
+/// adds two more (`BEGIN`, `COMMIT`). One statement is one implicit
+/// transaction, with the same work and the same atomicity. SQLite has no
+/// data-modifying CTEs, and its round trips are function calls, so it
+/// keeps the transaction.
 macro_rules! pg_append_deltas {
     ($n:literal, $extra:literal, $more:literal) => {
         concat!(
@@ -239,7 +221,6 @@ impl Store {
     pub(crate) async fn insert_runs(&self, submits: &[Submit]) -> Result<Vec<(Run, bool)>, StoreError> {
         let created = match (self.backend(), submits) {
             (_, []) => Vec::new(),
-            (Backend::Postgres, [one]) => vec![self.insert_run_pg(one).await?],
             (Backend::Postgres, _) => self.insert_runs_pg(submits).await?,
             (Backend::Sqlite, _) => {
                 self.retry(|| async move {
@@ -260,45 +241,10 @@ impl Store {
         Ok(created)
     }
 
-    /// PostgreSQL, one submit: the run and its `submitted` event in one
-    /// statement. Other hosts hear of it by a `NOTIFY` sent after it (see
-    /// [`Store::signal_work`]).
-    async fn insert_run_pg(&self, submit: &Submit) -> Result<(Run, bool), StoreError> {
-        let new = &submit.new;
-        let payload = submitted_payload(new);
-        let payload = payload.as_str();
-        let inserted = self
-            .retry(|| async move {
-                Ok(sqlx::query(sql!(
-                    self,
-                    concat!(
-                        "WITH r AS (INSERT INTO runs (thread_id, plugin, plugin_digest, input, idempotency_key, \
-                         status, max_attempts, not_before, created_at, updated_at) \
-                         VALUES ($1, $2, $3, $4, $5, 'queued', $6, {now}, {now}, {now}) \
-                         ON CONFLICT (idempotency_key) DO NOTHING RETURNING *)",
-                        pg_append_event!("submitted", "$7"),
-                        "SELECT r.* FROM r, e"
-                    )
-                ))
-                .bind(&submit.thread_id)
-                .bind(&new.plugin)
-                .bind(&new.plugin_digest)
-                .bind(&new.input)
-                .bind(&new.idempotency_key)
-                .bind(submit.max_attempts)
-                .bind(payload)
-                .fetch_optional(self.writer())
-                .await?)
-            })
-            .await?;
-        match inserted {
-            Some(row) => Ok((Run::from_row(&row)?, true)),
-            None => Ok((self.run_with_key(submit).await?, false)),
-        }
-    }
-
-    /// PostgreSQL, several submits: one statement, reading them from a JSON
-    /// list (bind parameters are per statement, not per row).
+    /// PostgreSQL: the submits' runs and `submitted` events in one
+    /// statement, reading them from a JSON list (bind parameters are per
+    /// statement, not per row), one submit or many. Other hosts hear of new
+    /// runs by a `NOTIFY` sent after it (see [`Store::signal_work`]).
     async fn insert_runs_pg(&self, submits: &[Submit]) -> Result<Vec<(Run, bool)>, StoreError> {
         let list: Vec<serde_json::Value> = submits
             .iter()

@@ -176,7 +176,7 @@ async fn insert_row(
 }
 
 /// PostgreSQL: the guard and a ledger row in one statement (see
-/// `pg_append_event!` in `lease.rs` for why). CTE `g` is the guard; `e`
+/// `pg_append_deltas!` in `lease.rs` for why). CTE `g` is the guard; `e`
 /// inserts the row, with result `$result` (an SQL expression); `$after`
 /// adds CTEs that apply the effect from `e`'s row, so a duplicate position
 /// (no row in `e`) applies nothing. The statement returns one row when the

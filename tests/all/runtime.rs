@@ -19,6 +19,15 @@ fn setup(db: &TestDb) -> Result<(Arc<Runtime>, Executor)> {
     Ok((runtime, exec))
 }
 
+/// A runtime with the test plugin and a slice budget of `budget`, for turns
+/// that compute longer than the tests' default budget allows.
+fn runtime_with_budget(budget: Duration) -> Result<Arc<Runtime>> {
+    let runtime = plugins::runtime()?;
+    let limits = leasehold::runtime::Limits { segment_budget: budget, ..plugins::test_limits() };
+    runtime.add_plugin("testkit", &plugins::rust_plugin("testkit")?, limits)?;
+    Ok(runtime)
+}
+
 fn worker(owner: &str) -> ExecutorConfig {
     ExecutorConfig { owner: owner.into(), lease_ttl: Duration::from_secs(30), renew_every: None, model: None }
 }
@@ -51,9 +60,7 @@ both! {
     async fn a_delta_reaches_the_stream_while_the_turn_still_computes(db) {
         // Deltas are buffered for a few milliseconds (EMIT_FLUSH), not until
         // the segment's next write: here there is none for seconds.
-        let runtime = plugins::runtime()?;
-        let limits = leasehold::runtime::Limits { segment_budget: Duration::from_secs(120), ..plugins::test_limits() };
-        runtime.add_plugin("testkit", &plugins::rust_plugin("testkit")?, limits)?;
+        let runtime = runtime_with_budget(Duration::from_secs(120))?;
         let exec = Executor::new(db.store.clone(), runtime.clone(), worker("worker-a"));
         let id = submit(&db.store, serde_json::json!({ "mode": "emit-then-spin", "spins": 1u64 << 32 })).await?;
         let task = tokio::spawn(async move { exec.run_once().await });
@@ -77,9 +84,7 @@ both! {
     async fn a_put_reaches_the_database_while_the_turn_still_computes(db) {
         // Puts are held for a few milliseconds (EMIT_FLUSH), like deltas,
         // not until the segment's next write: here there is none for seconds.
-        let runtime = plugins::runtime()?;
-        let limits = leasehold::runtime::Limits { segment_budget: Duration::from_secs(120), ..plugins::test_limits() };
-        runtime.add_plugin("testkit", &plugins::rust_plugin("testkit")?, limits)?;
+        let runtime = runtime_with_budget(Duration::from_secs(120))?;
         let exec = Executor::new(db.store.clone(), runtime.clone(), worker("worker-a"));
         let id = submit(&db.store, serde_json::json!({ "mode": "put-then-spin", "spins": 1u64 << 32 })).await?;
         let task = tokio::spawn(async move { exec.run_once().await });
@@ -108,9 +113,7 @@ both! {
         // it makes progress, and a slice that makes none fails the run as a
         // timeout. With the tests' 500 ms budget, a loaded machine (the
         // whole suite at once on 2 cores) failed the run that way.
-        let rt = plugins::runtime()?;
-        let limits = leasehold::runtime::Limits { segment_budget: Duration::from_secs(20), ..plugins::test_limits() };
-        rt.add_plugin("testkit", &plugins::rust_plugin("testkit")?, limits)?;
+        let rt = runtime_with_budget(Duration::from_secs(20))?;
         // A renews often, so a renewer that outlived A's dropped segment
         // would move the backdated lease on before B's claim below.
         let renew_every = Duration::from_millis(20);
