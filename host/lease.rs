@@ -235,8 +235,11 @@ impl Store {
                 .await?
             }
         };
+        // On PostgreSQL the statement itself announced the runs to other
+        // hosts, or left the announcement owed (see `carry_announcement`).
+        let other_hosts = self.backend() == Backend::Sqlite;
         for _ in created.iter().filter(|(_, new)| *new) {
-            self.signal_work(true).await;
+            self.signal_work(other_hosts).await;
         }
         Ok(created)
     }
@@ -244,7 +247,8 @@ impl Store {
     /// PostgreSQL: the submits' runs and `submitted` events in one
     /// statement, reading them from a JSON list (bind parameters are per
     /// statement, not per row), one submit or many. Other hosts hear of new
-    /// runs by a `NOTIFY` sent after it (see [`Store::signal_work`]).
+    /// runs by a `NOTIFY` that this statement carries, or that a later one
+    /// (or one sent on its own) does (see [`Store::carry_announcement`]).
     async fn insert_runs_pg(&self, submits: &[Submit]) -> Result<Vec<(Run, bool)>, StoreError> {
         let list: Vec<serde_json::Value> = submits
             .iter()
@@ -260,6 +264,7 @@ impl Store {
             .collect();
         let list = serde_json::Value::Array(list).to_string();
         let list = list.as_str();
+        let carry = self.carry_announcement();
         let rows = self
             .retry(|| async move {
                 Ok(sqlx::query(sql!(
@@ -274,14 +279,20 @@ impl Store {
                      ON CONFLICT (id) DO UPDATE SET last_seq = threads.last_seq + 1 RETURNING id, last_seq), \
                      e AS (INSERT INTO events (thread_id, seq, run_id, fence, kind, payload, created_at) \
                      SELECT t.id, t.last_seq, r.id, r.fence, 'submitted', l.payload, {now} \
-                     FROM t JOIN r ON r.thread_id = t.id JOIN l ON l.thread_id = t.id RETURNING seq) \
-                     SELECT r.* FROM r"
+                     FROM t JOIN r ON r.thread_id = t.id JOIN l ON l.thread_id = t.id RETURNING seq), \
+                     n AS MATERIALIZED (SELECT pg_notify($2, $3) WHERE $4 AND EXISTS (SELECT 1 FROM r)) \
+                     SELECT r.* FROM r LEFT JOIN n ON true"
                 ))
                 .bind(list)
+                .bind(crate::store::WORK_CHANNEL)
+                .bind(self.node())
+                .bind(carry)
                 .fetch_all(self.writer())
                 .await?)
             })
-            .await?;
+            .await;
+        self.announcement_carried(carry, rows.as_ref().is_ok_and(|r| !r.is_empty()), rows.is_err());
+        let rows = rows?;
         // Threads are distinct within a batch, so a thread names its run.
         let mut inserted = std::collections::HashMap::with_capacity(rows.len());
         for row in &rows {

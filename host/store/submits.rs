@@ -134,6 +134,8 @@ async fn write_batches(store: Store) {
     loop {
         let batch = store.submits.take();
         if batch.is_empty() {
+            // New runs whose announcement no submit statement carried.
+            store.flush_announcements();
             return;
         }
         tracing::trace!(submits = batch.len(), "writing a submit batch");

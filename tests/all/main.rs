@@ -17,3 +17,4 @@ mod interleaving;
 mod runtime;
 mod serve_proc;
 mod sink;
+mod wakeups;

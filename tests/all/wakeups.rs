@@ -1,0 +1,81 @@
+//! Wake-ups: an idle worker pool starts a submitted run at once, without
+//! waiting for its fallback poll. On SQLite the submit wakes the pool in
+//! process; on PostgreSQL a submit on another host reaches it by `NOTIFY`.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Result, bail, ensure};
+use leasehold::Backend;
+use leasehold::executor::{Executor, ExecutorConfig};
+use leasehold::plugins::PluginSettings;
+use leasehold::pool::{PoolConfig, WorkerPool};
+use leasehold::store::{NewRun, RunStatus, Store};
+
+use crate::harness::{TestDb, both};
+use crate::plugins;
+
+/// Waits until the pool's `LISTEN` connection is up (PostgreSQL): a
+/// `NOTIFY` sent before it would be lost, and the test would wait for the
+/// poll.
+async fn wait_listening(db: &TestDb) -> Result<()> {
+    let started = Instant::now();
+    loop {
+        let listening: i64 = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database() AND query LIKE 'LISTEN%'",
+        )
+        .fetch_one(db.store.pool())
+        .await?;
+        if listening > 0 {
+            return Ok(());
+        }
+        ensure!(started.elapsed() < Duration::from_secs(30), "the pool never ran LISTEN");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn submit_and_wait(submitter: &Store, db: &TestDb, what: &str) -> Result<()> {
+    let (run, _) = submitter.create_run(&NewRun::new("testkit", r#"{"steps":1}"#)).await?;
+    let started = Instant::now();
+    loop {
+        let run = db.store.get_run(run.id).await?;
+        if run.status == RunStatus::Completed {
+            return Ok(());
+        }
+        if started.elapsed() > Duration::from_secs(30) {
+            bail!("{what}: run {} still {:?} after 30 s; the idle pool was not woken", run.id, run.status);
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+both! {
+    async fn an_idle_pool_starts_a_submitted_run_without_waiting_for_its_poll(db) {
+        let runtime = plugins::runtime()?;
+        leasehold::plugins::register(&db.store, &runtime, "testkit", plugins::rust_plugin("testkit")?, PluginSettings::default()).await?;
+        let config = ExecutorConfig { owner: "idle-pool".into(), model: None, ..ExecutorConfig::default() };
+        let exec = Arc::new(Executor::new(db.store.clone(), runtime, config));
+        // An hour: within the test only a wake-up can start a run.
+        let pool = WorkerPool::start(db.store.clone(), exec, PoolConfig { workers: 2, poll: Duration::from_secs(3600), ..PoolConfig::default() });
+        if db.backend == Backend::Postgres {
+            wait_listening(db).await?;
+        }
+        // Submitted by this host, several times: each run finds the pool
+        // idle again (its last claim found nothing).
+        for i in 0..3 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            submit_and_wait(&db.store, db, &format!("submit {i} on the pool's own host")).await?;
+        }
+        if db.backend == Backend::Postgres {
+            // Another host: only its NOTIFY reaches this pool.
+            let other = db.another_store(2).await?;
+            for i in 0..3 {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                submit_and_wait(&other, db, &format!("submit {i} on another host")).await?;
+            }
+            other.shutdown().await;
+        }
+        pool.shutdown(Duration::from_secs(10)).await;
+        Ok(())
+    }
+}
