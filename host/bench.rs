@@ -143,15 +143,10 @@ impl ClaimBench {
             .execute(store.writer())
             .await
             .map_err(StoreError::from)?;
-        // Both phases start from the same table state: no dead rows left by
-        // the previous phase, fresh statistics.
-        let vacuum = match store.backend() {
-            crate::Backend::Postgres => "VACUUM ANALYZE runs",
-            crate::Backend::Sqlite => "ANALYZE",
-        };
-        sqlx::raw_sql(vacuum).execute(store.writer()).await.map_err(StoreError::from)?;
+        // Both phases start from the same table state.
+        vacuum(store, &["VACUUM ANALYZE runs"]).await?;
         store.bulk_load_queued(self.runs, BENCH_PLUGIN).await?;
-        sqlx::raw_sql(vacuum).execute(store.writer()).await.map_err(StoreError::from)?;
+        vacuum(store, &["VACUUM ANALYZE runs"]).await?;
 
         let done = Arc::new(AtomicU64::new(0));
         let start = Instant::now();
@@ -223,7 +218,26 @@ async fn baseline_claim(store: &Store, batch: i64) -> Result<u64, StoreError> {
         .await
 }
 
-fn median(xs: &mut [f64]) -> f64 {
+/// Before a measured phase: no dead row versions left by the phases before
+/// it, and fresh statistics. PostgreSQL runs `vacuums` (`VACUUM ANALYZE …`),
+/// one statement per call: VACUUM cannot run in a transaction block, which
+/// a multi-statement string would be. SQLite keeps no dead row versions; it
+/// runs `ANALYZE`.
+pub(crate) async fn vacuum(store: &Store, vacuums: &[&'static str]) -> Result<(), StoreError> {
+    match store.backend() {
+        crate::Backend::Postgres => {
+            for q in vacuums {
+                sqlx::raw_sql(*q).execute(store.writer()).await?;
+            }
+        }
+        crate::Backend::Sqlite => {
+            sqlx::raw_sql("ANALYZE").execute(store.writer()).await?;
+        }
+    }
+    Ok(())
+}
+
+pub(crate) fn median(xs: &mut [f64]) -> f64 {
     xs.sort_by(f64::total_cmp);
     let n = xs.len();
     if n % 2 == 1 { xs[n / 2] } else { (xs[n / 2 - 1] + xs[n / 2]) / 2.0 }

@@ -108,6 +108,10 @@ enum BenchCommand {
         /// --concurrency.
         #[arg(long)]
         submitters: Option<usize>,
+        /// Rounds of (peak, baseline), alternating order; medians are
+        /// reported.
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
         /// The one-effect plugin (the Rust test plugin).
         #[arg(long, default_value = "target/plugins/testkit.wasm")]
         plugin_file: PathBuf,
@@ -182,11 +186,11 @@ fn main() -> std::process::ExitCode {
 async fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Serve { config, options } => serve(options.resolve(config.as_deref())?).await,
-        Command::Bench { bench: BenchCommand::E2e { database_url, runs, concurrency, submitters, plugin_file, quiet } } => {
+        Command::Bench { bench: BenchCommand::E2e { database_url, runs, concurrency, submitters, rounds, plugin_file, quiet } } => {
             let submitters = submitters.unwrap_or(concurrency);
             anyhow::ensure!(
-                runs > 0 && concurrency > 0 && submitters > 0,
-                "--runs, --concurrency and --submitters must be positive"
+                runs > 0 && concurrency > 0 && submitters > 0 && rounds > 0,
+                "--runs, --concurrency, --submitters and --rounds must be positive"
             );
             let temp = database_url.is_none().then(|| {
                 std::env::temp_dir().join(format!("leasehold-bench-e2e-{}.db", std::process::id()))
@@ -201,6 +205,7 @@ async fn run(cli: Cli) -> Result<()> {
                 runs,
                 concurrency,
                 submitters,
+                rounds,
                 plugin_file,
                 cache_dir: std::env::temp_dir().join("leasehold-cache"),
                 progress: !quiet,

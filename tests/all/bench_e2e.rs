@@ -16,12 +16,14 @@ both! {
             runs: 40,
             concurrency: 2,
             submitters: 3,
+            // Both orders of the pair: baseline first in the second round.
+            rounds: 2,
             plugin_file,
             cache_dir: std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/component-cache"),
             progress: false,
         };
         let result = bench.run().await?;
-        ensure!(result.runs_per_sec > 0.0 && result.baseline_per_sec > 0.0 && result.ratio > 0.0, "{result:?}");
+        ensure!(result.runs_per_sec > 0.0 && result.baseline_per_sec > 0.0 && result.ratio > 0.0 && result.rounds == 2, "{result:?}");
         ensure!(result.submit_to_start_p50_ms >= 0.0 && result.submit_to_start_p99_ms >= result.submit_to_start_p50_ms, "{result:?}");
         let left: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM runs").fetch_one(db.store.pool()).await?;
         let plugins: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM plugins").fetch_one(db.store.pool()).await?;
