@@ -117,10 +117,8 @@ impl E2eBench {
             let order = if round % 2 == 0 { [Phase::Peak, Phase::Baseline] } else { [Phase::Baseline, Phase::Peak] };
             let (mut p, mut b) = (0.0, 0.0);
             for (i, phase) in order.into_iter().enumerate() {
-                // Not before the first phase: there is nothing dead yet, and
-                // statistics of empty tables would plan a scan of the whole
-                // table for every claim (measured: 983 runs/s in that
-                // phase, against 1860/s in the later ones).
+                // Not before the first phase: its tables are empty, with
+                // nothing dead to remove.
                 if round > 0 || i > 0 {
                     vacuum(&store).await?;
                 }
