@@ -78,4 +78,53 @@ both! {
         pool.shutdown(Duration::from_secs(10)).await;
         Ok(())
     }
+
+    async fn bursts_of_concurrent_submits_on_another_host_all_reach_an_idle_pool(db) {
+        // SQLite hosts in other processes find new runs by polling only.
+        if db.backend != Backend::Postgres {
+            return Ok(());
+        }
+        let runtime = plugins::runtime()?;
+        leasehold::plugins::register(&db.store, &runtime, "testkit", plugins::rust_plugin("testkit")?, PluginSettings::default()).await?;
+        let config = ExecutorConfig { owner: "idle-pool".into(), model: None, ..ExecutorConfig::default() };
+        let exec = Arc::new(Executor::new(db.store.clone(), runtime, config));
+        let pool = WorkerPool::start(db.store.clone(), exec, PoolConfig { workers: 2, poll: Duration::from_secs(3600), ..PoolConfig::default() });
+        wait_listening(db).await?;
+        // Concurrent submits share batches and NOTIFYs: some batches commit
+        // while the host's NOTIFY is in flight and carry none; their runs
+        // must still be announced once the pool has gone idle. A burst
+        // strands a run rarely when they are not: 200 bursts made each of 4
+        // runs fail (at bursts 10 to 158) with that announcement taken out.
+        let other = db.another_store(8).await?;
+        for burst in 0..200 {
+            let mut ids = Vec::new();
+            let mut tasks = tokio::task::JoinSet::new();
+            for _ in 0..8 {
+                let other = other.clone();
+                tasks.spawn(async move { other.create_run(&NewRun::new("testkit", r#"{"steps":1}"#)).await });
+            }
+            while let Some(r) = tasks.join_next().await {
+                ids.push(r??.0.id);
+            }
+            let started = Instant::now();
+            loop {
+                // Nothing else is submitted meanwhile: the burst's runs are
+                // the ids from its least to its greatest.
+                let (lo, hi) = (ids.iter().min().copied().unwrap_or(0), ids.iter().max().copied().unwrap_or(0));
+                let done: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM runs WHERE status = 'completed' AND id BETWEEN $1 AND $2")
+                    .bind(lo)
+                    .bind(hi)
+                    .fetch_one(db.store.pool())
+                    .await?;
+                if done == ids.len() as i64 {
+                    break;
+                }
+                ensure!(started.elapsed() < Duration::from_secs(30), "burst {burst}: {done} of {} runs completed after 30 s", ids.len());
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+        other.shutdown().await;
+        pool.shutdown(Duration::from_secs(10)).await;
+        Ok(())
+    }
 }
