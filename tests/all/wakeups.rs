@@ -12,7 +12,7 @@ use leasehold::plugins::PluginSettings;
 use leasehold::pool::{PoolConfig, WorkerPool};
 use leasehold::store::{NewRun, RunStatus, Store};
 
-use crate::harness::{TestDb, both};
+use crate::harness::{TestDb, both, run_on};
 use crate::plugins;
 
 /// Waits until the pool's `LISTEN` connection is up (PostgreSQL): a
@@ -78,12 +78,13 @@ both! {
         pool.shutdown(Duration::from_secs(10)).await;
         Ok(())
     }
+}
 
-    async fn bursts_of_concurrent_submits_on_another_host_all_reach_an_idle_pool(db) {
-        // SQLite hosts in other processes find new runs by polling only.
-        if db.backend != Backend::Postgres {
-            return Ok(());
-        }
+/// PostgreSQL only: it tests `NOTIFY`, and SQLite hosts in other processes
+/// find new runs by polling.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bursts_of_concurrent_submits_on_another_host_all_reach_an_idle_pool() -> Result<()> {
+    run_on(Backend::Postgres, async |db: &TestDb| {
         let runtime = plugins::runtime()?;
         leasehold::plugins::register(&db.store, &runtime, "testkit", plugins::rust_plugin("testkit")?, PluginSettings::default()).await?;
         let config = ExecutorConfig { owner: "idle-pool".into(), model: None, ..ExecutorConfig::default() };
@@ -126,5 +127,6 @@ both! {
         other.shutdown().await;
         pool.shutdown(Duration::from_secs(10)).await;
         Ok(())
-    }
+    })
+    .await
 }
