@@ -45,6 +45,27 @@ pub fn replay_stream<'a>(events: impl IntoIterator<Item = (&'a str, &'a str)>) -
     stream
 }
 
+/// Moves `thread_id`'s event counter on by `count` and returns its new
+/// value: the events to append are numbered up to it. The upsert holds the
+/// thread row's write lock until commit, so concurrent appends to one
+/// thread get distinct, gap-free numbers.
+pub(crate) async fn bump(
+    store: &Store,
+    conn: &mut AnyConnection,
+    thread_id: &str,
+    count: i64,
+) -> Result<i64, StoreError> {
+    Ok(sqlx::query_scalar(sql!(
+        store,
+        "INSERT INTO threads (id, last_seq) VALUES ($1, $2) \
+         ON CONFLICT (id) DO UPDATE SET last_seq = threads.last_seq + $2 RETURNING last_seq"
+    ))
+    .bind(thread_id)
+    .bind(count)
+    .fetch_one(&mut *conn)
+    .await?)
+}
+
 /// Appends one event to `thread_id`'s log on `conn` (inside the caller's
 /// transaction) and returns its sequence number.
 ///
@@ -59,14 +80,7 @@ pub(crate) async fn append(
     kind: &str,
     payload: &serde_json::Value,
 ) -> Result<i64, StoreError> {
-    let seq: i64 = sqlx::query_scalar(sql!(
-        store,
-        "INSERT INTO threads (id, last_seq) VALUES ($1, 1) \
-         ON CONFLICT (id) DO UPDATE SET last_seq = threads.last_seq + 1 RETURNING last_seq"
-    ))
-    .bind(thread_id)
-    .fetch_one(&mut *conn)
-    .await?;
+    let seq = bump(store, conn, thread_id, 1).await?;
     sqlx::query(sql!(
         store,
         "INSERT INTO events (thread_id, seq, run_id, fence, kind, payload, created_at) \

@@ -148,11 +148,49 @@ async fn append_deltas(
     };
     let thread_id: String = row.try_get("thread_id")?;
     let first = row.try_get::<i64, _>("emit_pos")? - deltas.len() as i64;
-    for (i, delta) in deltas.iter().enumerate() {
-        let payload = json!({ "pos": first + i as i64, "delta": delta });
-        events::append(store, conn, &thread_id, lease.run_id, lease.fence, kind::DELTA, &payload).await?;
-    }
+    sqlite_append_events(store, conn, &thread_id, lease, first, deltas, None).await?;
     Ok(Some((thread_id, first)))
+}
+
+/// SQLite, inside the caller's guarded transaction: one `delta` event per
+/// delta (positions from `first`), then, with `message`, the final
+/// `message` event with that payload. Two statements however many events:
+/// one bump of the thread's counter ([`events::bump`]) and one insert,
+/// reading the deltas from a JSON list. Each statement is a round trip to
+/// the connection's worker thread, which bounds SQLite's throughput more
+/// than the writes themselves.
+async fn sqlite_append_events(
+    store: &Store,
+    conn: &mut AnyConnection,
+    thread_id: &str,
+    lease: &Lease,
+    first: i64,
+    deltas: &[&str],
+    message: Option<&str>,
+) -> Result<(), StoreError> {
+    let count = deltas.len() as i64 + i64::from(message.is_some());
+    if count == 0 {
+        return Ok(());
+    }
+    let last = events::bump(store, conn, thread_id, count).await?;
+    sqlx::query(sql!(
+        store,
+        "INSERT INTO events (thread_id, seq, run_id, fence, kind, payload, created_at) \
+         SELECT $1, $2 + key + 1, $3, $4, 'delta', json_object('delta', value, 'pos', $5 + key), {now} \
+         FROM json_each($6) \
+         UNION ALL SELECT $1, $2 + $7 + 1, $3, $4, 'message', $8, {now} WHERE $8 IS NOT NULL"
+    ))
+    .bind(thread_id)
+    .bind(last - count)
+    .bind(lease.run_id)
+    .bind(lease.fence)
+    .bind(first)
+    .bind(json!(deltas).to_string())
+    .bind(deltas.len() as i64)
+    .bind(message)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
 }
 
 /// The `submitted` event's payload for `new`.
@@ -648,17 +686,21 @@ impl Store {
                 None => Ok(None),
             };
         }
+        let joined: String = deltas.concat();
+        let joined = joined.as_str();
         self.retry(|| async move {
             let mut tx = self.writer().begin().await?;
-            if !deltas.is_empty() {
-                append_deltas(self, &mut tx, lease, deltas).await?.ok_or_else(|| rejected(lease))?;
-            }
-            let thread_id: String = sqlx::query_scalar(sql!(
+            // Statements 3 and 4 in one guarded write: the tail's deltas
+            // and the final status.
+            let row = sqlx::query(sql!(
                 self,
-                "UPDATE runs SET status = $4, output = $5, error = $6, lease_owner = NULL, \
-                 lease_expires_at = NULL, finished_at = {now}, updated_at = {now} \
-                 WHERE id = $1 AND lease_owner = $2 AND fence = $3 AND status = 'running' \
-                 RETURNING thread_id"
+                concat!(
+                    "UPDATE runs SET status = $4, output = $5, error = $6, lease_owner = NULL, \
+                     lease_expires_at = NULL, finished_at = {now}, updated_at = {now}, \
+                     partial = partial || $7, emit_pos = emit_pos + $8 WHERE ",
+                    guarded!(),
+                    " RETURNING thread_id, emit_pos - $8 AS first"
+                )
             ))
             .bind(lease.run_id)
             .bind(&lease.owner)
@@ -666,12 +708,14 @@ impl Store {
             .bind(status.as_str())
             .bind(output)
             .bind(error)
+            .bind(joined)
+            .bind(deltas.len() as i64)
             .fetch_optional(&mut *tx)
             .await?
             .ok_or_else(|| rejected(lease))?;
-            let payload: serde_json::Value = serde_json::from_str(payload).expect("built above");
-            events::append(self, &mut tx, &thread_id, lease.run_id, lease.fence, kind::MESSAGE, &payload)
-                .await?;
+            let thread_id: String = row.try_get("thread_id")?;
+            let first: i64 = row.try_get("first")?;
+            sqlite_append_events(self, &mut tx, &thread_id, lease, first, deltas, Some(payload)).await?;
             insert_held_puts(self, &mut tx, lease, puts).await?;
             let mut claimed = Vec::new();
             if next_max > 0 {
