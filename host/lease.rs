@@ -194,8 +194,8 @@ async fn sqlite_append_events(
 }
 
 /// The `submitted` event's payload for `new`.
-fn submitted_payload(new: &NewRun) -> String {
-    json!({ "plugin": new.plugin, "input": new.input }).to_string()
+fn submitted_payload(new: &NewRun) -> serde_json::Value {
+    json!({ "plugin": new.plugin, "input": new.input })
 }
 
 /// SQLite: inserts one submit's run and its `submitted` event inside the
@@ -226,8 +226,7 @@ async fn insert_run(store: &Store, conn: &mut AnyConnection, submit: &Submit) ->
         return Ok((Run::from_row(&row)?, false));
     };
     let run = Run::from_row(&row)?;
-    let payload = json!({ "plugin": run.plugin, "input": run.input });
-    events::append(store, conn, &run.thread_id, run.id, 0, kind::SUBMITTED, &payload).await?;
+    events::append(store, conn, &run.thread_id, run.id, 0, kind::SUBMITTED, &submitted_payload(new)).await?;
     Ok((run, true))
 }
 
@@ -273,11 +272,12 @@ impl Store {
                 .await?
             }
         };
-        // On PostgreSQL the statement itself announced the runs to other
-        // hosts, or left the announcement owed (see `carry_announcement`).
-        let other_hosts = self.backend() == Backend::Sqlite;
+        // Wakes this process's workers only: on PostgreSQL the statement
+        // itself announced the runs to other hosts, or left the
+        // announcement owed (see `carry_announcement`); SQLite hosts in
+        // other processes poll.
         for _ in created.iter().filter(|(_, new)| *new) {
-            self.signal_work(other_hosts).await;
+            self.signal_work(false).await;
         }
         Ok(created)
     }
@@ -296,7 +296,7 @@ impl Store {
                     "i": i, "thread_id": s.thread_id, "plugin": s.new.plugin,
                     "digest": s.new.plugin_digest, "input": s.new.input,
                     "key": s.new.idempotency_key, "max_attempts": s.max_attempts,
-                    "payload": submitted_payload(&s.new),
+                    "payload": submitted_payload(&s.new).to_string(),
                 })
             })
             .collect();
