@@ -207,6 +207,7 @@ impl E2eBench {
             .await
             .map_err(StoreError::from)?;
         let (submits, commits) = store.submits_written();
+        let (closes, close_commits) = store.closes_written();
         let started = Instant::now();
         let tasks = self.submitters as i64;
         let submitters: Vec<_> = (0..tasks)
@@ -231,10 +232,13 @@ impl E2eBench {
         let peak = self.runs as f64 / elapsed.as_secs_f64();
         self.say(format_args!("peak: {} runs in {elapsed:?} = {peak:.0}/s", self.runs));
         let (submits_now, commits_now) = store.submits_written();
+        let (closes_now, close_commits_now) = store.closes_written();
         self.say(format_args!(
-            "  submitted in {submitted:?}, {} submits in {} commits",
+            "  submitted in {submitted:?}, {} submits in {} commits; {} closes in {} commits",
             submits_now - submits,
-            commits_now - commits
+            commits_now - commits,
+            closes_now - closes,
+            close_commits_now - close_commits
         ));
         Ok(peak)
     }

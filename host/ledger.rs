@@ -61,39 +61,42 @@ pub struct HeldPut {
 
 /// PostgreSQL: CTEs that write the held puts in the JSON list `$list`
 /// (see [`held_puts_json`]) after CTE `r` (the guarded write of the run,
-/// returning its `id` and `fence`): one `committed` local ledger row each
-/// (`w`) and the last value per key (`k`; one row may be updated only once
-/// per statement). No row in `r`, nothing written.
+/// or of the runs of a batch of closes, returning `id` and `fence`): one
+/// `committed` local ledger row each (`w`) and the last value per key
+/// (`k`; one row may be updated only once per statement). `$on` pairs a
+/// put (`l`, with `i`, its close's place in a batch) with its run in `r`:
+/// `true` for one run. A run not in `r` writes nothing.
 macro_rules! pg_held_puts {
-    ($list:literal) => {
+    ($list:literal, $on:literal) => {
         concat!(
             ", l AS (SELECT * FROM jsonb_to_recordset(", $list, "::text::jsonb) AS \
-             l(seq bigint, name text, hash text, emit_pos bigint, ns text, key text, value text)), \
+             l(i bigint, seq bigint, name text, hash text, emit_pos bigint, ns text, key text, value text)), \
              w AS (INSERT INTO effects (run_id, seq, name, request_hash, idempotency_key, class, state, \
              result, emit_pos, fence_started, fence_completed, created_at, updated_at) \
              SELECT r.id, l.seq, l.name, l.hash, r.id || ':' || l.seq, 'local', 'committed', 'null', \
-             l.emit_pos, r.fence, r.fence, {now}, {now} FROM r, l RETURNING seq), \
+             l.emit_pos, r.fence, r.fence, {now}, {now} FROM r JOIN l ON ", $on, " RETURNING run_id, seq), \
              k AS (INSERT INTO kv (namespace, key, value, updated_at) \
-             SELECT DISTINCT ON (l.ns, l.key) l.ns, l.key, l.value, {now} FROM l JOIN w ON w.seq = l.seq \
-             ORDER BY l.ns, l.key, l.seq DESC \
+             SELECT DISTINCT ON (l.ns, l.key) l.ns, l.key, l.value, {now} \
+             FROM l JOIN r ON ", $on, " JOIN w ON w.run_id = r.id AND w.seq = l.seq \
+             ORDER BY l.ns, l.key, l.i DESC, l.seq DESC \
              ON CONFLICT (namespace, key) DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at) "
         )
     };
 }
 pub(crate) use pg_held_puts;
 
-/// The JSON list `pg_held_puts!` reads.
+/// The JSON list `pg_held_puts!` reads, for one run's puts.
 pub(crate) fn held_puts_json(puts: &[HeldPut]) -> String {
-    let list: Vec<serde_json::Value> = puts
-        .iter()
-        .map(|p| {
-            serde_json::json!({
-                "seq": p.call.seq, "name": p.call.name, "hash": p.call.request_hash,
-                "emit_pos": p.call.emit_pos, "ns": p.namespace, "key": p.key, "value": p.value,
-            })
-        })
-        .collect();
-    serde_json::Value::Array(list).to_string()
+    serde_json::Value::Array(puts.iter().map(|p| held_put_json(0, p)).collect()).to_string()
+}
+
+/// One entry of the list `pg_held_puts!` reads: put `p` of the close at
+/// place `i` in a batch (0 outside one).
+pub(crate) fn held_put_json(i: usize, p: &HeldPut) -> serde_json::Value {
+    serde_json::json!({
+        "i": i, "seq": p.call.seq, "name": p.call.name, "hash": p.call.request_hash,
+        "emit_pos": p.call.emit_pos, "ns": p.namespace, "key": p.key, "value": p.value,
+    })
 }
 
 /// SQLite: writes the held puts inside the caller's guarded transaction.

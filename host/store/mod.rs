@@ -10,6 +10,8 @@
 //! database* (`{now}` in a statement template). No statement takes a time
 //! from the worker.
 
+pub(crate) mod closes;
+pub(crate) mod group;
 pub mod postgres;
 pub mod sqlite;
 pub(crate) mod submits;
@@ -195,6 +197,8 @@ pub struct Store {
     announce: std::sync::Arc<Announce>,
     /// Submits waiting to be group-committed (see [`submits`]).
     pub(crate) submits: std::sync::Arc<submits::Queue>,
+    /// PostgreSQL closes waiting to be group-committed (see [`closes`]).
+    pub(crate) closes: std::sync::Arc<closes::Queue>,
 }
 
 /// PostgreSQL takes one database-wide lock for every committing transaction
@@ -298,6 +302,7 @@ impl Store {
             node: uuid::Uuid::new_v4().to_string().into(),
             announce: Default::default(),
             submits: Default::default(),
+            closes: Default::default(),
         };
         if opts.migrate {
             store.migrate().await?;
@@ -344,6 +349,12 @@ impl Store {
     /// group-committed (see [`submits`]).
     pub fn submits_written(&self) -> (u64, u64) {
         self.submits.written()
+    }
+
+    /// Closes this store (and its clones) has written on PostgreSQL, and
+    /// the statements that wrote them (see [`closes`]).
+    pub fn closes_written(&self) -> (u64, u64) {
+        self.closes.written()
     }
 
     /// This handle's `NOTIFY` payload (see the `node` field).

@@ -16,11 +16,8 @@
 //! on its own, so every caller gets its own result and its own error.
 
 use std::collections::HashSet;
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
-use tokio::sync::oneshot;
-
+use crate::store::group::{self, Writing};
 use crate::store::{NewRun, Run, Store, StoreError};
 
 /// Most submits written by one batch.
@@ -34,84 +31,45 @@ pub(crate) struct Submit {
     pub max_attempts: i64,
 }
 
-type Reply = oneshot::Sender<Result<(Run, bool), StoreError>>;
+/// Submits waiting to be group-committed.
+pub(crate) type Queue = group::Queue<Submit, (Run, bool)>;
 
-/// The submits waiting for a batch, and whether a batch writer is running.
-#[derive(Debug, Default)]
-pub(crate) struct Queue {
-    state: Mutex<State>,
-    /// Submits written, and the commits that wrote them.
-    written: AtomicU64,
-    commits: AtomicU64,
-}
-
-#[derive(Debug, Default)]
-struct State {
-    waiting: Vec<(Submit, Reply)>,
-    /// Tasks writing batches; each takes what is queued until nothing is.
-    writers: usize,
-}
-
-impl Queue {
-    /// Queues `submit` and returns its result once its batch is written.
-    pub(crate) async fn submit(&self, store: &Store, submit: Submit) -> Result<(Run, bool), StoreError> {
-        let (reply, result) = oneshot::channel();
-        let start = {
-            let mut state = self.state.lock().expect("submit queue lock");
-            state.waiting.push((submit, reply));
-            let start = state.writers < writers(store);
-            if start {
-                state.writers += 1;
-            }
-            start
-        };
-        if start {
+/// Queues `submit` and returns its result once its batch is written.
+pub(crate) async fn submit(store: &Store, submit: Submit) -> Result<(Run, bool), StoreError> {
+    store
+        .submits
+        .push(submit, writers(store), || {
             // Its own task: a caller that gives up (a dropped request) must
             // not stop the batch that carries other callers' submits.
             tokio::spawn(write_batches(store.clone()));
-        }
-        result
-            .await
-            .map_err(|_| StoreError::Config("the submit batch writer stopped before answering".into()))?
-    }
+        })
+        .await
+}
 
-    /// Submits written through this queue, and the commits that wrote them.
-    pub(crate) fn written(&self) -> (u64, u64) {
-        (self.written.load(Relaxed), self.commits.load(Relaxed))
-    }
+fn count(store: &Store, submits: usize) {
+    store.submits.count(submits);
+    let metrics = crate::metrics::global();
+    metrics.submits.fetch_add(submits as u64, std::sync::atomic::Ordering::Relaxed);
+    metrics.submit_commits.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+}
 
-    fn count(&self, submits: usize) {
-        self.written.fetch_add(submits as u64, Relaxed);
-        self.commits.fetch_add(1, Relaxed);
-        let metrics = crate::metrics::global();
-        metrics.submits.fetch_add(submits as u64, Relaxed);
-        metrics.submit_commits.fetch_add(1, Relaxed);
-    }
-
-    /// The next batch: queued submits in order, skipping (and leaving queued)
-    /// any whose thread or idempotency key is already in it. Empty means
-    /// nothing is queued, and the caller is no longer the writer.
-    fn take(&self) -> Vec<(Submit, Reply)> {
-        let mut state = self.state.lock().expect("submit queue lock");
-        let mut threads = HashSet::new();
-        let mut keys = HashSet::new();
-        let mut batch = Vec::new();
-        let mut kept = Vec::new();
-        for (submit, reply) in state.waiting.drain(..) {
-            let clashes = !threads.insert(submit.thread_id.clone())
-                || submit.new.idempotency_key.as_ref().is_some_and(|k| !keys.insert(k.clone()));
-            if clashes || batch.len() == MAX_BATCH {
-                kept.push((submit, reply));
-            } else {
-                batch.push((submit, reply));
+/// The next batch: queued submits in order, skipping (and leaving queued)
+/// any whose thread or idempotency key is already in it. Empty means
+/// nothing is queued, and the caller is no longer the writer.
+fn take(store: &Store) -> Vec<(Submit, group::Reply<(Run, bool)>)> {
+    let mut threads = HashSet::new();
+    let mut keys = HashSet::new();
+    store.submits.take(MAX_BATCH, |submit| {
+        let clashes = threads.contains(&submit.thread_id)
+            || submit.new.idempotency_key.as_ref().is_some_and(|k| keys.contains(k));
+        if !clashes {
+            threads.insert(submit.thread_id.clone());
+            if let Some(k) = &submit.new.idempotency_key {
+                keys.insert(k.clone());
             }
         }
-        state.waiting = kept;
-        if batch.is_empty() {
-            state.writers -= 1;
-        }
-        batch
-    }
+        !clashes
+    })
 }
 
 /// Batches in flight at once. SQLite: 1 (it has one writer). PostgreSQL: 4,
@@ -130,20 +88,20 @@ fn writers(store: &Store) -> usize {
 
 /// Writes batches until the queue is empty.
 async fn write_batches(store: Store) {
-    let _writing = Writing(store.clone());
+    let _writing = Writing(store.submits.clone());
     loop {
-        let batch = store.submits.take();
+        let batch = take(&store);
         if batch.is_empty() {
             // New runs whose announcement no submit statement carried.
             store.flush_announcements();
             return;
         }
         tracing::trace!(submits = batch.len(), "writing a submit batch");
-        let (submits, replies): (Vec<Submit>, Vec<Reply>) = batch.into_iter().unzip();
+        let (submits, replies): (Vec<Submit>, Vec<_>) = batch.into_iter().unzip();
         if submits.len() > 1 {
             match store.insert_runs(&submits).await {
                 Ok(results) => {
-                    store.submits.count(submits.len());
+                    count(&store, submits.len());
                     for (reply, result) in replies.into_iter().zip(results) {
                         let _ = reply.send(Ok(result));
                     }
@@ -157,28 +115,11 @@ async fn write_batches(store: Store) {
         for (submit, reply) in submits.iter().zip(replies) {
             let result = store.insert_runs(std::slice::from_ref(submit)).await;
             if result.is_ok() {
-                store.submits.count(1);
+                count(&store, 1);
             }
             let _ = reply.send(result.and_then(|mut r| {
                 r.pop().ok_or_else(|| StoreError::Config("a submit was written without a result".into()))
             }));
-        }
-    }
-}
-
-/// Should a batch writer panic, its callers get an error (their reply
-/// senders are dropped) and the next submit starts a new writer, rather
-/// than every later submit waiting for a writer that is gone.
-struct Writing(Store);
-
-impl Drop for Writing {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            let mut state = self.0.submits.state.lock().unwrap_or_else(|p| p.into_inner());
-            state.writers -= 1;
-            if state.writers == 0 {
-                state.waiting.clear();
-            }
         }
     }
 }

@@ -623,6 +623,130 @@ both! {
         Ok(())
     }
 
+    async fn concurrent_closes_each_keep_their_guard_and_thread_order(db) {
+        // Closes made at once, sharing threads and put keys, some stale and
+        // some claiming a next run: on PostgreSQL they are group-committed
+        // (one statement for several), and each still gets its own result.
+        let s = &db.store;
+        let mut leases = Vec::new();
+        for i in 0..24 {
+            let mut new = NewRun::new("p", "{}");
+            new.thread_id = Some(format!("closes-{}", i % 3));
+            let id = s.create_run(&new).await?.0.id;
+            let c = claim(s, "w").await?;
+            ensure!(c.run.id == id, "{c:?}");
+            leases.push(c.lease);
+        }
+        // Ten runs for the 12 closes that want one (even i) to claim.
+        let mut extra = std::collections::HashSet::new();
+        for _ in 0..10 {
+            extra.insert(submit(s, 3).await?);
+        }
+        let stale = |i: usize| i % 6 == 3;
+        let mut tasks = tokio::task::JoinSet::new();
+        for (i, lease) in leases.iter().enumerate() {
+            let s = s.clone();
+            let mut lease = lease.clone();
+            if stale(i) {
+                lease.fence += 1;
+            }
+            tasks.spawn(async move {
+                let deltas: Vec<String> = if i % 2 == 0 { vec![format!("a{i}"), format!("b{i}")] } else { vec![] };
+                let deltas: Vec<&str> = deltas.iter().map(String::as_str).collect();
+                let put = HeldPut {
+                    call: EffectCall { seq: 0, name: "kv.put".into(), request_hash: "h".into(), emit_pos: 0 },
+                    namespace: "closes".into(),
+                    key: format!("k{}", i % 4),
+                    value: format!("{i}"),
+                };
+                let next = (i % 2 == 0).then_some(("w", TTL));
+                (i, s.close_and_claim(&lease, &deltas, &[put], &completed(&format!("out {i}")), next).await)
+            });
+        }
+        let mut claimed = std::collections::HashSet::new();
+        while let Some(joined) = tasks.join_next().await {
+            let (i, got) = joined?;
+            if stale(i) {
+                ensure!(got.as_ref().is_err_and(|e| e.is_lease_lost()), "{i}: {got:?}");
+                continue;
+            }
+            match got? {
+                Some(next) => {
+                    ensure!(i % 2 == 0, "{i} claimed {next:?} without asking");
+                    ensure!(extra.contains(&next.run.id) && next.lease.fence == 1 && next.lease.owner == "w", "{next:?}");
+                    ensure!(claimed.insert(next.run.id), "{} claimed twice", next.run.id);
+                }
+                // Twelve want one; two of them find the queue empty.
+                None => {}
+            }
+        }
+        ensure!(claimed.len() == 10, "{claimed:?}");
+        for (i, lease) in leases.iter().enumerate() {
+            let run = s.get_run(lease.run_id).await?;
+            let effects = s.effects(run.id).await?;
+            if stale(i) {
+                ensure!(run.status == RunStatus::Running && run.partial.is_empty() && effects.is_empty(), "{i}: {run:?}");
+                continue;
+            }
+            let partial = if i % 2 == 0 { format!("a{i}b{i}") } else { String::new() };
+            ensure!(run.status == RunStatus::Completed && run.output.as_deref() == Some(format!("out {i}").as_str()), "{run:?}");
+            ensure!(run.partial == partial && run.lease_owner.is_none(), "{i}: {run:?}");
+            ensure!(effects.len() == 1 && effects[0].fence_completed == Some(lease.fence), "{effects:?}");
+        }
+        // Each key holds the value of one of the closes that held and put it.
+        for k in 0..4 {
+            let value: String = sqlx::query_scalar("SELECT value FROM kv WHERE namespace = 'closes' AND key = $1")
+                .bind(format!("k{k}"))
+                .fetch_one(s.pool())
+                .await?;
+            let i: usize = value.parse()?;
+            ensure!(i % 4 == k && !stale(i), "k{k} = {value}");
+        }
+        // Each thread's log is gap-free, and a close's events are together:
+        // its deltas at their positions, then its message.
+        for t in 0..3 {
+            let thread = format!("closes-{t}");
+            let events = s.events_after(&thread, 0, 1000).await?;
+            let seqs: Vec<i64> = events.iter().map(|e| e.seq).collect();
+            ensure!(seqs == (1..=events.len() as i64).collect::<Vec<_>>(), "{thread}: {seqs:?}");
+            let closing: Vec<&leasehold::store::Event> = events.iter().filter(|e| e.kind != "submitted").collect();
+            let mut at = 0;
+            while at < closing.len() {
+                let run = closing[at].run_id;
+                let i = leases.iter().position(|l| l.run_id == run).unwrap_or(usize::MAX);
+                let want: Vec<String> = if i % 2 == 0 {
+                    vec![
+                        format!(r#"{{"delta":"a{i}","pos":0}}"#),
+                        format!(r#"{{"delta":"b{i}","pos":1}}"#),
+                        "message".into(),
+                    ]
+                } else {
+                    vec!["message".into()]
+                };
+                let got: Vec<String> = closing[at..(at + want.len()).min(closing.len())]
+                    .iter()
+                    .map(|e| {
+                        if e.kind == "message" {
+                            "message".to_string()
+                        } else {
+                            let v: serde_json::Value = serde_json::from_str(&e.payload).unwrap_or_default();
+                            v.to_string()
+                        }
+                    })
+                    .collect();
+                ensure!(got == want && closing[at..at + want.len()].iter().all(|e| e.run_id == run), "{thread} run {run}: {got:?}");
+                at += want.len();
+            }
+            ensure!(closing.len() == (0..24).filter(|i| i % 3 == t && !stale(*i)).map(|i| if i % 2 == 0 { 3 } else { 1 }).sum::<usize>());
+        }
+        // PostgreSQL wrote them in fewer statements than closes.
+        if s.backend() == leasehold::Backend::Postgres {
+            let (written, commits) = s.closes_written();
+            ensure!(written >= 20 && commits < written, "{written} closes in {commits} statements");
+        }
+        Ok(())
+    }
+
     async fn renew_extends_the_lease_from_the_database_clock(db) {
         let s = &db.store;
         submit(s, 5).await?;
