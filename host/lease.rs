@@ -298,6 +298,9 @@ impl Store {
     /// statement, not per row), one submit or many. Other hosts hear of new
     /// runs by a `NOTIFY` that this statement carries, or that a later one
     /// (or one sent on its own) does (see [`Store::carry_announcement`]).
+    /// Thread counters are locked in thread order, as a batch of closes
+    /// locks them, so two batches sharing threads wait rather than
+    /// deadlock.
     async fn insert_runs_pg(&self, submits: &[Submit]) -> Result<Vec<(Run, bool)>, StoreError> {
         let list: Vec<serde_json::Value> = submits
             .iter()
@@ -324,7 +327,7 @@ impl Store {
                      status, max_attempts, not_before, created_at, updated_at) \
                      SELECT thread_id, plugin, digest, input, key, 'queued', max_attempts, {now}, {now}, {now} \
                      FROM l ORDER BY i ON CONFLICT (idempotency_key) DO NOTHING RETURNING *), \
-                     t AS (INSERT INTO threads (id, last_seq) SELECT thread_id, 1 FROM r \
+                     t AS (INSERT INTO threads (id, last_seq) SELECT thread_id, 1 FROM r ORDER BY thread_id \
                      ON CONFLICT (id) DO UPDATE SET last_seq = threads.last_seq + 1 RETURNING id, last_seq), \
                      e AS (INSERT INTO events (thread_id, seq, run_id, fence, kind, payload, created_at) \
                      SELECT t.id, t.last_seq, r.id, r.fence, 'submitted', l.payload, {now} \
