@@ -670,14 +670,11 @@ both! {
                 ensure!(got.as_ref().is_err_and(|e| e.is_lease_lost()), "{i}: {got:?}");
                 continue;
             }
-            match got? {
-                Some(next) => {
-                    ensure!(i % 2 == 0, "{i} claimed {next:?} without asking");
-                    ensure!(extra.contains(&next.run.id) && next.lease.fence == 1 && next.lease.owner == "w", "{next:?}");
-                    ensure!(claimed.insert(next.run.id), "{} claimed twice", next.run.id);
-                }
-                // Twelve want one; two of them find the queue empty.
-                None => {}
+            // Twelve want one; two of them find the queue empty.
+            if let Some(next) = got? {
+                ensure!(i % 2 == 0, "{i} claimed {next:?} without asking");
+                ensure!(extra.contains(&next.run.id) && next.lease.fence == 1 && next.lease.owner == "w", "{next:?}");
+                ensure!(claimed.insert(next.run.id), "{} claimed twice", next.run.id);
             }
         }
         ensure!(claimed.len() == 10, "{claimed:?}");
