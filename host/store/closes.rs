@@ -80,10 +80,11 @@ fn take(store: &Store) -> Vec<(Close, group::Reply<Option<Claimed>>)> {
 
 /// Writes batches until the queue is empty.
 async fn write_batches(store: Store) {
-    let _writing = Writing(store.closes.clone());
+    let mut writing = Writing::new(store.closes.clone());
     loop {
         let batch = take(&store);
         if batch.is_empty() {
+            writing.done();
             return;
         }
         tracing::trace!(closes = batch.len(), "writing a close batch");
@@ -97,8 +98,14 @@ async fn write_batches(store: Store) {
                     }
                     continue;
                 }
-                Err(e) => {
+                Err(e) if group::rolled_back(&e) => {
                     tracing::debug!(error = %e, closes = closes.len(), "a close batch failed; writing its closes one by one");
+                }
+                Err(e) => {
+                    // Perhaps written: written again one by one, each would
+                    // fail its guard and report a lost lease.
+                    group::unknown(replies, "closes", &e);
+                    continue;
                 }
             }
         }

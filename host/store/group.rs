@@ -65,7 +65,7 @@ impl<T: Send + 'static, R: Send + 'static> Queue<T, R> {
         }
         result
             .await
-            .map_err(|_| StoreError::Config("the batch writer stopped before answering".into()))?
+            .map_err(|_| StoreError::Unknown("the batch writer stopped before answering".into()))?
     }
 
     /// The next batch: at most `max` queued writes in order, skipping (and
@@ -103,19 +103,112 @@ impl<T: Send + 'static, R: Send + 'static> Queue<T, R> {
     }
 }
 
-/// Held by a batch writer task. Should it panic, its callers get an error
-/// (their reply senders are dropped) and the next write starts a new
-/// writer, rather than every later write waiting for a writer that is gone.
-pub(crate) struct Writing<T, R>(pub Arc<Queue<T, R>>);
+/// True when `e`, a batch's error, means the database rolled the batch
+/// back (it reported an error for the statement or transaction): its
+/// writes can then be tried one by one. Any other error (a broken
+/// connection, a result that could not be read) may come after the commit.
+pub(crate) fn rolled_back(e: &StoreError) -> bool {
+    matches!(e, StoreError::Db(sqlx::Error::Database(_)))
+}
+
+/// Tells each caller of a batch that failed in a way that does not say
+/// whether it was written (see [`rolled_back`]).
+pub(crate) fn unknown<R>(replies: Vec<Reply<R>>, what: &str, e: &StoreError) {
+    let n = replies.len();
+    tracing::warn!(error = %e, writes = n, "a batch of {what} failed; whether it was written is unknown");
+    for reply in replies {
+        let _ = reply.send(Err(StoreError::Unknown(format!("a batch of {n} {what} failed: {e}"))));
+    }
+}
+
+/// Held by a batch writer task until [`Writing::done`]. Should the task
+/// end before that (it panicked, or it was dropped while awaiting the
+/// database), its count is released: its callers get an error (their reply
+/// senders are dropped) when no writer is left, and the next write starts
+/// a new writer, rather than every later write waiting for a writer that
+/// is gone.
+pub(crate) struct Writing<T, R> {
+    queue: Arc<Queue<T, R>>,
+    done: bool,
+}
+
+impl<T, R> Writing<T, R> {
+    pub(crate) fn new(queue: Arc<Queue<T, R>>) -> Self {
+        Writing { queue, done: false }
+    }
+
+    /// The writer found the queue empty ([`Queue::take`] released its
+    /// count).
+    pub(crate) fn done(&mut self) {
+        self.done = true;
+    }
+}
 
 impl<T, R> Drop for Writing<T, R> {
     fn drop(&mut self) {
-        if std::thread::panicking() {
-            let mut state = self.0.state.lock().unwrap_or_else(|p| p.into_inner());
+        if !self.done {
+            let mut state = self.queue.state.lock().unwrap_or_else(|p| p.into_inner());
             state.writers -= 1;
             if state.writers == 0 {
                 state.waiting.clear();
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    /// A writer that answers every write with its value times ten.
+    fn answering_writer(q: Arc<Queue<u32, u32>>) {
+        tokio::spawn(async move {
+            let mut writing = Writing::new(q.clone());
+            loop {
+                let batch = q.take(8, |_| true);
+                if batch.is_empty() {
+                    writing.done();
+                    return;
+                }
+                for (v, reply) in batch {
+                    let _ = reply.send(Ok(v * 10));
+                }
+            }
+        });
+    }
+
+    #[tokio::test]
+    async fn a_writer_dropped_mid_batch_fails_its_callers_and_the_next_write_starts_another() {
+        let q: Arc<Queue<u32, u32>> = Arc::default();
+        let (taken_tx, taken_rx) = oneshot::channel();
+        let (writer_tx, writer_rx) = oneshot::channel();
+        let first = {
+            let q = q.clone();
+            tokio::spawn(async move {
+                let q2 = q.clone();
+                q.push(1, 1, move || {
+                    // A writer stuck on the database, then dropped (its task
+                    // aborted, as at runtime shutdown).
+                    let task = tokio::spawn(async move {
+                        let _writing = Writing::new(q2.clone());
+                        let _batch = q2.take(8, |_| true);
+                        let _ = taken_tx.send(());
+                        std::future::pending::<()>().await;
+                    });
+                    let _ = writer_tx.send(task);
+                })
+                .await
+            })
+        };
+        taken_rx.await.expect("the writer took the batch");
+        writer_rx.await.expect("a writer was started").abort();
+        let got = tokio::time::timeout(Duration::from_secs(5), first).await.expect("the caller was answered");
+        assert!(matches!(got.expect("joined"), Err(StoreError::Unknown(_))));
+        let q2 = q.clone();
+        let second = q.push(2, 1, move || answering_writer(q2));
+        let got = tokio::time::timeout(Duration::from_secs(5), second).await.expect("a new writer answered");
+        assert_eq!(got.expect("written"), 20);
     }
 }

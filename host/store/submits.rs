@@ -89,10 +89,11 @@ fn writers(store: &Store) -> usize {
 
 /// Writes batches until the queue is empty.
 async fn write_batches(store: Store) {
-    let _writing = Writing(store.submits.clone());
+    let mut writing = Writing::new(store.submits.clone());
     loop {
         let batch = take(&store);
         if batch.is_empty() {
+            writing.done();
             // New runs whose announcement no submit statement carried.
             store.flush_announcements();
             return;
@@ -108,8 +109,14 @@ async fn write_batches(store: Store) {
                     }
                     continue;
                 }
-                Err(e) => {
+                Err(e) if group::rolled_back(&e) => {
                     tracing::debug!(error = %e, submits = submits.len(), "a submit batch failed; writing its submits one by one");
+                }
+                Err(e) => {
+                    // Perhaps written: written again one by one, a submit
+                    // without an idempotency key would make a second run.
+                    group::unknown(replies, "submits", &e);
+                    continue;
                 }
             }
         }

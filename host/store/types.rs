@@ -367,6 +367,11 @@ pub enum StoreError {
     Corrupt(String),
     #[error("database error: {0}")]
     Db(#[from] sqlx::Error),
+    /// A group-committed write whose batch failed in a way that does not
+    /// tell whether it was written (the connection broke after the
+    /// statement was sent, or its result could not be read).
+    #[error("the outcome of the write is unknown: {0}")]
+    Unknown(String),
     #[error("migration failed: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),
 }
