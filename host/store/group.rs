@@ -15,6 +15,14 @@ use tokio::sync::oneshot;
 
 use crate::store::StoreError;
 
+/// How long a write waits for its answer before it starts another batch
+/// writer for the writes queued behind a slow batch (see [`Queue::push`]).
+/// Default: 200 ms, some 100 times a batch's usual time.
+pub(crate) const STALLED: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// Most batch writers at once, counting those started for stalled writes.
+pub(crate) const STALLED_WRITERS: usize = 8;
+
 /// Where a write's result goes.
 pub(crate) type Reply<R> = oneshot::Sender<Result<R, StoreError>>;
 
@@ -49,8 +57,13 @@ impl<T: Send + 'static, R: Send + 'static> Queue<T, R> {
     /// fewer than `max_writers` batch writers run, `spawn_writer` is called
     /// to start one (it must call [`Queue::take`] until that returns an
     /// empty batch).
-    pub(crate) async fn push(&self, item: T, max_writers: usize, spawn_writer: impl FnOnce()) -> Result<R, StoreError> {
-        let (reply, result) = oneshot::channel();
+    ///
+    /// A write still unanswered after [`STALLED`] starts one more writer
+    /// when writes are queued (up to [`STALLED_WRITERS`]): the batch in
+    /// flight may be waiting on a row lock (another host's transaction, a
+    /// stopped process), and the writes behind it must not all wait for it.
+    pub(crate) async fn push(&self, item: T, max_writers: usize, spawn_writer: impl Fn()) -> Result<R, StoreError> {
+        let (reply, mut result) = oneshot::channel();
         let start = {
             let mut state = self.state.lock().expect("group commit queue lock");
             state.waiting.push((item, reply));
@@ -63,9 +76,27 @@ impl<T: Send + 'static, R: Send + 'static> Queue<T, R> {
         if start {
             spawn_writer();
         }
-        result
-            .await
-            .map_err(|_| StoreError::Unknown("the batch writer stopped before answering".into()))?
+        loop {
+            tokio::select! {
+                answer = &mut result => {
+                    return answer.map_err(|_| StoreError::Unknown("the batch writer stopped before answering".into()))?;
+                }
+                _ = tokio::time::sleep(STALLED) => {
+                    let start = {
+                        let mut state = self.state.lock().expect("group commit queue lock");
+                        let start = !state.waiting.is_empty() && state.writers < max_writers.max(STALLED_WRITERS);
+                        if start {
+                            state.writers += 1;
+                        }
+                        start
+                    };
+                    if start {
+                        tracing::debug!(writers = max_writers, "a batch is slow; starting another writer for the writes queued behind it");
+                        spawn_writer();
+                    }
+                }
+            }
+        }
     }
 
     /// The next batch: at most `max` queued writes in order, skipping (and
@@ -180,10 +211,50 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn writes_behind_a_stuck_batch_get_another_writer() {
+        let q: Arc<Queue<u32, u32>> = Arc::default();
+        let (taken_tx, taken_rx) = oneshot::channel();
+        let taken_tx = Arc::new(Mutex::new(Some(taken_tx)));
+        let q2 = q.clone();
+        // The first writer takes its batch and never answers (its statement
+        // waits on a lock); later writers answer.
+        let writers = Arc::new(AtomicU64::new(0));
+        let spawn = {
+            let writers = writers.clone();
+            move || {
+                if writers.fetch_add(1, Relaxed) == 0 {
+                    let q = q2.clone();
+                    let tx = taken_tx.lock().unwrap().take();
+                    tokio::spawn(async move {
+                        let _writing = Writing::new(q.clone());
+                        let _batch = q.take(8, |_| true);
+                        if let Some(tx) = tx {
+                            let _ = tx.send(());
+                        }
+                        std::future::pending::<()>().await;
+                    });
+                } else {
+                    answering_writer(q2.clone());
+                }
+            }
+        };
+        let stuck = {
+            let (q, spawn) = (q.clone(), spawn.clone());
+            tokio::spawn(async move { q.push(1, 1, spawn).await })
+        };
+        taken_rx.await.expect("the first writer took its batch");
+        let behind = tokio::time::timeout(Duration::from_secs(5), q.push(2, 1, spawn)).await;
+        assert_eq!(behind.expect("answered by another writer").expect("written"), 20);
+        assert!(!stuck.is_finished());
+        stuck.abort();
+    }
+
+    #[tokio::test]
     async fn a_writer_dropped_mid_batch_fails_its_callers_and_the_next_write_starts_another() {
         let q: Arc<Queue<u32, u32>> = Arc::default();
         let (taken_tx, taken_rx) = oneshot::channel();
         let (writer_tx, writer_rx) = oneshot::channel();
+        let (taken_tx, writer_tx) = (Mutex::new(Some(taken_tx)), Mutex::new(Some(writer_tx)));
         let first = {
             let q = q.clone();
             tokio::spawn(async move {
@@ -191,13 +262,19 @@ mod tests {
                 q.push(1, 1, move || {
                     // A writer stuck on the database, then dropped (its task
                     // aborted, as at runtime shutdown).
+                    let q2 = q2.clone();
+                    let taken_tx = taken_tx.lock().unwrap().take();
                     let task = tokio::spawn(async move {
                         let _writing = Writing::new(q2.clone());
                         let _batch = q2.take(8, |_| true);
-                        let _ = taken_tx.send(());
+                        if let Some(tx) = taken_tx {
+                            let _ = tx.send(());
+                        }
                         std::future::pending::<()>().await;
                     });
-                    let _ = writer_tx.send(task);
+                    if let Some(tx) = writer_tx.lock().unwrap().take() {
+                        let _ = tx.send(task);
+                    }
                 })
                 .await
             })
@@ -207,7 +284,7 @@ mod tests {
         let got = tokio::time::timeout(Duration::from_secs(5), first).await.expect("the caller was answered");
         assert!(matches!(got.expect("joined"), Err(StoreError::Unknown(_))));
         let q2 = q.clone();
-        let second = q.push(2, 1, move || answering_writer(q2));
+        let second = q.push(2, 1, move || answering_writer(q2.clone()));
         let got = tokio::time::timeout(Duration::from_secs(5), second).await.expect("a new writer answered");
         assert_eq!(got.expect("written"), 20);
     }
