@@ -22,7 +22,7 @@
 use std::time::Duration;
 
 use crate::ledger::HeldPut;
-use crate::store::group::{self, Writing};
+use crate::store::group;
 use crate::store::{Claimed, Lease, Outcome, Store, StoreError};
 
 /// Most closes written by one statement.
@@ -59,7 +59,7 @@ pub(crate) async fn close(store: &Store, close: Close) -> Result<Option<Claimed>
         .push(close, WRITERS, || {
             // Its own task: a caller that gives up must not stop the batch
             // that carries other callers' closes.
-            tokio::spawn(write_batches(store.clone()));
+            tokio::spawn(group::write_batches::<Close>(store.clone()));
         })
         .await
 }
@@ -78,59 +78,39 @@ fn take(store: &Store) -> Vec<(Close, group::Reply<Option<Claimed>>)> {
     })
 }
 
-/// Writes batches until the queue is empty.
-async fn write_batches(store: Store) {
-    let mut writing = Writing::new(store.closes.clone());
-    loop {
-        let batch = take(&store);
-        if batch.is_empty() {
-            writing.done();
-            return;
-        }
-        tracing::trace!(closes = batch.len(), "writing a close batch");
-        let (closes, replies): (Vec<Close>, Vec<_>) = batch.into_iter().unzip();
-        if closes.len() > 1 {
-            match store.close_batch(&closes).await {
-                Ok(results) => {
-                    store.closes.count(closes.len());
-                    for ((close, reply), result) in closes.iter().zip(replies).zip(results) {
-                        answer(close, reply, result);
-                    }
-                    continue;
-                }
-                Err(e) if group::rolled_back(&e) => {
-                    tracing::debug!(error = %e, closes = closes.len(), "a close batch failed; writing its closes one by one");
-                }
-                Err(e) => {
-                    // Perhaps written: written again one by one, each would
-                    // fail its guard and report a lost lease.
-                    group::unknown(replies, "closes", &e);
-                    continue;
-                }
-            }
-        }
-        for (close, reply) in closes.iter().zip(replies) {
-            let result = store.close_batch(std::slice::from_ref(close)).await;
-            if result.is_ok() {
-                store.closes.count(1);
-            }
-            let result = result.and_then(|mut r| {
-                r.pop().unwrap_or_else(|| Err(StoreError::Config("a close was written without a result".into())))
-            });
-            answer(close, reply, result);
-        }
-    }
-}
+impl group::Batched for Close {
+    type Out = Option<Claimed>;
+    const WHAT: &'static str = "closes";
 
-fn answer(close: &Close, reply: group::Reply<Option<Claimed>>, result: Result<Option<Claimed>, StoreError>) {
-    if let Err(Ok(Some(orphan))) = reply.send(result) {
-        // Its worker stopped waiting (its task was aborted): nobody runs
-        // the run claimed for it, which waits for its lease to expire and
-        // is then claimed again, as after a crash.
-        tracing::warn!(
-            closed = close.lease.run_id,
-            run_id = orphan.run.id,
-            "a worker stopped before taking the run claimed with its close; it is claimable again when its lease expires"
-        );
+    fn queue(store: &Store) -> &std::sync::Arc<Queue> {
+        &store.closes
+    }
+
+    fn take(store: &Store) -> Vec<(Close, group::Reply<Option<Claimed>>)> {
+        take(store)
+    }
+
+    fn write<'a>(
+        store: &'a Store,
+        closes: &'a [Close],
+    ) -> impl Future<Output = Result<Vec<Result<Option<Claimed>, StoreError>>, StoreError>> + Send + 'a {
+        store.close_batch(closes)
+    }
+
+    fn written(store: &Store, n: usize) {
+        store.closes.count(n);
+    }
+
+    fn answer(&self, reply: group::Reply<Option<Claimed>>, result: Result<Option<Claimed>, StoreError>) {
+        if let Err(Ok(Some(orphan))) = reply.send(result) {
+            // Its worker stopped waiting (its task was aborted): nobody runs
+            // the run claimed for it, which waits for its lease to expire and
+            // is then claimed again, as after a crash.
+            tracing::warn!(
+                closed = self.lease.run_id,
+                run_id = orphan.run.id,
+                "a worker stopped before taking the run claimed with its close; it is claimable again when its lease expires"
+            );
+        }
     }
 }

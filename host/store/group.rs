@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::oneshot;
 
-use crate::store::StoreError;
+use crate::store::{Store, StoreError};
 
 /// How long a write waits for its answer before it starts another batch
 /// writer for the writes queued behind a slow batch (see [`Queue::push`]).
@@ -134,17 +134,91 @@ impl<T: Send + 'static, R: Send + 'static> Queue<T, R> {
     }
 }
 
+/// A kind of write that is group-committed: how a writer takes, writes
+/// and counts its batches ([`write_batches`]).
+pub(crate) trait Batched: Sized + Send + Sync + 'static {
+    type Out: Send + 'static;
+    /// The writes' name, plural, for logs and errors.
+    const WHAT: &'static str;
+    fn queue(store: &Store) -> &Arc<Queue<Self, Self::Out>>;
+    /// The next batch (see [`Queue::take`]).
+    fn take(store: &Store) -> Vec<(Self, Reply<Self::Out>)>;
+    /// Writes `items` with one commit; each one's result, in order. An
+    /// error fails them all.
+    fn write<'a>(
+        store: &'a Store,
+        items: &'a [Self],
+    ) -> impl Future<Output = Result<Vec<Result<Self::Out, StoreError>>, StoreError>> + Send + 'a;
+    /// Counts a commit that wrote `n` of them.
+    fn written(store: &Store, n: usize);
+    /// Called when a writer finds the queue empty, before it stops.
+    fn idle(_store: &Store) {}
+    /// Sends this write's result to its caller.
+    fn answer(&self, reply: Reply<Self::Out>, result: Result<Self::Out, StoreError>) {
+        let _ = reply.send(result);
+    }
+}
+
+/// A batch writer: writes batches of `B` until the queue is empty. A batch
+/// the database rolled back is written again one write at a time, so each
+/// caller gets its own result and its own error; a batch that may have
+/// been written is not (see [`rolled_back`]).
+pub(crate) async fn write_batches<B: Batched>(store: Store) {
+    let mut writing = Writing::new(B::queue(&store).clone());
+    loop {
+        let batch = B::take(&store);
+        if batch.is_empty() {
+            writing.done();
+            B::idle(&store);
+            return;
+        }
+        tracing::trace!(writes = batch.len(), "writing a batch of {}", B::WHAT);
+        let (items, replies): (Vec<B>, Vec<_>) = batch.into_iter().unzip();
+        if items.len() > 1 {
+            match B::write(&store, &items).await {
+                Ok(results) => {
+                    B::written(&store, items.len());
+                    for ((item, reply), result) in items.iter().zip(replies).zip(results) {
+                        item.answer(reply, result);
+                    }
+                    continue;
+                }
+                Err(e) if rolled_back(&e) => {
+                    tracing::debug!(error = %e, writes = items.len(), "a batch of {} failed; writing them one by one", B::WHAT);
+                }
+                Err(e) => {
+                    unknown(replies, B::WHAT, &e);
+                    continue;
+                }
+            }
+        }
+        for (item, reply) in items.iter().zip(replies) {
+            let result = B::write(&store, std::slice::from_ref(item)).await;
+            if result.is_ok() {
+                B::written(&store, 1);
+            }
+            let result = result.and_then(|mut r| {
+                r.pop()
+                    .unwrap_or_else(|| Err(StoreError::Config(format!("one of the {} was written without a result", B::WHAT))))
+            });
+            item.answer(reply, result);
+        }
+    }
+}
+
 /// True when `e`, a batch's error, means the database rolled the batch
 /// back (it reported an error for the statement or transaction): its
 /// writes can then be tried one by one. Any other error (a broken
-/// connection, a result that could not be read) may come after the commit.
-pub(crate) fn rolled_back(e: &StoreError) -> bool {
+/// connection, a result that could not be read) may come after the commit,
+/// and written again, a close would fail its guard and report a lost
+/// lease, a submit without an idempotency key would make a second run.
+fn rolled_back(e: &StoreError) -> bool {
     matches!(e, StoreError::Db(sqlx::Error::Database(_)))
 }
 
 /// Tells each caller of a batch that failed in a way that does not say
 /// whether it was written (see [`rolled_back`]).
-pub(crate) fn unknown<R>(replies: Vec<Reply<R>>, what: &str, e: &StoreError) {
+fn unknown<R>(replies: Vec<Reply<R>>, what: &str, e: &StoreError) {
     let n = replies.len();
     tracing::warn!(error = %e, writes = n, "a batch of {what} failed; whether it was written is unknown");
     for reply in replies {

@@ -17,7 +17,7 @@
 
 use std::collections::HashSet;
 
-use crate::store::group::{self, Writing};
+use crate::store::group;
 use crate::store::{NewRun, Run, Store, StoreError};
 
 /// Most submits written by one batch.
@@ -41,7 +41,7 @@ pub(crate) async fn submit(store: &Store, submit: Submit) -> Result<(Run, bool),
         .push(submit, writers(store), || {
             // Its own task: a caller that gives up (a dropped request) must
             // not stop the batch that carries other callers' submits.
-            tokio::spawn(write_batches(store.clone()));
+            tokio::spawn(group::write_batches::<Submit>(store.clone()));
         })
         .await
 }
@@ -87,47 +87,28 @@ fn writers(store: &Store) -> usize {
     }
 }
 
-/// Writes batches until the queue is empty.
-async fn write_batches(store: Store) {
-    let mut writing = Writing::new(store.submits.clone());
-    loop {
-        let batch = take(&store);
-        if batch.is_empty() {
-            writing.done();
-            // New runs whose announcement no submit statement carried.
-            store.flush_announcements();
-            return;
-        }
-        tracing::trace!(submits = batch.len(), "writing a submit batch");
-        let (submits, replies): (Vec<Submit>, Vec<_>) = batch.into_iter().unzip();
-        if submits.len() > 1 {
-            match store.insert_runs(&submits).await {
-                Ok(results) => {
-                    count(&store, submits.len());
-                    for (reply, result) in replies.into_iter().zip(results) {
-                        let _ = reply.send(Ok(result));
-                    }
-                    continue;
-                }
-                Err(e) if group::rolled_back(&e) => {
-                    tracing::debug!(error = %e, submits = submits.len(), "a submit batch failed; writing its submits one by one");
-                }
-                Err(e) => {
-                    // Perhaps written: written again one by one, a submit
-                    // without an idempotency key would make a second run.
-                    group::unknown(replies, "submits", &e);
-                    continue;
-                }
-            }
-        }
-        for (submit, reply) in submits.iter().zip(replies) {
-            let result = store.insert_runs(std::slice::from_ref(submit)).await;
-            if result.is_ok() {
-                count(&store, 1);
-            }
-            let _ = reply.send(result.and_then(|mut r| {
-                r.pop().ok_or_else(|| StoreError::Config("a submit was written without a result".into()))
-            }));
-        }
+impl group::Batched for Submit {
+    type Out = (Run, bool);
+    const WHAT: &'static str = "submits";
+
+    fn queue(store: &Store) -> &std::sync::Arc<Queue> {
+        &store.submits
+    }
+
+    fn take(store: &Store) -> Vec<(Submit, group::Reply<(Run, bool)>)> {
+        take(store)
+    }
+
+    async fn write(store: &Store, submits: &[Submit]) -> Result<Vec<Result<(Run, bool), StoreError>>, StoreError> {
+        Ok(store.insert_runs(submits).await?.into_iter().map(Ok).collect())
+    }
+
+    fn written(store: &Store, n: usize) {
+        count(store, n);
+    }
+
+    /// New runs whose announcement no submit statement carried.
+    fn idle(store: &Store) {
+        store.flush_announcements();
     }
 }
