@@ -149,11 +149,12 @@ impl E2eBench {
             .fetch_one(store.pool())
             .await
             .map_err(StoreError::from)?;
+        let segments_before = segments_finished();
         for i in 0..self.runs {
             tick.tick().await;
             store.create_run(&NewRun::new(PLUGIN, input(&format!("l{i}")))).await?;
         }
-        self.wait_completed(&store, first_latency_id, self.runs).await?;
+        self.wait_completed(&store, first_latency_id, self.runs, segments_before).await?;
         pool.shutdown(Duration::from_secs(10)).await;
         let mut delays: Vec<f64> = sqlx::query_scalar::<_, i64>(sql!(
             store,
@@ -208,6 +209,7 @@ impl E2eBench {
             .map_err(StoreError::from)?;
         let (submits, commits) = store.submits_written();
         let (closes, close_commits) = store.closes_written();
+        let segments_before = segments_finished();
         let started = Instant::now();
         let tasks = self.submitters as i64;
         let submitters: Vec<_> = (0..tasks)
@@ -226,7 +228,7 @@ impl E2eBench {
             s.await??;
         }
         let submitted = started.elapsed();
-        self.wait_completed(store, first_id, self.runs).await?;
+        self.wait_completed(store, first_id, self.runs, segments_before).await?;
         let elapsed = started.elapsed();
         pool.shutdown(Duration::from_secs(10)).await;
         let peak = self.runs as f64 / elapsed.as_secs_f64();
@@ -244,7 +246,8 @@ impl E2eBench {
     }
 
     /// Waits until the `want` runs after id `after`, all submitted already,
-    /// are completed.
+    /// are completed. `segments_before` is [`segments_finished`] as it was
+    /// before the first of them was submitted.
     ///
     /// Watches this process's count of finished segments every 2 ms, which
     /// costs the database nothing, and asks the database only once a second
@@ -252,22 +255,14 @@ impl E2eBench {
     /// end (runs completed). Counting in the database every 5 ms, as before,
     /// put load on the measured phases that the baseline does not carry: a
     /// scan of the whole queue 200 times a second.
-    async fn wait_completed(&self, store: &Store, after: i64, want: i64) -> Result<(), BenchError> {
+    async fn wait_completed(&self, store: &Store, after: i64, want: i64, segments_before: u64) -> Result<(), BenchError> {
         let shown = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let _bar = self
             .progress
             .then(|| crate::progress::Progress::start("completed", want as u64, shown.clone()));
-        let finished = || {
-            let m = crate::metrics::global();
-            m.segments_completed.load(std::sync::atomic::Ordering::Relaxed)
-                + m.segments_failed.load(std::sync::atomic::Ordering::Relaxed)
-        };
-        // Segments since this phase started: the phases before it have all
-        // finished.
-        let from = finished();
         let mut asked = Instant::now();
         loop {
-            let done = finished() - from;
+            let done = segments_finished() - segments_before;
             shown.store(done.min(want as u64), std::sync::atomic::Ordering::Relaxed);
             // The counters are the process's: in a test binary other tests'
             // segments count too, so they only say when to ask; the
@@ -346,6 +341,20 @@ impl E2eBench {
             eprintln!("{msg}");
         }
     }
+}
+
+/// Segments this process has finished (completed or failed), from the
+/// executor's counters.
+///
+/// A phase reads it before its first submit: the segments that finish while
+/// it is still submitting count toward its runs. (Read after the last
+/// submit, as before, they did not: the count never reached the runs, and
+/// every peak waited for the once-a-second database check, up to a second
+/// more than its runs took.)
+fn segments_finished() -> u64 {
+    let m = crate::metrics::global();
+    m.segments_completed.load(std::sync::atomic::Ordering::Relaxed)
+        + m.segments_failed.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// A bench run's input: one `kv.put`, to a key of its own. Runs that all
