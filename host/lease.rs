@@ -777,7 +777,7 @@ impl Store {
                             "$3",
                             "$4",
                             "(SELECT COUNT(*) FROM r WHERE r.want)",
-                            " AND id NOT IN (SELECT id FROM b)"
+                            "ARRAY(SELECT id FROM b)"
                         ),
                         " SELECT (SELECT string_agg(i::text, ',') FROM r) AS closed, n.* \
                          FROM (SELECT 1) o LEFT JOIN n ON true"

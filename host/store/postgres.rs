@@ -4,16 +4,21 @@
 
 use super::Dialect;
 
-/// The claim as two CTEs: `c` locks up to `$limit` claimable runs (the
-/// condition `$extra`, `""` or `AND …`, narrows them), `n` leases them to
-/// `$owner` for `$ttl` ms and returns their rows. Shared by the claim
-/// statement and the close that claims the next run (`Store::close_and_claim`).
+/// The claim as two CTEs: `c` locks up to `$limit` claimable runs, never
+/// one whose id is in the `bigint[]` expression `$skip`, through the
+/// `leasehold_claimable` function (migration 0004: it reads the claim index
+/// in order, never sorting the queue); `n` leases them to `$owner` for
+/// `$ttl` ms and returns their rows. Shared by the claim statement and the
+/// close that claims the next run (`Store::close_and_claim`).
+///
+/// A run inserted after this statement's snapshot can be locked by the
+/// function (which takes its own) and then not be seen by `n`: it stays
+/// queued and the claim returns fewer runs, which its caller handles as a
+/// short queue. Its submit's wake-up is still pending.
 macro_rules! claim_ctes {
-    ($owner:literal, $ttl:literal, $limit:literal, $extra:literal) => {
+    ($owner:literal, $ttl:literal, $limit:literal, $skip:literal) => {
         concat!(
-            "c AS (SELECT id FROM runs WHERE ", crate::claimable!(),
-            " AND ", crate::eligible_at!(), " <= {now} AND attempt < max_attempts", $extra,
-            " ORDER BY ", crate::eligible_at!(), ", id LIMIT ", $limit, " FOR UPDATE SKIP LOCKED), ",
+            "c AS (SELECT f.id FROM leasehold_claimable(", $limit, ", ", $skip, ") AS f(id)), ",
             "n AS (UPDATE runs x SET status = 'running', lease_owner = ", $owner, ", fence = x.fence + 1, ",
             "attempt = x.attempt + 1, lease_expires_at = {now} + ", $ttl,
             ", heartbeat_at = {now}, updated_at = {now}, started_at = COALESCE(x.started_at, {now}) ",
@@ -25,7 +30,7 @@ pub(crate) use claim_ctes;
 
 macro_rules! claim {
     () => {
-        concat!("WITH ", claim_ctes!("$1", "$2", "$3", ""), " SELECT * FROM n")
+        concat!("WITH ", claim_ctes!("$1", "$2", "$3", "'{}'::bigint[]"), " SELECT * FROM n")
     };
 }
 

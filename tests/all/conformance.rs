@@ -830,41 +830,127 @@ async fn zombie_case(db: &TestDb, successor: &str) -> Result<()> {
     }
 
 
-both! {
-    async fn claim_uses_the_claim_index_when_the_table_is_full_of_finished_runs(db) {
-        // If the index predicate or expression and the claim's text drift
-        // apart, PostgreSQL silently falls back to scanning every finished
-        // run (SQLite's INDEXED BY fails loudly instead). The plan must name
-        // runs_claim, for both the one-run and the batched form.
-        let s = &db.store;
-        s.bulk_load(20_000, "done", RunStatus::Completed).await?;
-        s.bulk_load_queued(10, "p").await?;
-        sqlx::raw_sql("ANALYZE").execute(s.writer()).await?;
-        for batch in [1, 50] {
-            let sql = leasehold::store::claim_sql(s, batch);
-            let explain = match db.backend {
-                leasehold::Backend::Sqlite => format!("EXPLAIN QUERY PLAN {sql}"),
-                leasehold::Backend::Postgres => format!("EXPLAIN {sql}"),
-            };
-            let rows = sqlx::query(sqlx::AssertSqlSafe(explain))
+/// What one claim statement reads to choose its runs. SQLite: its query
+/// plan, which must name runs_claim and sort nothing. PostgreSQL: the
+/// shared buffers its choosing CTE touches, from `EXPLAIN (ANALYZE,
+/// BUFFERS)` in a transaction that is rolled back, with `planner` (`SET
+/// LOCAL …`, or "") set first. The runs are chosen inside
+/// `leasehold_claimable`, whose plan the outer EXPLAIN does not show, but
+/// whose buffers it counts.
+async fn claim_reads(db: &TestDb, batch: i64, planner: &str) -> Result<ClaimReads> {
+    use sqlx::Row;
+    let s = &db.store;
+    let sql = leasehold::store::claim_sql(s, batch);
+    match db.backend {
+        leasehold::Backend::Sqlite => {
+            let rows = sqlx::query(sqlx::AssertSqlSafe(format!("EXPLAIN QUERY PLAN {sql}")))
                 .bind("w")
                 .bind(1000_i64)
                 .bind(batch)
                 .fetch_all(s.pool())
                 .await?;
-            let plan: Vec<String> = rows
+            let plan: Vec<String> = rows.iter().map(|r| r.try_get::<String, _>(3).unwrap_or_default()).collect();
+            Ok(ClaimReads::Plan(plan.join("\n")))
+        }
+        leasehold::Backend::Postgres => {
+            // One connection, the last of three tries: the first call in a
+            // session also reads the catalog (compiling the function,
+            // planning its query), which is not the claim's work.
+            let mut conn = s.pool().acquire().await?;
+            let mut plan = Vec::new();
+            for _ in 0..3 {
+                let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+                if !planner.is_empty() {
+                    sqlx::raw_sql(sqlx::AssertSqlSafe(planner.to_string())).execute(&mut *tx).await?;
+                }
+                let rows = sqlx::query(sqlx::AssertSqlSafe(format!("EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) {sql}")))
+                    .bind("w")
+                    .bind(1000_i64)
+                    .bind(batch)
+                    .fetch_all(&mut *tx)
+                    .await?;
+                tx.rollback().await?;
+                plan = rows.iter().map(|r| r.try_get::<String, _>(0).unwrap_or_default()).collect();
+            }
+            // What choosing the runs read: the first buffer count under the
+            // CTE that chooses them (`c`), which counts the nodes under it.
+            let line = plan
                 .iter()
-                .map(|r| {
-                    use sqlx::Row;
-                    let col = if db.backend == leasehold::Backend::Sqlite { 3 } else { 0 };
-                    r.try_get::<String, _>(col).unwrap_or_default()
-                })
-                .collect();
-            let plan = plan.join("\n");
-            ensure!(plan.contains("runs_claim"), "batch {batch}: the claim does not use runs_claim:\n{plan}");
+                .skip_while(|l| l.trim() != "CTE c")
+                .find(|l| l.trim_start().starts_with("Buffers:"))
+                .cloned()
+                .unwrap_or_default();
+            let blocks: i64 = ["hit=", "read="]
+                .iter()
+                .filter_map(|k| line.split(k).nth(1))
+                .filter_map(|rest| rest.split(|c: char| !c.is_ascii_digit()).next()?.parse::<i64>().ok())
+                .sum();
+            Ok(ClaimReads::Blocks(blocks, plan.join("\n")))
+        }
+    }
+}
+
+enum ClaimReads {
+    Plan(String),
+    Blocks(i64, String),
+}
+
+both! {
+    async fn claim_uses_the_claim_index_when_the_table_is_full_of_finished_runs(db) {
+        // If the index predicate or expression and the claim's text drift
+        // apart, PostgreSQL silently falls back to scanning every finished
+        // run (SQLite's INDEXED BY fails loudly instead). Both the one-run
+        // and the batched form must go through runs_claim: on PostgreSQL,
+        // read a few dozen blocks, not the 20000 finished runs' hundreds.
+        let s = &db.store;
+        s.bulk_load(20_000, "done", RunStatus::Completed).await?;
+        s.bulk_load_queued(10, "p").await?;
+        sqlx::raw_sql("ANALYZE").execute(s.writer()).await?;
+        for batch in [1, 50] {
+            match claim_reads(db, batch, "").await? {
+                ClaimReads::Plan(plan) => {
+                    ensure!(plan.contains("runs_claim"), "batch {batch}: the claim does not use runs_claim:\n{plan}");
+                }
+                ClaimReads::Blocks(blocks, plan) => {
+                    ensure!(blocks > 0 && blocks < 100, "batch {batch}: the claim read {blocks} blocks:\n{plan}");
+                }
+            }
         }
         let c = s.claim_batch("w", TTL, 5).await?;
         ensure!(c.len() == 5 && c.iter().all(|c| c.run.plugin == "p"));
         Ok(())
     }
 }
+
+both! {
+    async fn a_claim_takes_the_head_of_a_long_queue_without_sorting_it(db) {
+        // A planner that believes the queue is short (statistics or a plan
+        // cached while it was) prefers to fetch every claimable run and sort
+        // them over walking runs_claim in order; then each claim costs time
+        // in proportion to the queue. Turning index scans off for the
+        // session makes PostgreSQL's planner prefer that plan here; the
+        // claim must still read only the head of the queue.
+        let s = &db.store;
+        s.bulk_load_queued(10_000, "p").await?;
+        sqlx::raw_sql("ANALYZE").execute(s.writer()).await?;
+        for batch in [1, 5] {
+            match claim_reads(db, batch, "SET LOCAL enable_indexscan = off").await? {
+                ClaimReads::Plan(plan) => {
+                    ensure!(
+                        plan.contains("runs_claim") && !plan.contains("TEMP B-TREE"),
+                        "batch {batch}: the claim sorts the queue:\n{plan}"
+                    );
+                }
+                ClaimReads::Blocks(blocks, plan) => {
+                    ensure!(blocks > 0 && blocks < 100, "batch {batch}: the claim read {blocks} blocks:\n{plan}");
+                }
+            }
+        }
+        let head: Vec<i64> = sqlx::query_scalar("SELECT id FROM runs ORDER BY id LIMIT 5").fetch_all(s.pool()).await?;
+        let mut c: Vec<i64> = s.claim_batch("w", TTL, 5).await?.iter().map(|c| c.run.id).collect();
+        c.sort();
+        ensure!(c == head, "the claim took {c:?}, not the head of the queue {head:?}");
+        Ok(())
+    }
+}
+
