@@ -56,7 +56,7 @@ both! {
         // ...while it holds runs: the sink stops answering, so every
         // worker stays inside its run's effect, and host-1's workers take
         // runs from the queue and stay there too. (Killed at any moment,
-        // on SQLite it held none in two runs of three.)
+        // it held none in both SQLite runs one day.)
         sink.hold(true);
         let wanted_at = Instant::now();
         while sqlx::query_scalar::<_, i64>("SELECT COUNT(*) FROM runs WHERE lease_owner = 'host-1' AND status = 'running'")
