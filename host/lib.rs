@@ -16,6 +16,8 @@
 ///
 /// Queries that should use the index repeat these texts verbatim (both
 /// planners match partial-index predicates and index expressions by text).
+/// So does PostgreSQL's `leasehold_claimable` (migration 0004), written
+/// out in SQL; the claim plan tests fail if it stops matching the index.
 #[doc(hidden)]
 #[macro_export]
 macro_rules! claimable {

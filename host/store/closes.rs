@@ -34,7 +34,11 @@ pub(crate) const MAX_BATCH: usize = 32;
 /// workers, 3 rounds, 2 cores, 4 submit batches in flight): one close per
 /// statement ran at 739 and 800 runs/s; two batches in flight wrote about
 /// 2.5 closes per statement and ran at 947 and 973; one in flight wrote
-/// about 4 and ran at 1009 and 1040.
+/// about 4 and ran at 1009 and 1040. (Those runs also carried a bench
+/// bug that added up to a second to each peak. Measured again without it,
+/// 5000 runs, 8 workers: one in flight gave ratios 0.537 and 0.526, two
+/// gave 0.525 and 0.529, no difference; with 64 workers batches hold
+/// about 31 closes.)
 pub(crate) const WRITERS: usize = 1;
 
 /// One close: [`Store::close_and_claim`]'s arguments, owned.

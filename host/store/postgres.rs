@@ -14,7 +14,7 @@ use super::Dialect;
 /// A run inserted after this statement's snapshot can be locked by the
 /// function (which takes its own) and then not be seen by `n`: it stays
 /// queued and the claim returns fewer runs, which its caller handles as a
-/// short queue. Its submit's wake-up is still pending.
+/// short queue (the dispatcher then waits for a wake-up or its poll).
 macro_rules! claim_ctes {
     ($owner:literal, $ttl:literal, $limit:literal, $skip:literal) => {
         concat!(
