@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 use criterion::{Criterion, criterion_group, criterion_main};
 use leasehold::executor::{Executor, ExecutorConfig, SegmentOutcome};
 use leasehold::runtime::host::SegmentInit;
+use leasehold::runtime::replay::Recorded;
 use leasehold::runtime::{Limits, Plugin, Runtime, RuntimeConfig};
 use leasehold::store::{EffectRow, Lease, NewRun, Store};
 
@@ -48,10 +49,12 @@ fn init(store: &Store, run_id: i64, recorded: Vec<EffectRow>, emit_pos: i64) -> 
         namespace: "testkit".into(),
         limits: Limits::default(),
         model: None,
-        recorded,
+        recorded: Recorded::from_rows(recorded),
         pending_input: None,
         recorded_emit_pos: emit_pos,
         created_at_ms: 0,
+        secret: None,
+        reserved: Vec::new().into(),
     }
 }
 

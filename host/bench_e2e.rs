@@ -395,5 +395,6 @@ async fn clear(store: &Store) -> Result<(), StoreError> {
     }
     sqlx::query("DELETE FROM kv WHERE namespace = $1").bind(PLUGIN).execute(store.writer()).await?;
     sqlx::query("DELETE FROM plugins WHERE name = $1").bind(PLUGIN).execute(store.writer()).await?;
+    sqlx::query("DELETE FROM plugin_versions WHERE name = $1").bind(PLUGIN).execute(store.writer()).await?;
     Ok(())
 }

@@ -15,9 +15,14 @@ pub struct Api {
     /// The service's base URL.
     #[arg(long, env = "LEASEHOLD_SERVER", default_value = "http://127.0.0.1:8080", global = true)]
     server: String,
-    /// Bearer token, if the service requires one.
+    /// Bearer token. [default: read from --token-file]
     #[arg(long, env = "LEASEHOLD_API_TOKEN", hide_env_values = true, global = true)]
     token: Option<String>,
+    /// The service's token file. [default: the one `leasehold serve` uses
+    /// for LEASEHOLD_DATABASE_URL, else ./leasehold.token, else
+    /// ~/.config/leasehold/token, whichever exists]
+    #[arg(long, env = "LEASEHOLD_TOKEN_FILE", global = true)]
+    token_file: Option<PathBuf>,
     /// Print JSON instead of text.
     #[arg(long, global = true)]
     json: bool,
@@ -102,10 +107,40 @@ impl Api {
         format!("{}{}", self.server.trim_end_matches('/'), path)
     }
 
+    /// The token to send: given, or read from the token file `serve`
+    /// wrote. `Err` when a token file exists but cannot be used.
+    fn token(&self) -> Result<Option<String>> {
+        if let Some(t) = self.token.as_ref().filter(|t| !t.is_empty()) {
+            return Ok(Some(t.clone()));
+        }
+        let candidates: Vec<PathBuf> = match &self.token_file {
+            Some(file) => vec![file.clone()],
+            None => {
+                let mut c = Vec::new();
+                if let Ok(url) = std::env::var("LEASEHOLD_DATABASE_URL") {
+                    c.push(crate::config::default_token_file(&url));
+                }
+                c.push(crate::config::default_token_file("sqlite://leasehold.db"));
+                c.push(crate::config::default_token_file("postgres://"));
+                c
+            }
+        };
+        for file in candidates {
+            if file.exists() {
+                return Ok(Some(crate::config::read_token(&file)?.expose().to_string()));
+            }
+        }
+        Ok(None)
+    }
+
     fn auth(&self, b: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
-        match &self.token {
-            Some(t) => b.bearer_auth(t),
-            None => b,
+        match self.token() {
+            Ok(Some(t)) => b.bearer_auth(t),
+            Ok(None) => b,
+            Err(e) => {
+                eprintln!("warning: {e:#}");
+                b
+            }
         }
     }
 
@@ -121,6 +156,12 @@ impl Api {
         if !status.is_success() {
             let code = value["error"]["code"].as_str().unwrap_or("error");
             let message = value["error"]["message"].as_str().map(str::to_string).unwrap_or_else(|| value.to_string());
+            if status == reqwest::StatusCode::UNAUTHORIZED && matches!(self.token(), Ok(None)) {
+                bail!(
+                    "{status}: {code}: {message}\nno API token found: pass --token, set LEASEHOLD_API_TOKEN, \
+                     or --token-file (serve writes it beside a SQLite database as <name>.token)"
+                );
+            }
             bail!("{status}: {code}: {message}");
         }
         Ok(value)
@@ -262,7 +303,7 @@ pub async fn runs(api: &Api, command: RunsCommand) -> Result<()> {
             api.print(&v, |r| println!("input delivered to run {}", r["id"]));
         }
         RunsCommand::Cancel { id } => {
-            let v = api.send(c.post(api.url(&format!("/v1/runs/{id}/cancel")))).await?;
+            let v = api.send(c.post(api.url(&format!("/v1/runs/{id}/cancel"))).json(&json!({}))).await?;
             api.print(&v, |r| println!("run {} cancelled (fence {})", r["id"], r["fence"]));
         }
     }

@@ -7,6 +7,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
+use leasehold::redact::Secret;
+use leasehold::store::SqliteSync;
 use serde::Deserialize;
 
 /// Every option of `serve`. As flags and env vars these are optional; unset
@@ -21,14 +23,33 @@ pub struct ServeOptions {
     /// Address the HTTP API listens on. [default: 127.0.0.1:8080]
     #[arg(long, env = "LEASEHOLD_LISTEN")]
     pub listen: Option<SocketAddr>,
-    /// Bearer token required on every /v1 request. Required to listen on a
-    /// non-loopback address unless --insecure. [default: none]
+    /// Bearer token required on every /v1 request and /metrics.
+    /// [default: the token in --token-file, generated at first start]
     #[arg(long, env = "LEASEHOLD_API_TOKEN", hide_env_values = true)]
-    pub api_token: Option<String>,
-    /// Allow a non-loopback --listen without --api-token.
+    pub api_token: Option<Secret>,
+    /// Where the generated API token is kept (mode 0600; a file others may
+    /// read is refused). The CLI reads it from the same place.
+    /// [default: beside the SQLite file as <name>.token; for PostgreSQL
+    /// $XDG_CONFIG_HOME/leasehold/token, else ~/.config/leasehold/token]
+    #[arg(long, env = "LEASEHOLD_TOKEN_FILE")]
+    pub token_file: Option<PathBuf>,
+    /// No API token at all: anyone who can reach the listen address (any
+    /// local user, on loopback) may submit, cancel and replace plugins.
+    /// For a throwaway setup only.
     #[arg(long, env = "LEASEHOLD_INSECURE")]
     #[serde(default)]
     pub insecure: bool,
+    /// Names clients reach the API by (e.g. a reverse proxy's), accepted in
+    /// the Host header besides IP addresses and localhost; comma-separated.
+    /// [default: none]
+    #[arg(long = "allowed-host", env = "LEASEHOLD_ALLOWED_HOSTS", value_delimiter = ',')]
+    pub allowed_hosts: Option<Vec<String>>,
+    /// SQLite's durability: `full` fsyncs every commit; `normal` is faster
+    /// but a power loss or an OS crash may lose the last commits, and with
+    /// them the `started` record of an unkeyed effect that went out, which
+    /// would then be made again. [default: full]
+    #[arg(long, env = "LEASEHOLD_SQLITE_SYNCHRONOUS", value_enum)]
+    pub sqlite_synchronous: Option<SqliteSync>,
     /// Concurrent segments on this host. [default: 4]
     #[arg(long, env = "LEASEHOLD_WORKERS")]
     pub workers: Option<usize>,
@@ -65,7 +86,9 @@ pub struct ServeOptions {
     /// Model used when a request names none. [default: gpt-4o-mini]
     #[arg(long, env = "LEASEHOLD_MODEL")]
     pub model: Option<String>,
-    /// Compiled-component cache directory. [default: $TMPDIR/leasehold-cache]
+    /// Compiled-component cache: a private directory (created 0700; one
+    /// owned by another user or writable by others is refused).
+    /// [default: $XDG_CACHE_HOME/leasehold/components, else ~/.cache/leasehold/components]
     #[arg(long, env = "LEASEHOLD_CACHE_DIR")]
     pub cache_dir: Option<PathBuf>,
     /// Instances alive at once (pooling allocator); at least --workers. [default: 64]
@@ -95,12 +118,17 @@ pub struct ServeOptions {
     pub test_clock_skew_ms: Option<i64>,
 }
 
-/// Resolved settings.
+/// Resolved settings. `Debug` shows no secret.
 #[derive(Debug, Clone)]
 pub struct Serve {
     pub database_url: String,
     pub listen: SocketAddr,
-    pub api_token: Option<String>,
+    /// `None` only with --insecure.
+    pub api_token: Option<Secret>,
+    /// Where the token was read or written, when it came from a file.
+    pub token_file: Option<PathBuf>,
+    pub allowed_hosts: Vec<String>,
+    pub sqlite_sync: SqliteSync,
     pub workers: usize,
     pub claim_batch: usize,
     pub lease_ttl: Duration,
@@ -132,10 +160,22 @@ impl ServeOptions {
             }
         };
         let ms = Duration::from_millis;
+        let database_url = self.database_url.or(file.database_url).unwrap_or_else(|| "sqlite://leasehold.db".into());
+        let insecure = self.insecure || file.insecure;
+        let explicit = self.api_token.or(file.api_token).filter(|t| !t.expose().is_empty());
+        let token_file = self.token_file.or(file.token_file).unwrap_or_else(|| default_token_file(&database_url));
+        let (api_token, token_file) = match (explicit, insecure) {
+            (Some(t), _) => (Some(t), None),
+            (None, true) => (None, None),
+            (None, false) => (Some(load_or_create_token(&token_file)?), Some(token_file)),
+        };
         let serve = Serve {
-            database_url: self.database_url.or(file.database_url).unwrap_or_else(|| "sqlite://leasehold.db".into()),
             listen: self.listen.or(file.listen).unwrap_or_else(|| "127.0.0.1:8080".parse().unwrap()),
-            api_token: self.api_token.or(file.api_token).filter(|t| !t.is_empty()),
+            api_token,
+            token_file,
+            allowed_hosts: self.allowed_hosts.or(file.allowed_hosts).unwrap_or_default(),
+            sqlite_sync: self.sqlite_synchronous.or(file.sqlite_synchronous).unwrap_or_default(),
+            database_url,
             workers: self.workers.or(file.workers).unwrap_or(4),
             claim_batch: self.claim_batch.or(file.claim_batch).unwrap_or(16),
             lease_ttl: ms(self.lease_ttl_ms.or(file.lease_ttl_ms).unwrap_or(30_000)),
@@ -149,7 +189,7 @@ impl ServeOptions {
             cache_dir: self
                 .cache_dir
                 .or(file.cache_dir)
-                .unwrap_or_else(|| std::env::temp_dir().join("leasehold-cache")),
+                .unwrap_or_else(leasehold::runtime::default_cache_dir),
             max_instances: self.max_instances.or(file.max_instances).unwrap_or(64),
             max_body_bytes: self.max_body_bytes.or(file.max_body_bytes).unwrap_or(1 << 20),
             max_component_bytes: self.max_component_bytes.or(file.max_component_bytes).unwrap_or(64 << 20),
@@ -177,13 +217,62 @@ impl ServeOptions {
         if serve.lease_ttl < Duration::from_millis(100) {
             bail!("--lease-ttl-ms must be at least 100");
         }
-        if !serve.listen.ip().is_loopback() && serve.api_token.is_none() && !(self.insecure || file.insecure) {
-            bail!(
-                "refusing to listen on {} without an API token: set --api-token (or LEASEHOLD_API_TOKEN), \
-                 or pass --insecure",
-                serve.listen
-            );
-        }
         Ok(serve)
     }
+}
+
+/// Where the API token lives by default: beside a SQLite database file
+/// (`data/x.db` → `data/x.token`), else in the user's config directory.
+pub fn default_token_file(database_url: &str) -> PathBuf {
+    let sqlite = database_url.strip_prefix("sqlite://").or_else(|| database_url.strip_prefix("sqlite:"));
+    if let Some(path) = sqlite.map(|p| p.split('?').next().unwrap_or(p)).filter(|p| !p.is_empty() && !p.contains(":memory:")) {
+        return std::path::Path::new(path).with_extension("token");
+    }
+    let env = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
+    match (env("XDG_CONFIG_HOME"), env("HOME")) {
+        (Some(config), _) => config.join("leasehold/token"),
+        (None, Some(home)) => home.join(".config/leasehold/token"),
+        (None, None) => PathBuf::from("leasehold.token"),
+    }
+}
+
+/// Reads the token in `path`, checking that only this user may read it.
+pub fn read_token(path: &std::path::Path) -> Result<Secret> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let meta = std::fs::metadata(path).with_context(|| format!("reading the API token file {}", path.display()))?;
+    let mode = meta.permissions().mode() & 0o777;
+    if mode & 0o077 != 0 {
+        bail!("the API token file {} is readable by others (mode {mode:o}): `chmod 600` it", path.display());
+    }
+    if meta.uid() != rustix::process::geteuid().as_raw() {
+        bail!("the API token file {} belongs to another user (uid {})", path.display(), meta.uid());
+    }
+    let token = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let token = token.trim();
+    if token.len() < 16 {
+        bail!("the API token file {} holds no token", path.display());
+    }
+    Ok(Secret::new(token))
+}
+
+/// The token in `path`, or a new random one written there (mode 0600)
+/// when the file does not exist yet: the first start of a fresh setup.
+fn load_or_create_token(path: &std::path::Path) -> Result<Secret> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    if path.exists() {
+        return read_token(path);
+    }
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    let token = format!("{:032x}{:032x}", rand::random::<u128>(), rand::random::<u128>());
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .with_context(|| format!("writing the API token file {}", path.display()))?;
+    file.write_all(format!("{token}\n").as_bytes())?;
+    Ok(Secret::new(token))
 }

@@ -117,6 +117,43 @@ impl Store {
         rows.iter().map(Event::from_row).collect()
     }
 
+    /// Events of `thread_id` with `seq > after`, oldest first: at most
+    /// `limit`, and no more than about `max_bytes` of payload (always at
+    /// least one, so a reader moves on past a large event). What an API page
+    /// or an event stream reads at once.
+    pub async fn events_page(&self, thread_id: &str, after: i64, limit: i64, max_bytes: i64) -> Result<Vec<Event>, StoreError> {
+        let rows = sqlx::query(sql!(
+            self,
+            "SELECT * FROM (SELECT e.*, SUM(LENGTH(e.payload)) OVER (ORDER BY e.seq) AS running FROM events e \
+             WHERE e.thread_id = $1 AND e.seq > $2 ORDER BY e.seq LIMIT $3) AS p \
+             WHERE p.running - LENGTH(p.payload) < $4 ORDER BY p.seq"
+        ))
+        .bind(thread_id)
+        .bind(after)
+        .bind(limit)
+        .bind(max_bytes)
+        .fetch_all(self.pool())
+        .await?;
+        rows.iter().map(Event::from_row).collect()
+    }
+
+    /// The last event seq of each of `threads` that has events: one query
+    /// for every stream a host has open, to find what other hosts wrote.
+    pub async fn thread_heads(&self, threads: &[String]) -> Result<Vec<(String, i64)>, StoreError> {
+        if threads.is_empty() {
+            return Ok(Vec::new());
+        }
+        let list = serde_json::to_string(threads).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+        let statement = match self.backend() {
+            crate::store::Backend::Sqlite => sql!(self, "SELECT id, last_seq FROM threads WHERE id IN (SELECT value FROM json_each($1))"),
+            crate::store::Backend::Postgres => sql!(
+                self,
+                "SELECT id, last_seq FROM threads WHERE id IN (SELECT jsonb_array_elements_text($1::text::jsonb))"
+            ),
+        };
+        Ok(sqlx::query_as(statement).bind(list).fetch_all(self.pool()).await?)
+    }
+
     /// Every event a run wrote, in order.
     pub async fn run_events(&self, run_id: i64) -> Result<Vec<Event>, StoreError> {
         let rows = sqlx::query(sql!(

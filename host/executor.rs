@@ -16,7 +16,8 @@ use wasmtime::UpdateDeadline;
 
 use crate::effects::model::ModelConfig;
 use crate::runtime::host::{Held, Interrupt, SegmentInit, SegmentState, storable};
-use crate::runtime::{Plugin, Runtime};
+use crate::runtime::replay::Recorded;
+use crate::runtime::{EPOCH_TICK, Plugin, Runtime};
 use crate::store::{Claimed, EffectState, Lease, Outcome, RunStatus, Store, StoreError, Suspend};
 
 /// Executor settings. Every field documents its default.
@@ -34,6 +35,10 @@ pub struct ExecutorConfig {
     /// ([`ModelConfig::from_env`]); none (so `model.chat` is `denied`) when
     /// `LEASEHOLD_MODEL_BASE_URL` is unset.
     pub model: Option<Arc<ModelConfig>>,
+    /// Addresses guests' `http` reaches only through an allow-list entry
+    /// that names them with their port: the service's own listeners.
+    /// Default: none.
+    pub reserved: Vec<std::net::SocketAddr>,
 }
 
 impl Default for ExecutorConfig {
@@ -44,6 +49,7 @@ impl Default for ExecutorConfig {
             lease_ttl: Duration::from_secs(30),
             renew_every: None,
             model: ModelConfig::from_env().map(Arc::new),
+            reserved: Vec::new(),
         }
     }
 }
@@ -66,6 +72,11 @@ pub enum GuestErrorKind {
     HostCalls,
     /// The run names a plugin this host does not have.
     UnknownPlugin,
+    /// A sandbox cap: data passed in one host call, a prompt, WASI random
+    /// or resources.
+    Limit,
+    /// The run's ledger grew past its cap in rows or bytes.
+    LedgerTooLarge,
 }
 
 impl GuestErrorKind {
@@ -79,6 +90,8 @@ impl GuestErrorKind {
             GuestErrorKind::NonDeterminism => "non-determinism",
             GuestErrorKind::HostCalls => "host-calls",
             GuestErrorKind::UnknownPlugin => "unknown-plugin",
+            GuestErrorKind::Limit => "limit",
+            GuestErrorKind::LedgerTooLarge => "ledger-too-large",
         }
     }
 }
@@ -100,6 +113,8 @@ pub struct Executor {
     store: Store,
     runtime: Arc<Runtime>,
     config: ExecutorConfig,
+    /// `config.reserved`, shared with each segment.
+    reserved: Arc<[std::net::SocketAddr]>,
     stop: Arc<StopSignal>,
 }
 
@@ -112,7 +127,8 @@ struct StopSignal {
 
 impl Executor {
     pub fn new(store: Store, runtime: Arc<Runtime>, config: ExecutorConfig) -> Executor {
-        Executor { store, runtime, config, stop: Arc::default() }
+        let reserved = config.reserved.clone().into();
+        Executor { store, runtime, config, reserved, stop: Arc::default() }
     }
 
     /// Stops every running segment of this executor at once: each suspends
@@ -218,32 +234,38 @@ impl Executor {
         // Fence 1 is a run's first segment: no segment held it before, so it
         // has no ledger to reconcile or replay (two round trips saved on the
         // common path).
+        let (recorded, mut emit_pos) = (Recorded::empty(), run.emit_pos);
         let recorded = if lease.fence == 1 {
-            Vec::new()
+            recorded
         } else {
             match self.store.reconcile(&lease).await {
                 Ok(_) => {}
                 Err(StoreError::LeaseLost(_)) => return Ok(SegmentOutcome::LeaseLost),
                 Err(e) => return Err(e),
             }
-            self.store.effects(run.id).await?
+            let summary = self.store.ledger_summary(run.id).await?;
+            // After a death, the stream is cut back to where the dead
+            // segment's own unsettled call began: past it, the replay may
+            // see another result (a re-issued chat, `in-doubt`) and stream
+            // something else. Only that call: a row it left in doubt is the
+            // ledger's last, started under the fence before this one.
+            // Nothing below a settled call is cut (its deltas replay as
+            // recorded), nor for an older row already seen as in doubt.
+            let cut = summary
+                .last
+                .as_ref()
+                .filter(|r| matches!(r.state, EffectState::Started | EffectState::InDoubt))
+                .filter(|r| r.fence_started == lease.fence - 1)
+                .map(|r| r.emit_pos);
+            if let Some(cut) = cut.filter(|cut| *cut < emit_pos) {
+                emit_pos = match self.store.retract(&lease, cut).await {
+                    Ok(pos) => pos,
+                    Err(StoreError::LeaseLost(_)) => return Ok(SegmentOutcome::LeaseLost),
+                    Err(e) => return Err(e),
+                };
+            }
+            Recorded::paged(self.store.clone(), run.id, &summary)
         };
-        // After a death, the stream is kept only up to the first call whose
-        // outcome was never recorded: past it, the replay may see another
-        // result (a re-issued chat, `in-doubt`) and stream something else.
-        let mut emit_pos = run.emit_pos;
-        let unsettled = recorded
-            .iter()
-            .filter(|r| matches!(r.state, EffectState::Started | EffectState::InDoubt))
-            .map(|r| r.emit_pos)
-            .min();
-        if let Some(cut) = unsettled.filter(|cut| *cut < emit_pos) {
-            emit_pos = match self.store.retract(&lease, cut).await {
-                Ok(pos) => pos,
-                Err(StoreError::LeaseLost(_)) => return Ok(SegmentOutcome::LeaseLost),
-                Err(e) => return Err(e),
-            };
-        }
         let init = SegmentInit {
             db: self.store.clone(),
             lease: lease.clone(),
@@ -254,6 +276,8 @@ impl Executor {
             pending_input: run.pending_input.clone(),
             recorded_emit_pos: emit_pos,
             created_at_ms: run.created_at,
+            secret: run.secret.clone(),
+            reserved: self.reserved.clone(),
         };
         let lease_expires_at = run.lease_expires_at.unwrap_or(0);
         let claimed_at = run.heartbeat_at.unwrap_or(lease_expires_at);
@@ -263,8 +287,14 @@ impl Executor {
         self.settle(&plugin, &lease, result, next).await
     }
 
-    /// Instantiates the plugin and calls `run`, with the renewal task and the
-    /// epoch deadline in force. Returns the call's result and the final state.
+    /// Instantiates the plugin and calls `run`, with the renewal task, the
+    /// epoch deadline and the segment's timers in force. Returns the call's
+    /// result and the final state.
+    ///
+    /// Epochs only interrupt running wasm, so a timer stops a guest blocked
+    /// in a host or WASI call too: at the budget (a host call in flight gets
+    /// the grace first), and at the lease deadline. The lease is renewed
+    /// until the budget plus the grace, never longer.
     async fn guest_call(
         &self,
         plugin: &Plugin,
@@ -282,11 +312,14 @@ impl Executor {
         // stop its own guest early: the database decides who holds the lease.
         let start = Instant::now();
         let lease_deadline = Arc::new(AtomicI64::new(lease_left_ms.max(0)));
+        let budget = plugin.limits.segment_budget;
+        let hard_stop = budget + plugin.limits.slice_grace;
         let watch = LeaseWatch {
             lost: lost.clone(),
             lost_now: lost_now.clone(),
             deadline_ms: lease_deadline.clone(),
             start,
+            until: hard_stop,
         };
         // Aborted on drop too: a segment future dropped mid-call (its task
         // aborted) must not leave a task renewing a lease nobody uses.
@@ -298,9 +331,8 @@ impl Executor {
             watch,
         )));
 
-        let mut store = wasmtime::Store::new(self.runtime.engine(), SegmentState::new(init));
-        store.limiter(|s| &mut s.limiter);
-        let budget = plugin.limits.segment_budget;
+        let mut store = self.runtime.store(plugin, init);
+        let busy = store.data().busy.clone();
         let (lost_cb, deadline_cb, stop_cb) = (lost.clone(), lease_deadline.clone(), self.stop.clone());
         store.set_epoch_deadline(1);
         store.epoch_deadline_callback(move |mut ctx| {
@@ -337,17 +369,37 @@ impl Executor {
                 notified.await;
             }
         };
-        let result = tokio::select! {
-            r = call => r,
-            _ = lost_now.notified() => {
-                store.data_mut().interrupt = Some(Interrupt::LeaseLost);
-                Err(wasmtime::Error::new(crate::runtime::host::Interrupted))
-            }
-            _ = stopped => {
-                store.data_mut().interrupt = Some(Interrupt::Shutdown);
-                Err(wasmtime::Error::new(crate::runtime::host::Interrupted))
+        // The budget, for a guest that is not running wasm (the epoch
+        // callback stops one that is): blocked in a WASI call, it is
+        // stopped at once; in a host call, at the end of the grace.
+        let sliced = async {
+            tokio::time::sleep(budget).await;
+            while busy.load(Ordering::SeqCst) && start.elapsed() < hard_stop {
+                tokio::time::sleep(EPOCH_TICK).await;
             }
         };
+        // The lease deadline, as renewals move it.
+        let expired = async {
+            loop {
+                let left = lease_deadline.load(Ordering::Relaxed) - start.elapsed().as_millis() as i64;
+                if left <= 0 {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(left as u64)).await;
+            }
+        };
+        let interrupted = || Err(wasmtime::Error::new(crate::runtime::host::Interrupted));
+        let (result, why) = tokio::select! {
+            r = call => (r, None),
+            _ = lost_now.notified() => (interrupted(), Some(Interrupt::LeaseLost)),
+            _ = expired => (interrupted(), Some(Interrupt::LeaseLost)),
+            _ = stopped => (interrupted(), Some(Interrupt::Shutdown)),
+            _ = sliced => (interrupted(), Some(Interrupt::Slice)),
+        };
+        if let Some(why) = why {
+            // A reason the guest itself gave first stands.
+            store.data_mut().interrupt.get_or_insert(why);
+        }
         drop(renewer);
         (result, store.into_data())
     }
@@ -394,15 +446,21 @@ impl Executor {
             (Err(_), Some(Interrupt::WaitInput { prompt })) => self.suspend(lease, Suspend::WaitInput { prompt }, &tail).await,
             (Err(_), Some(Interrupt::Sleep { delay_ms })) => self.suspend(lease, Suspend::Sleep { delay_ms }, &tail).await,
             (Err(_), Some(Interrupt::Slice)) => {
-                if state.new_rows > 0 {
+                if state.settled > 0 || !tail.puts.is_empty() {
                     self.suspend(lease, Suspend::Takeover, &tail).await
                 } else {
-                    // Replay is deterministic: a slice that recorded nothing
+                    // Replay is deterministic: a slice that settled nothing
                     // would do exactly the same next time.
-                    let error = format!(
-                        "timeout: ran for {:?} without recording any progress",
-                        limits.segment_budget
-                    );
+                    let error = match &state.in_flight {
+                        Some((seq, name, detail)) => format!(
+                            "timeout: {name} (call {seq}) was still running at the end of the segment budget \
+                             ({:?}) and its grace ({:?}){}; raise the plugin's budget for calls this long",
+                            limits.segment_budget,
+                            limits.slice_grace,
+                            detail.as_deref().map(|d| format!(": {d}")).unwrap_or_default()
+                        ),
+                        None => format!("timeout: ran for {:?} without recording any progress", limits.segment_budget),
+                    };
                     self.finish(lease, Outcome::Failed { error }, GuestErrorKind::Timeout, &tail, next).await
                 }
             }
@@ -420,6 +478,8 @@ impl Executor {
             (Err(trap), None) => {
                 let (kind, detail) = if state.limiter.memory_refused {
                     (GuestErrorKind::OutOfMemory, format!("{trap:#}"))
+                } else if let Some(limit) = crate::runtime::limit_trap(&trap) {
+                    (GuestErrorKind::Limit, limit)
                 } else {
                     (GuestErrorKind::Trap, trap_detail(&trap))
                 };
@@ -515,15 +575,22 @@ struct LeaseWatch {
     /// The lease deadline, in ms after `start`; moved on by each renewal.
     deadline_ms: Arc<AtomicI64>,
     start: Instant,
+    /// No renewal after this long (the segment's budget plus its grace).
+    until: Duration,
 }
 
-/// Renews `lease` every `every` until aborted. A refused renewal sets
-/// `lost`; a lease that runs out before a renewal lands is caught by the
-/// epoch callback through `deadline_ms`.
+/// Renews `lease` every `every` until aborted, or until `until` after the
+/// segment started: a lease is never renewed without bound. A refused
+/// renewal sets `lost`; a lease that runs out before a renewal lands is
+/// caught by the epoch callback and the segment's timer through
+/// `deadline_ms`.
 async fn renew_loop(store: Store, lease: Lease, ttl: Duration, every: Duration, watch: LeaseWatch) {
-    let LeaseWatch { lost, lost_now, deadline_ms, start } = watch;
+    let LeaseWatch { lost, lost_now, deadline_ms, start, until } = watch;
     loop {
         tokio::time::sleep(every).await;
+        if start.elapsed() >= until {
+            return;
+        }
         let asked_at = start.elapsed().as_millis() as i64;
         match store.renew(&lease, ttl).await {
             Ok(_) => {

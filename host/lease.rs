@@ -216,8 +216,8 @@ async fn insert_run(store: &Store, conn: &mut AnyConnection, submit: &Submit) ->
     let inserted = sqlx::query(sql!(
         store,
         "INSERT INTO runs (thread_id, plugin, plugin_digest, input, idempotency_key, status, \
-         max_attempts, not_before, created_at, updated_at) \
-         VALUES ($1, $2, $3, $4, $5, 'queued', $6, {now}, {now}, {now}) \
+         max_attempts, not_before, created_at, updated_at, secret) \
+         VALUES ($1, $2, $3, $4, $5, 'queued', $6, {now}, {now}, {now}, $7) \
          ON CONFLICT (idempotency_key) DO NOTHING RETURNING *"
     ))
     .bind(&submit.thread_id)
@@ -226,6 +226,7 @@ async fn insert_run(store: &Store, conn: &mut AnyConnection, submit: &Submit) ->
     .bind(&new.input)
     .bind(&new.idempotency_key)
     .bind(submit.max_attempts)
+    .bind(&submit.secret)
     .fetch_optional(&mut *conn)
     .await?;
     let Some(row) = inserted else {
@@ -258,7 +259,8 @@ impl Store {
                 "max_attempts must be at least 1, got {max_attempts}"
             )));
         }
-        let submit = Submit { new: new.clone(), thread_id, max_attempts };
+        let secret = format!("{:032x}", rand::random::<u128>());
+        let submit = Submit { new: new.clone(), thread_id, max_attempts, secret };
         crate::store::submits::submit(self, submit).await
     }
 
@@ -287,7 +289,8 @@ impl Store {
         // itself announced the runs to other hosts, or left the
         // announcement owed (see `carry_announcement`); SQLite hosts in
         // other processes poll.
-        for _ in created.iter().filter(|(_, new)| *new) {
+        for (run, _) in created.iter().filter(|(_, new)| *new) {
+            self.hub().wake(&run.thread_id);
             self.signal_work(false).await;
         }
         Ok(created)
@@ -310,7 +313,7 @@ impl Store {
                     "i": i, "thread_id": s.thread_id, "plugin": s.new.plugin,
                     "digest": s.new.plugin_digest, "input": s.new.input,
                     "key": s.new.idempotency_key, "max_attempts": s.max_attempts,
-                    "payload": submitted_payload(&s.new).to_string(),
+                    "payload": submitted_payload(&s.new).to_string(), "secret": s.secret,
                 })
             })
             .collect();
@@ -322,10 +325,10 @@ impl Store {
                 Ok(sqlx::query(sql!(
                     self,
                     "WITH l AS (SELECT * FROM jsonb_to_recordset($1::text::jsonb) AS l(i bigint, thread_id text, \
-                     plugin text, digest text, input text, key text, max_attempts bigint, payload text)), \
+                     plugin text, digest text, input text, key text, max_attempts bigint, payload text, secret text)), \
                      r AS (INSERT INTO runs (thread_id, plugin, plugin_digest, input, idempotency_key, \
-                     status, max_attempts, not_before, created_at, updated_at) \
-                     SELECT thread_id, plugin, digest, input, key, 'queued', max_attempts, {now}, {now}, {now} \
+                     status, max_attempts, not_before, created_at, updated_at, secret) \
+                     SELECT thread_id, plugin, digest, input, key, 'queued', max_attempts, {now}, {now}, {now}, secret \
                      FROM l ORDER BY i ON CONFLICT (idempotency_key) DO NOTHING RETURNING *), \
                      t AS (INSERT INTO threads (id, last_seq) SELECT thread_id, 1 FROM r ORDER BY thread_id \
                      ON CONFLICT (id) DO UPDATE SET last_seq = threads.last_seq + 1 RETURNING id, last_seq), \
@@ -386,9 +389,6 @@ impl Store {
     }
 
     /// Runs, newest first, optionally filtered; `before` is a cursor (an id).
-    ///
-    /// One fixed statement per combination of filters, rather than
-    /// `($1 IS NULL OR status = $1)`, so each can use its index.
     pub async fn list_runs(
         &self,
         status: Option<RunStatus>,
@@ -396,23 +396,42 @@ impl Store {
         before: Option<i64>,
         limit: i64,
     ) -> Result<Vec<Run>, StoreError> {
+        Ok(self.runs_page(status, plugin, before, limit, i64::MAX).await?.0)
+    }
+
+    /// [`Store::list_runs`], with no more than about `max_bytes` of inputs,
+    /// outputs and partials (always at least one run). Also returns whether
+    /// the page was cut short by its size.
+    ///
+    /// One fixed statement per combination of filters, rather than
+    /// `($1 IS NULL OR status = $1)`, so each can use its index.
+    pub async fn runs_page(
+        &self,
+        status: Option<RunStatus>,
+        plugin: Option<&str>,
+        before: Option<i64>,
+        limit: i64,
+        max_bytes: i64,
+    ) -> Result<(Vec<Run>, bool), StoreError> {
+        macro_rules! page {
+            ($filter:literal) => {
+                concat!(
+                    "SELECT * FROM (SELECT r.*, SUM(LENGTH(r.input) + LENGTH(r.partial) + COALESCE(LENGTH(r.output), 0) \
+                     + COALESCE(LENGTH(r.error), 0)) OVER (ORDER BY r.id DESC) AS running FROM runs r \
+                     WHERE r.id < $1", $filter, " ORDER BY r.id DESC LIMIT $2) AS p WHERE p.running - \
+                     (LENGTH(p.input) + LENGTH(p.partial) + COALESCE(LENGTH(p.output), 0) + COALESCE(LENGTH(p.error), 0)) < $3 \
+                     ORDER BY p.id DESC"
+                )
+            };
+        }
         let before = before.unwrap_or(i64::MAX);
         let query = match (status, plugin) {
-            (None, None) => sqlx::query(sql!(self, "SELECT * FROM runs WHERE id < $1 ORDER BY id DESC LIMIT $2")),
-            (Some(_), None) => sqlx::query(sql!(
-                self,
-                "SELECT * FROM runs WHERE id < $1 AND status = $3 ORDER BY id DESC LIMIT $2"
-            )),
-            (None, Some(_)) => sqlx::query(sql!(
-                self,
-                "SELECT * FROM runs WHERE id < $1 AND plugin = $3 ORDER BY id DESC LIMIT $2"
-            )),
-            (Some(_), Some(_)) => sqlx::query(sql!(
-                self,
-                "SELECT * FROM runs WHERE id < $1 AND status = $3 AND plugin = $4 ORDER BY id DESC LIMIT $2"
-            )),
+            (None, None) => sqlx::query(sql!(self, page!(""))),
+            (Some(_), None) => sqlx::query(sql!(self, page!(" AND r.status = $4"))),
+            (None, Some(_)) => sqlx::query(sql!(self, page!(" AND r.plugin = $4"))),
+            (Some(_), Some(_)) => sqlx::query(sql!(self, page!(" AND r.status = $4 AND r.plugin = $5"))),
         };
-        let mut query = query.bind(before).bind(limit);
+        let mut query = query.bind(before).bind(limit).bind(max_bytes);
         if let Some(s) = status {
             query = query.bind(s.as_str());
         }
@@ -420,7 +439,11 @@ impl Store {
             query = query.bind(p);
         }
         let rows = query.fetch_all(self.pool()).await?;
-        rows.iter().map(Run::from_row).collect()
+        let cut = match rows.last() {
+            Some(last) => last.try_get::<i64, _>("running")? >= max_bytes,
+            None => false,
+        };
+        Ok((rows.iter().map(Run::from_row).collect::<Result<_, _>>()?, cut))
     }
 
     /// Statement 1: claims one run, if any is claimable.
@@ -457,6 +480,9 @@ impl Store {
 
     /// Statement 2: extends the lease to `ttl` from the database's now and
     /// returns the new expiry. `LeaseLost` means: stop the guest, write nothing.
+    /// On PostgreSQL it gives up after the lock timeout rather than wait on
+    /// a row another (frozen) session holds: the caller retries, and its
+    /// lease deadline stops the guest if no renewal lands.
     pub async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<i64, StoreError> {
         let expires = self
             .retry(|| async move {
@@ -470,7 +496,7 @@ impl Store {
                 .bind(&lease.owner)
                 .bind(lease.fence)
                 .bind(ms(ttl))
-                .fetch_optional(self.writer())
+                .fetch_optional(self.maint())
                 .await?)
             })
             .await?;
@@ -510,11 +536,12 @@ impl Store {
     /// first delta's position, `None` when there are no deltas.
     async fn append_held(&self, lease: &Lease, deltas: &[&str], puts: &[HeldPut]) -> Result<Option<i64>, StoreError> {
         if self.backend() == Backend::Postgres {
-            let (list, n, held) = (json!(deltas).to_string(), deltas.len() as i64, held_puts_json(puts));
+            let database = self.database_id().await?;
+            let (list, n, held) = (json!(deltas).to_string(), deltas.len() as i64, held_puts_json(&database, lease.run_id, puts));
             let (list, held) = (list.as_str(), held.as_str());
             let first = self
                 .retry(|| async move {
-                    Ok(sqlx::query_scalar::<_, i64>(sql!(
+                    Ok(sqlx::query_as::<_, (i64, String)>(sql!(
                         self,
                         concat!(
                             pg_deltas!("$4"),
@@ -525,7 +552,7 @@ impl Store {
                             " RETURNING id, fence, thread_id, emit_pos - $5 AS first)",
                             pg_append_deltas!("$5", "0", ""),
                             pg_held_puts!("$6", "true"),
-                            "SELECT r.first FROM r"
+                            "SELECT r.first, r.thread_id FROM r"
                         )
                     ))
                     .bind(lease.run_id)
@@ -538,22 +565,30 @@ impl Store {
                     .await?)
                 })
                 .await?;
-            let first = first.ok_or_else(|| rejected(lease))?;
+            let (first, thread) = first.ok_or_else(|| rejected(lease))?;
+            if !deltas.is_empty() {
+                self.hub().wake(&thread);
+            }
             return Ok((!deltas.is_empty()).then_some(first));
         }
-        self.retry(|| async move {
-            let mut tx = self.writer().begin().await?;
-            let first = if deltas.is_empty() {
-                guard(self, &mut tx, lease).await?;
-                None
-            } else {
-                Some(append_deltas(self, &mut tx, lease, deltas).await?.ok_or_else(|| rejected(lease))?.1)
-            };
-            insert_held_puts(self, &mut tx, lease, puts).await?;
-            tx.commit().await?;
-            Ok(first)
-        })
-        .await
+        let appended = self
+            .retry(|| async move {
+                let mut tx = self.writer().begin().await?;
+                let appended = if deltas.is_empty() {
+                    guard(self, &mut tx, lease).await?;
+                    None
+                } else {
+                    Some(append_deltas(self, &mut tx, lease, deltas).await?.ok_or_else(|| rejected(lease))?)
+                };
+                insert_held_puts(self, &mut tx, lease, puts).await?;
+                tx.commit().await?;
+                Ok(appended)
+            })
+            .await?;
+        Ok(appended.map(|(thread, first)| {
+            self.hub().wake(&thread);
+            first
+        }))
     }
 
     /// After a death: cuts the run's stream back to position `cut` (every
@@ -563,7 +598,7 @@ impl Store {
     /// `{from, to}` that voids the earlier deltas at positions `from..to`.
     /// Returns the new `emit_pos`; a no-op when nothing is past `cut`.
     pub async fn retract(&self, lease: &Lease, cut: i64) -> Result<i64, StoreError> {
-        self.retry(|| async move {
+        let (pos, thread) = self.retry(|| async move {
             let mut tx = self.writer().begin().await?;
             guard(self, &mut tx, lease).await?;
             let (thread_id, emit_pos): (String, i64) =
@@ -573,7 +608,7 @@ impl Store {
                     .await?;
             if emit_pos <= cut {
                 tx.rollback().await?;
-                return Ok(emit_pos);
+                return Ok((emit_pos, None));
             }
             let payloads: Vec<(String, String)> = sqlx::query_as(sql!(
                 self,
@@ -599,9 +634,13 @@ impl Store {
             let payload = json!({ "from": cut, "to": emit_pos });
             events::append(self, &mut tx, &thread_id, lease.run_id, lease.fence, kind::RETRACT, &payload).await?;
             tx.commit().await?;
-            Ok(cut)
+            Ok((cut, Some(thread_id)))
         })
-        .await
+        .await?;
+        if let Some(thread) = thread {
+            self.hub().wake(&thread);
+        }
+        Ok(pos)
     }
 
     /// Statement 4: finishes the turn. Sets the final status and output (or
@@ -650,7 +689,7 @@ impl Store {
         };
         let joined: String = deltas.concat();
         let joined = joined.as_str();
-        self.retry(|| async move {
+        let (claimed, thread) = self.retry(|| async move {
             let mut tx = self.writer().begin().await?;
             // Statements 3 and 4 in one guarded write: the tail's deltas
             // and the final status.
@@ -679,6 +718,7 @@ impl Store {
             let first: i64 = row.try_get("first")?;
             sqlite_append_events(self, &mut tx, &thread_id, lease, first, deltas, Some(payload)).await?;
             insert_held_puts(self, &mut tx, lease, puts).await?;
+            let thread = Some(thread_id);
             let mut claimed = Vec::new();
             if next_max > 0 {
                 // The closed run is no longer claimable: this transaction
@@ -692,9 +732,13 @@ impl Store {
                 claimed = claimed_rows(&rows, next_owner)?;
             }
             tx.commit().await?;
-            Ok(claimed.pop())
+            Ok((claimed.pop(), thread))
         })
-        .await
+        .await?;
+        if let Some(thread) = thread {
+            self.hub().wake(&thread);
+        }
+        Ok(claimed)
     }
 
     /// PostgreSQL: statement 4 for a batch of closes (see
@@ -710,6 +754,7 @@ impl Store {
     /// order. The wanting closes of a batch share one owner and lease
     /// length.
     pub(crate) async fn close_batch(&self, closes: &[Close]) -> Result<Vec<Result<Option<Claimed>, StoreError>>, StoreError> {
+        let database = self.database_id().await?;
         let (mut list, mut held) = (Vec::with_capacity(closes.len()), Vec::new());
         let mut next: Option<(&str, Duration)> = None;
         for (i, c) in closes.iter().enumerate() {
@@ -719,7 +764,7 @@ impl Store {
                 "status": status.as_str(), "output": output, "error": error, "payload": payload,
                 "deltas": c.deltas, "n": c.deltas.len(), "want": c.next.is_some(),
             }));
-            held.extend(c.puts.iter().map(|p| held_put_json(i, p)));
+            held.extend(c.puts.iter().map(|p| held_put_json(i, &database, c.lease.run_id, p)));
             if let Some((owner, ttl)) = &c.next {
                 match next {
                     None => next = Some((owner, *ttl)),
@@ -779,7 +824,8 @@ impl Store {
                             "(SELECT COUNT(*) FROM r WHERE r.want)",
                             "ARRAY(SELECT id FROM b)"
                         ),
-                        " SELECT (SELECT string_agg(i::text, ',') FROM r) AS closed, n.* \
+                        " SELECT (SELECT string_agg(i::text, ',') FROM r) AS closed, \
+                         (SELECT json_agg(DISTINCT thread_id)::text FROM r) AS closed_threads, n.* \
                          FROM (SELECT 1) o LEFT JOIN n ON true"
                     )
                 ))
@@ -791,6 +837,12 @@ impl Store {
                 .await?)
             })
             .await?;
+        if let Some(row) = rows.first() {
+            let threads: Option<String> = row.try_get("closed_threads")?;
+            for thread in serde_json::from_str::<Vec<String>>(threads.as_deref().unwrap_or("[]")).unwrap_or_default() {
+                self.hub().wake(&thread);
+            }
+        }
         let closed: std::collections::HashSet<usize> = match rows.first() {
             Some(row) => row
                 .try_get::<Option<String>, _>("closed")?
@@ -824,9 +876,12 @@ impl Store {
 
     /// Statement 5: releases the lease without finishing the turn.
     ///
-    /// If this segment made progress (it wrote at least one ledger row under
-    /// its fence), `attempt` is reset to 0 in the same write: `max_attempts`
-    /// bounds consecutive *failed* segments, not the slices of a long turn.
+    /// `attempt` is reset to 0 in the same write: `max_attempts` bounds
+    /// consecutive *failed* segments (a death, a lost lease), and a segment
+    /// that suspends on purpose (`wait-input`, `sleep`, a slice that made
+    /// progress, a shutdown hand-over) did not fail, whether or not it
+    /// wrote a ledger row. (A slice that made no progress is not suspended:
+    /// the executor fails the run as a timeout.)
     pub async fn suspend(&self, lease: &Lease, how: &Suspend) -> Result<RunStatus, StoreError> {
         let (status, delay, prompt) = match how {
             Suspend::WaitInput { prompt } => (RunStatus::WaitingInput, 0, Some(prompt.as_str())),
@@ -840,9 +895,7 @@ impl Store {
                 "UPDATE runs SET status = $4, lease_owner = NULL, lease_expires_at = NULL, \
                  not_before = {now} + $5, \
                  pending_input = CASE WHEN $4 = 'waiting_input' THEN NULL ELSE pending_input END, \
-                 attempt = CASE WHEN EXISTS (SELECT 1 FROM effects e WHERE e.run_id = runs.id \
-                     AND (e.fence_started = $3 OR e.fence_completed = $3)) THEN 0 ELSE attempt END, \
-                 updated_at = {now} \
+                 attempt = 0, updated_at = {now} \
                  WHERE id = $1 AND lease_owner = $2 AND fence = $3 AND status = 'running' \
                  RETURNING thread_id, not_before"
             ))
@@ -860,9 +913,11 @@ impl Store {
             events::append(self, &mut tx, &thread_id, lease.run_id, lease.fence, kind::SUSPENDED, &payload)
                 .await?;
             tx.commit().await?;
-            Ok(status)
+            Ok((status, thread_id))
         })
         .await?;
+        let (status, thread) = status;
+        self.hub().wake(&thread);
         if status == RunStatus::WaitingTakeover {
             self.signal_work(false).await;
         }
@@ -908,6 +963,7 @@ impl Store {
             Ok(run)
         })
         .await?;
+        self.hub().wake(&run.thread_id);
         self.signal_work(true).await;
         Ok(run)
     }
@@ -915,7 +971,7 @@ impl Store {
     /// Statement 6: cancels a run that is not terminal. Bumps the fence, so
     /// every later write of a segment still running fails its guard.
     pub async fn cancel(&self, run_id: i64) -> Result<Run, StoreError> {
-        self.retry(|| async move {
+        let run = self.retry(|| async move {
             let mut tx = self.writer().begin().await?;
             let row = sqlx::query(sql!(
                 self,
@@ -942,6 +998,8 @@ impl Store {
             tx.commit().await?;
             Ok(run)
         })
-        .await
+        .await?;
+        self.hub().wake(&run.thread_id);
+        Ok(run)
     }
 }

@@ -26,6 +26,26 @@ pub enum Completion {
     Failed(String),
 }
 
+/// What a call streamed into the turn's output while it ran (the deltas
+/// of a `model.chat`), recorded with its outcome.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Streamed {
+    /// Emits: how far replay moves the stream position on.
+    pub deltas: i64,
+    /// Their bytes, counted against the turn's emit cap on replay too.
+    pub bytes: i64,
+}
+
+/// The size of a run's ledger and its last row (see
+/// [`Store::ledger_summary`]).
+#[derive(Debug, Clone, Default)]
+pub struct LedgerSummary {
+    pub rows: i64,
+    /// Bytes of names and results.
+    pub bytes: i64,
+    pub last: Option<EffectRow>,
+}
+
 /// A local effect: applied in the host's database in the same transaction
 /// as its `committed` ledger row, so exactly once.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -70,10 +90,10 @@ macro_rules! pg_held_puts {
     ($list:literal, $on:literal) => {
         concat!(
             ", l AS (SELECT * FROM jsonb_to_recordset(", $list, "::text::jsonb) AS \
-             l(i bigint, seq bigint, name text, hash text, emit_pos bigint, ns text, key text, value text)), \
+             l(i bigint, seq bigint, name text, hash text, emit_pos bigint, ns text, key text, value text, ikey text)), \
              w AS (INSERT INTO effects (run_id, seq, name, request_hash, idempotency_key, class, state, \
              result, emit_pos, fence_started, fence_completed, created_at, updated_at) \
-             SELECT r.id, l.seq, l.name, l.hash, r.id || ':' || l.seq, 'local', 'committed', 'null', \
+             SELECT r.id, l.seq, l.name, l.hash, l.ikey, 'local', 'committed', 'null', \
              l.emit_pos, r.fence, r.fence, {now}, {now} FROM r JOIN l ON ", $on, " RETURNING run_id, seq), \
              k AS (INSERT INTO kv (namespace, key, value, updated_at) \
              SELECT DISTINCT ON (l.ns, l.key) l.ns, l.key, l.value, {now} \
@@ -86,16 +106,17 @@ macro_rules! pg_held_puts {
 pub(crate) use pg_held_puts;
 
 /// The JSON list `pg_held_puts!` reads, for one run's puts.
-pub(crate) fn held_puts_json(puts: &[HeldPut]) -> String {
-    serde_json::Value::Array(puts.iter().map(|p| held_put_json(0, p)).collect()).to_string()
+pub(crate) fn held_puts_json(database: &str, run_id: i64, puts: &[HeldPut]) -> String {
+    serde_json::Value::Array(puts.iter().map(|p| held_put_json(0, database, run_id, p)).collect()).to_string()
 }
 
-/// One entry of the list `pg_held_puts!` reads: put `p` of the close at
-/// place `i` in a batch (0 outside one).
-pub(crate) fn held_put_json(i: usize, p: &HeldPut) -> serde_json::Value {
+/// One entry of the list `pg_held_puts!` reads: put `p` of run `run_id`,
+/// the close at place `i` in a batch (0 outside one).
+pub(crate) fn held_put_json(i: usize, database: &str, run_id: i64, p: &HeldPut) -> serde_json::Value {
     serde_json::json!({
         "i": i, "seq": p.call.seq, "name": p.call.name, "hash": p.call.request_hash,
         "emit_pos": p.call.emit_pos, "ns": p.namespace, "key": p.key, "value": p.value,
+        "ikey": idempotency_key(database, run_id, p.call.seq),
     })
 }
 
@@ -134,8 +155,12 @@ async fn kv_put(
     Ok(())
 }
 
-pub fn idempotency_key(run_id: i64, seq: i64) -> String {
-    format!("{run_id}:{seq}")
+/// `<database id>:<run id>:<seq>`: stable across a run's attempts, so a
+/// re-issued request is deduplicated by the remote side, and unique across
+/// databases (the id is random, made by a migration), so two deployments,
+/// or one after a reset, never send the same key.
+pub fn idempotency_key(database: &str, run_id: i64, seq: i64) -> String {
+    format!("{database}:{run_id}:{seq}")
 }
 
 /// Inserts the ledger row for `call` inside the caller's transaction (after
@@ -151,6 +176,7 @@ async fn insert_row(
     result: Option<&str>,
 ) -> Result<EffectRow, StoreError> {
     let completed = (state != EffectState::Started).then_some(lease.fence);
+    let key = idempotency_key(&store.database_id().await?, lease.run_id, call.seq);
     let row = sqlx::query(sql!(
         store,
         "INSERT INTO effects (run_id, seq, name, request_hash, idempotency_key, class, state, \
@@ -162,7 +188,7 @@ async fn insert_row(
     .bind(call.seq)
     .bind(&call.name)
     .bind(&call.request_hash)
-    .bind(idempotency_key(lease.run_id, call.seq))
+    .bind(key)
     .bind(class.as_str())
     .bind(state.as_str())
     .bind(result)
@@ -219,6 +245,8 @@ async fn pg_ledger_row(
     extra: &[Option<&str>],
 ) -> Result<EffectRow, StoreError> {
     let completed = (state != EffectState::Started).then_some(lease.fence);
+    let key = idempotency_key(&store.database_id().await?, lease.run_id, call.seq);
+    let key = key.as_str();
     let row = store
         .retry(|| async move {
             let mut q = sqlx::query(statement)
@@ -228,7 +256,7 @@ async fn pg_ledger_row(
                 .bind(call.seq)
                 .bind(&call.name)
                 .bind(&call.request_hash)
-                .bind(idempotency_key(lease.run_id, call.seq))
+                .bind(key)
                 .bind(class.as_str())
                 .bind(state.as_str())
                 .bind(call.emit_pos)
@@ -281,6 +309,20 @@ impl Store {
         seq: i64,
         completion: &Completion,
     ) -> Result<EffectRow, StoreError> {
+        self.complete_streamed(lease, seq, completion, Streamed::default()).await
+    }
+
+    /// [`Store::complete_effect`] for a call that streamed `streamed` into
+    /// the turn's output (`model.chat`), failed or not: replay moves the
+    /// stream position on by as many.
+    pub async fn complete_streamed(
+        &self,
+        lease: &Lease,
+        seq: i64,
+        completion: &Completion,
+        streamed: Streamed,
+    ) -> Result<EffectRow, StoreError> {
+        let Streamed { deltas, bytes } = streamed;
         let (state, result) = match completion {
             Completion::Committed(r) => (EffectState::Committed, r),
             Completion::Failed(r) => (EffectState::Failed, r),
@@ -295,6 +337,7 @@ impl Store {
                             guarded!(),
                             " RETURNING id), \
                              u AS (UPDATE effects SET state = $5, result = $6, fence_completed = $3, \
+                             deltas = $7, delta_bytes = $8, \
                              updated_at = {now} WHERE run_id IN (SELECT id FROM g) AND seq = $4 \
                              AND state IN ('started','in_doubt') RETURNING *) \
                              SELECT g.id AS guard_run_id, u.* FROM g LEFT JOIN u ON true"
@@ -306,6 +349,8 @@ impl Store {
                     .bind(seq)
                     .bind(state.as_str())
                     .bind(result)
+                    .bind(deltas)
+                    .bind(bytes)
                     .fetch_optional(self.writer())
                     .await?)
                 })
@@ -322,7 +367,8 @@ impl Store {
             guard(self, &mut tx, lease).await?;
             let row = sqlx::query(sql!(
                 self,
-                "UPDATE effects SET state = $3, result = $4, fence_completed = $5, updated_at = {now} \
+                "UPDATE effects SET state = $3, result = $4, fence_completed = $5, deltas = $6, \
+                 delta_bytes = $7, updated_at = {now} \
                  WHERE run_id = $1 AND seq = $2 AND state IN ('started','in_doubt') RETURNING *"
             ))
             .bind(lease.run_id)
@@ -330,6 +376,8 @@ impl Store {
             .bind(state.as_str())
             .bind(result)
             .bind(lease.fence)
+            .bind(deltas)
+            .bind(bytes)
             .fetch_optional(&mut *tx)
             .await?
             .ok_or(StoreError::EffectNotOpen {
@@ -508,6 +556,69 @@ impl Store {
             Ok(n)
         })
         .await
+    }
+
+    /// Up to `limit` ledger rows of a run from position `from` on, in
+    /// order: a resumed segment reads its ledger a page at a time, as its
+    /// replay reaches it.
+    pub async fn effects_page(&self, run_id: i64, from: i64, limit: i64) -> Result<Vec<EffectRow>, StoreError> {
+        let rows = sqlx::query(sql!(
+            self,
+            "SELECT * FROM effects WHERE run_id = $1 AND seq >= $2 ORDER BY seq LIMIT $3"
+        ))
+        .bind(run_id)
+        .bind(from)
+        .bind(limit)
+        .fetch_all(self.pool())
+        .await?;
+        rows.iter().map(EffectRow::from_row).collect()
+    }
+
+    /// Ledger rows of a run after position `after`, in order: at most
+    /// `limit`, and no more than about `max_bytes` of results (always at
+    /// least one). Also returns whether the page was cut short by its size.
+    pub async fn effects_capped(&self, run_id: i64, after: i64, limit: i64, max_bytes: i64) -> Result<(Vec<EffectRow>, bool), StoreError> {
+        use sqlx::Row;
+        let rows = sqlx::query(sql!(
+            self,
+            "SELECT * FROM (SELECT e.*, SUM(COALESCE(LENGTH(e.result), 0) + LENGTH(e.name)) OVER (ORDER BY e.seq) AS running \
+             FROM effects e WHERE e.run_id = $1 AND e.seq > $2 ORDER BY e.seq LIMIT $3) AS p \
+             WHERE p.running - (COALESCE(LENGTH(p.result), 0) + LENGTH(p.name)) < $4 ORDER BY p.seq"
+        ))
+        .bind(run_id)
+        .bind(after)
+        .bind(limit)
+        .bind(max_bytes)
+        .fetch_all(self.pool())
+        .await?;
+        let cut = match rows.last() {
+            Some(last) => last.try_get::<i64, _>("running")? >= max_bytes,
+            None => false,
+        };
+        Ok((rows.iter().map(EffectRow::from_row).collect::<Result<_, _>>()?, cut))
+    }
+
+    /// How large a run's ledger is (rows, and bytes of names and results),
+    /// and its last row: what a resumed segment needs before it replays.
+    pub async fn ledger_summary(&self, run_id: i64) -> Result<LedgerSummary, StoreError> {
+        use sqlx::Row;
+        let totals = sqlx::query(sql!(
+            self,
+            "SELECT COUNT(*) AS n, COALESCE(SUM(LENGTH(name) + COALESCE(LENGTH(result), 0)), 0) AS bytes \
+             FROM effects WHERE run_id = $1"
+        ))
+        .bind(run_id)
+        .fetch_one(self.pool())
+        .await?;
+        let last = sqlx::query(sql!(self, "SELECT * FROM effects WHERE run_id = $1 ORDER BY seq DESC LIMIT 1"))
+            .bind(run_id)
+            .fetch_optional(self.pool())
+            .await?;
+        Ok(LedgerSummary {
+            rows: totals.try_get("n")?,
+            bytes: totals.try_get("bytes")?,
+            last: last.as_ref().map(EffectRow::from_row).transpose()?,
+        })
     }
 
     /// The ledger of a run, by position.

@@ -51,6 +51,7 @@ pub mod plugins;
 pub mod pool;
 pub mod progress;
 pub mod reaper;
+pub mod redact;
 pub mod runtime;
 pub mod store;
 

@@ -18,7 +18,7 @@ use leasehold::plugins::{self, PluginSettings};
 use leasehold::pool::{PoolConfig, WorkerPool};
 use leasehold::reaper::{self, ReaperConfig};
 use leasehold::runtime::{Runtime, RuntimeConfig};
-use leasehold::store::{SqliteSync, Store, StoreError};
+use leasehold::store::{SqliteSync, Store, StoreError, StoreOptions};
 use tokio::sync::watch;
 
 #[derive(Parser)]
@@ -210,7 +210,7 @@ async fn run(cli: Cli) -> Result<()> {
                 submitters,
                 rounds,
                 plugin_file,
-                cache_dir: std::env::temp_dir().join("leasehold-cache"),
+                cache_dir: leasehold::runtime::default_cache_dir(),
                 progress: !quiet,
             };
             let result = bench.run().await;
@@ -258,7 +258,14 @@ async fn serve(cfg: config::Serve) -> Result<()> {
         leasehold::clock::set_skew_ms(cfg.test_clock_skew_ms);
         tracing::warn!(skew_ms = cfg.test_clock_skew_ms, "test setting: this host's wall clock is skewed");
     }
-    let store = connect_with_retry(&cfg.database_url).await?;
+    let options = StoreOptions { sqlite_sync: cfg.sqlite_sync, ..StoreOptions::default() };
+    let store = connect_with_retry(&cfg.database_url, options).await?;
+    if cfg.sqlite_sync == SqliteSync::Normal && store.backend() == leasehold::Backend::Sqlite {
+        tracing::warn!(
+            "--sqlite-synchronous normal: a power loss or OS crash may lose the last commits, \
+             and an unkeyed effect whose started record was lost would be made again"
+        );
+    }
     let mut runtime_config = RuntimeConfig {
         cache_dir: cfg.cache_dir.clone(),
         max_instances: cfg.max_instances,
@@ -285,7 +292,10 @@ async fn serve(cfg: config::Serve) -> Result<()> {
     if model.is_none() {
         tracing::info!("no --model-base-url: model.chat is denied to plugins");
     }
-    let mut exec_config = ExecutorConfig { lease_ttl: cfg.lease_ttl, model, ..ExecutorConfig::default() };
+    // Guests' http never reaches this API unless an allow-list entry names
+    // its port.
+    let mut exec_config =
+        ExecutorConfig { lease_ttl: cfg.lease_ttl, model, reserved: vec![cfg.listen], ..ExecutorConfig::default() };
     if let Some(owner) = &cfg.owner {
         exec_config.owner = owner.clone();
     }
@@ -295,18 +305,15 @@ async fn serve(cfg: config::Serve) -> Result<()> {
 
     let (stop_tx, stop_rx) = watch::channel(false);
     let reaper = tokio::spawn(reaper_loop(store.clone(), cfg.reaper_interval, stop_rx.clone()));
-    let state = AppState {
-        store: store.clone(),
-        runtime,
-        config: Arc::new(ApiConfig {
-            token: cfg.api_token.clone(),
-            max_body_bytes: cfg.max_body_bytes,
-            max_component_bytes: cfg.max_component_bytes,
-            request_timeout: cfg.request_timeout,
-            ..ApiConfig::default()
-        }),
-        shutdown: stop_rx.clone(),
+    let api_config = ApiConfig {
+        token: cfg.api_token.clone(),
+        allowed_hosts: cfg.allowed_hosts.clone(),
+        max_body_bytes: cfg.max_body_bytes,
+        max_component_bytes: cfg.max_component_bytes,
+        request_timeout: cfg.request_timeout,
+        ..ApiConfig::default()
     };
+    let state = AppState::new(store.clone(), runtime, api_config, stop_rx.clone());
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await
         .with_context(|| format!("listening on {}", cfg.listen))?;
@@ -321,11 +328,23 @@ async fn serve(cfg: config::Serve) -> Result<()> {
     tracing::info!(
         listen = %cfg.listen,
         backend = store.backend().name(),
+        database = %store.url_redacted(),
         workers = cfg.workers,
         owner = %owner,
         auth = cfg.api_token.is_some(),
         "leasehold is up"
     );
+    match (&cfg.api_token, &cfg.token_file) {
+        (Some(_), Some(file)) => tracing::info!(
+            token_file = %file.display(),
+            "clients send the API token in this file as Authorization: Bearer …; the CLI reads it from there"
+        ),
+        (Some(_), None) => {}
+        (None, _) => tracing::warn!(
+            listen = %cfg.listen,
+            "--insecure: the API needs no token; anyone who can reach it may submit runs and replace plugins"
+        ),
+    }
     shutdown_signal().await;
     tracing::info!(grace = ?cfg.shutdown_grace, "shutting down: no new claims");
     let _ = stop_tx.send(true);
@@ -342,22 +361,30 @@ async fn serve(cfg: config::Serve) -> Result<()> {
 }
 
 /// Opens the database, retrying with backoff while it is unreachable (a
-/// host may start before its database). Ctrl-C gives up.
-async fn connect_with_retry(url: &str) -> Result<Store> {
+/// host may start before its database). Says at once when it cannot be
+/// reached, and why; never logs its password. Ctrl-C gives up.
+async fn connect_with_retry(url: &str, options: StoreOptions) -> Result<Store> {
+    let shown = leasehold::redact::url(url);
     let mut backoff = Duration::from_millis(500);
     let give_up = shutdown_signal();
     tokio::pin!(give_up);
     loop {
-        match Store::connect(url).await {
+        // One connection first: a pool's connect retries quietly for its
+        // whole acquire timeout before it reports anything.
+        let opened = match Store::probe(url, Duration::from_secs(10)).await {
+            Ok(()) => Store::connect_with(url, options.clone()).await,
+            Err(e) => Err(e),
+        };
+        match opened {
             Ok(store) => return Ok(store),
             Err(e @ (StoreError::Config(_) | StoreError::Migrate(_))) => {
-                return Err(anyhow::Error::new(e).context(format!("opening the database {url}")));
+                return Err(anyhow::Error::new(e).context(format!("opening the database {shown}")));
             }
             Err(e) => {
-                tracing::warn!(database = %url, error = %e, ?backoff, "database unreachable; retrying");
+                tracing::warn!(database = %shown, error = %e, ?backoff, "the database cannot be reached; retrying");
                 tokio::select! {
                     _ = tokio::time::sleep(backoff) => {}
-                    _ = &mut give_up => anyhow::bail!("interrupted while waiting for the database {url}"),
+                    _ = &mut give_up => anyhow::bail!("interrupted while waiting for the database {shown}"),
                 }
                 backoff = (backoff * 2).min(Duration::from_secs(10));
             }

@@ -70,9 +70,11 @@ pub struct Metrics {
     /// Commits that wrote them: under concurrent submits fewer than
     /// `submits` (group commit, see `store::submits`).
     pub submit_commits: AtomicU64,
+    /// Guest `log` lines dropped over a segment's cap.
+    pub guest_log_lines_dropped: AtomicU64,
 }
 
-const GUEST_ERROR_KINDS: [GuestErrorKind; 8] = [
+const GUEST_ERROR_KINDS: [GuestErrorKind; 10] = [
     GuestErrorKind::TurnError,
     GuestErrorKind::Timeout,
     GuestErrorKind::OutOfMemory,
@@ -81,6 +83,8 @@ const GUEST_ERROR_KINDS: [GuestErrorKind; 8] = [
     GuestErrorKind::NonDeterminism,
     GuestErrorKind::HostCalls,
     GuestErrorKind::UnknownPlugin,
+    GuestErrorKind::Limit,
+    GuestErrorKind::LedgerTooLarge,
 ];
 
 /// The process-wide metrics.
@@ -103,6 +107,13 @@ impl Metrics {
     /// The exposition text: this process's counters plus the database's
     /// gauges.
     pub async fn render(&self, store: &Store) -> Result<String, StoreError> {
+        let mut out = self.render_counters();
+        out.push_str(&self.render_gauges(store).await?);
+        Ok(out)
+    }
+
+    /// This process's counters and histograms.
+    pub fn render_counters(&self) -> String {
         let mut out = String::new();
         let counter = |out: &mut String, name: &str, help: &str, v: &AtomicU64| {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}", v.load(Relaxed));
@@ -139,6 +150,12 @@ impl Metrics {
             let _ = writeln!(out, "leasehold_guest_errors_total{{kind=\"{}\"}} {}", kind.as_str(), self.guest_errors[i].load(Relaxed));
         }
         counter(&mut out, "leasehold_http_requests_total", "API requests served by this host.", &self.http_requests);
+        counter(
+            &mut out,
+            "leasehold_guest_log_lines_dropped_total",
+            "Guest log lines dropped over a segment's cap.",
+            &self.guest_log_lines_dropped,
+        );
         counter(&mut out, "leasehold_submits_total", "Submits written by this host.", &self.submits);
         counter(
             &mut out,
@@ -146,7 +163,13 @@ impl Metrics {
             "Commits that wrote them (concurrent submits share one).",
             &self.submit_commits,
         );
+        out
+    }
 
+    /// The gauges read from the database: runs by status, ledger rows by
+    /// state. Two `GROUP BY` scans: the API caches them.
+    pub async fn render_gauges(&self, store: &Store) -> Result<String, StoreError> {
+        let mut out = String::new();
         let rows = sqlx::query(sql!(store, "SELECT status, COUNT(*) AS n FROM runs GROUP BY status"))
             .fetch_all(store.pool())
             .await?;

@@ -118,34 +118,41 @@ pub async fn load_dir(
     Ok(loaded)
 }
 
-/// The plugin `name` at `digest` (any digest when empty): from the runtime,
-/// or else loaded from the database and compiled. `None`: not registered.
+/// The plugin `name` at `digest`, the version a run was submitted with
+/// (the current version when `digest` is empty): from the runtime, or else
+/// loaded from the database and compiled. A run never runs another version
+/// than its own: its ledger was recorded against that code. `None`: that
+/// version is not registered. The plugin's settings (its allow-list) are
+/// today's, whatever the version.
 pub async fn resolve(
     store: &Store,
     runtime: &Arc<Runtime>,
     name: &str,
     digest: &str,
 ) -> Result<Option<Arc<Plugin>>, RegisterError> {
-    let loaded = runtime.plugin(name);
-    if let Some(p) = &loaded
-        && (digest.is_empty() || p.digest == digest)
-    {
-        return Ok(loaded);
+    if digest.is_empty() {
+        if let Some(p) = runtime.plugin(name) {
+            return Ok(Some(p));
+        }
+        let Some((bytes, settings)) = store.plugin_component(name).await? else {
+            return Ok(None);
+        };
+        let limits = settings.limits(runtime.default_limits());
+        return Ok(Some(compile(runtime, name, bytes, limits).await?));
     }
-    // The run names another version. Reload only if the registry's current
-    // version is not the one loaded (a run submitted before an update runs
-    // the current version, without recompiling on every segment).
-    let current = store.plugin_digest(name).await?;
-    if let (Some(p), Some(current)) = (&loaded, &current)
-        && p.digest == *current
-    {
-        return Ok(loaded);
+    if let Some(p) = runtime.version(name, digest) {
+        return Ok(Some(p));
     }
-    let Some((bytes, settings)) = store.plugin_component(name).await? else {
+    let Some(bytes) = store.plugin_version(name, digest).await? else {
         return Ok(None);
     };
+    let settings = store.plugin_settings(name).await?.map(|(_, s)| s).unwrap_or_default();
     let limits = settings.limits(runtime.default_limits());
-    Ok(Some(compile(runtime, name, bytes, limits).await?))
+    let (rt, n) = (runtime.clone(), name.to_string());
+    let plugin = tokio::task::spawn_blocking(move || rt.load_version(&n, &bytes, limits))
+        .await
+        .map_err(|e| PluginError::Invalid(format!("compiler task failed: {e}")))??;
+    Ok(Some(plugin))
 }
 
 impl Store {
@@ -158,6 +165,19 @@ impl Store {
     ) -> Result<(), StoreError> {
         let settings = serde_json::to_string(settings).map_err(|e| StoreError::Corrupt(e.to_string()))?;
         self.retry(|| async {
+            // The version first: a run submitted with the new current
+            // digest must find its component.
+            let mut tx = self.writer().begin().await?;
+            sqlx::query(sql!(
+                self,
+                "INSERT INTO plugin_versions (name, digest, component, created_at) VALUES ($1, $2, $3, {now}) \
+                 ON CONFLICT (name, digest) DO NOTHING"
+            ))
+            .bind(name)
+            .bind(digest)
+            .bind(component.to_vec())
+            .execute(&mut *tx)
+            .await?;
             sqlx::query(sql!(
                 self,
                 "INSERT INTO plugins (name, digest, component, settings, created_at, updated_at) \
@@ -169,11 +189,21 @@ impl Store {
             .bind(digest)
             .bind(component.to_vec())
             .bind(&settings)
-            .execute(self.writer())
+            .execute(&mut *tx)
             .await?;
+            tx.commit().await?;
             Ok(())
         })
         .await
+    }
+
+    /// The component of version `digest` of plugin `name`, if registered.
+    pub async fn plugin_version(&self, name: &str, digest: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        Ok(sqlx::query_scalar(sql!(self, "SELECT component FROM plugin_versions WHERE name = $1 AND digest = $2"))
+            .bind(name)
+            .bind(digest)
+            .fetch_optional(self.pool())
+            .await?)
     }
 
     pub async fn list_plugins(&self) -> Result<Vec<PluginInfo>, StoreError> {
@@ -207,7 +237,7 @@ impl Store {
     }
 
     /// The digest and settings of plugin `name`, if registered.
-    async fn plugin_settings(&self, name: &str) -> Result<Option<(String, PluginSettings)>, StoreError> {
+    pub async fn plugin_settings(&self, name: &str) -> Result<Option<(String, PluginSettings)>, StoreError> {
         let row = sqlx::query(sql!(self, "SELECT digest, settings FROM plugins WHERE name = $1"))
             .bind(name)
             .fetch_optional(self.pool())

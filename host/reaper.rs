@@ -35,10 +35,30 @@ pub struct ReapReport {
     /// Candidates that changed under the reaper (claimed, closed, cancelled)
     /// before it could act; it left them alone.
     pub raced: u64,
+    /// Candidates whose row another session held locked past the lock
+    /// timeout (PostgreSQL: a frozen host's statement); left for a later
+    /// tick, so one frozen host cannot stall the reaper.
+    pub locked: u64,
 }
 
-/// The message written when a run is given up.
-pub const ABORT_ERROR: &str = "lease expired with no attempts left";
+/// Why a run is given up, in an operator's words: how many segments in a
+/// row failed against `max_attempts`, and what the last one was doing.
+fn abort_error(attempt: i64, max_attempts: i64, last: Option<(&str, i64)>, in_flight: Option<(i64, &str)>) -> String {
+    let segments = if attempt == 1 { "segment" } else { "segments" };
+    let mut error = format!(
+        "aborted after {attempt} {segments} in a row ended without finishing (max_attempts is {max_attempts})"
+    );
+    if let Some((owner, fence)) = last {
+        error.push_str(&format!(
+            ": the last one, on {owner} with fence {fence}, stopped renewing its lease \
+             (its host died, froze or lost its database)"
+        ));
+    }
+    if let Some((seq, name)) = in_flight {
+        error.push_str(&format!("; call {seq} ({name}) was in flight and may or may not have happened"));
+    }
+    error
+}
 
 /// Runs one reaper pass over up to `config.batch` candidates.
 ///
@@ -71,7 +91,13 @@ pub async fn tick(store: &Store, config: &ReaperConfig) -> Result<ReapReport, St
         let id: i64 = row.try_get("id")?;
         let fence: i64 = row.try_get("fence")?;
         let status: String = row.try_get("status")?;
-        reap_run(store, id, fence, status.parse()?, &mut report).await?;
+        match reap_run(store, id, fence, status.parse()?, &mut report).await {
+            Err(e) if crate::store::is_lock_timeout(&e) => {
+                tracing::warn!(run_id = id, "reaper: the run's row is locked by another session; trying it next tick");
+                report.locked += 1;
+            }
+            other => other?,
+        }
     }
     if !report.aborted.is_empty() || report.in_doubt > 0 {
         tracing::info!(
@@ -97,7 +123,7 @@ pub async fn reap_run(
 ) -> Result<(), StoreError> {
     let outcome = store
         .retry(|| async move {
-            let mut tx = store.writer().begin().await?;
+            let mut tx = store.maint().begin().await?;
             // Re-check the candidate under the write lock, at the fence we
             // observed. A no-op write, so that it locks (PostgreSQL: the row;
             // SQLite: the database) before anything else is read.
@@ -106,7 +132,7 @@ pub async fn reap_run(
                 "UPDATE runs SET fence = fence WHERE id = $1 AND fence = $2 AND status = $3 \
                  AND ((status = 'running' AND lease_expires_at < {now}) \
                       OR (status <> 'running' AND attempt >= max_attempts)) \
-                 RETURNING attempt, max_attempts, partial, thread_id"
+                 RETURNING attempt, max_attempts, partial, thread_id, lease_owner"
             ))
             .bind(id)
             .bind(fence)
@@ -120,6 +146,20 @@ pub async fn reap_run(
             let max_attempts: i64 = row.try_get("max_attempts")?;
             let partial: String = row.try_get("partial")?;
             let thread_id: String = row.try_get("thread_id")?;
+            let owner: Option<String> = row.try_get("lease_owner")?;
+            let aborted = attempt >= max_attempts;
+            // What the dead segment left in flight, for the abort's message.
+            let in_flight: Option<(i64, String)> = if aborted && status == RunStatus::Running {
+                sqlx::query_as(sql!(
+                    store,
+                    "SELECT seq, name FROM effects WHERE run_id = $1 AND state = 'started' ORDER BY seq DESC LIMIT 1"
+                ))
+                .bind(id)
+                .fetch_optional(&mut *tx)
+                .await?
+            } else {
+                None
+            };
 
             // Reconcile first: whatever the dead segment started is now in doubt.
             let in_doubt = sqlx::query(sql!(
@@ -133,29 +173,36 @@ pub async fn reap_run(
             .await?
             .rows_affected();
 
-            let aborted = attempt >= max_attempts;
             if aborted {
+                let last = owner.as_deref().filter(|_| status == RunStatus::Running).map(|o| (o, fence));
+                let error = abort_error(attempt, max_attempts, last, in_flight.as_ref().map(|(s, n)| (*s, n.as_str())));
+                // An empty partial salvages nothing: no output.
+                let output = (!partial.is_empty()).then_some(partial.as_str());
                 sqlx::query(sql!(
                     store,
-                    "UPDATE runs SET status = 'aborted', output = partial, error = $3, \
+                    "UPDATE runs SET status = 'aborted', output = $4, error = $3, \
                      lease_owner = NULL, lease_expires_at = NULL, finished_at = {now}, updated_at = {now} \
                      WHERE id = $1 AND fence = $2"
                 ))
                 .bind(id)
                 .bind(fence)
-                .bind(ABORT_ERROR)
+                .bind(&error)
+                .bind(output)
                 .execute(&mut *tx)
                 .await?;
-                let payload = json!({ "status": RunStatus::Aborted, "output": partial, "error": ABORT_ERROR });
+                let payload = json!({ "status": RunStatus::Aborted, "output": output, "error": error });
                 events::append(store, &mut tx, &thread_id, id, fence, kind::MESSAGE, &payload).await?;
             }
             tx.commit().await?;
-            Ok(Some((aborted, in_doubt)))
+            Ok(Some((aborted, in_doubt, thread_id)))
         })
         .await?;
     match outcome {
         None => report.raced += 1,
-        Some((aborted, in_doubt)) => {
+        Some((aborted, in_doubt, thread)) => {
+            if aborted {
+                store.hub().wake(&thread);
+            }
             report.in_doubt += in_doubt;
             if aborted {
                 report.aborted.push(id);

@@ -26,15 +26,24 @@ impl ApiError {
     pub fn not_found(message: impl Into<String>) -> ApiError {
         ApiError::new(StatusCode::NOT_FOUND, "not_found", message)
     }
+    /// 503 with `Retry-After`: the host is at a cap; try again shortly.
+    pub fn busy(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "busy", message)
+    }
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        if self.status.is_server_error() {
+        if self.status.is_server_error() && self.code != "busy" {
             tracing::error!(code = self.code, message = %self.message, "request failed");
         }
         let body = json!({ "error": { "code": self.code, "message": self.message } });
-        (self.status, Json(body)).into_response()
+        let busy = self.code == "busy";
+        let mut response = (self.status, Json(body)).into_response();
+        if busy {
+            response.headers_mut().insert(axum::http::header::RETRY_AFTER, axum::http::HeaderValue::from_static("5"));
+        }
+        response
     }
 }
 

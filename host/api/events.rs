@@ -2,6 +2,11 @@
 //! `Accept: text/event-stream`, as a live stream of server-sent events
 //! resumable with `Last-Event-ID`. Each event's SSE `id` is its sequence
 //! number in the thread and its data carries the run id and fence.
+//!
+//! An open stream reads the database only when its thread has new events:
+//! this host's writes wake it in process ([`crate::store::hub`]), and one
+//! task per host looks for other hosts' events on every watched thread at
+//! once ([`watch_other_hosts`]). Streams are capped in number.
 
 use std::convert::Infallible;
 
@@ -13,8 +18,12 @@ use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
+use std::time::Duration;
+
+use tokio::sync::watch;
+
 use super::{ApiError, AppState, Params, QueryParams};
-use crate::store::Event;
+use crate::store::{Event, Store};
 
 /// Events per database read.
 const PAGE: i64 = 500;
@@ -62,32 +71,80 @@ pub async fn events(
         if !(1..=10_000).contains(&limit) {
             return Err(ApiError::bad_request("limit must be between 1 and 10000"));
         }
-        let events = s.store.events_after(&thread, after, limit).await?;
+        let events = s.store.events_page(&thread, after, limit, s.config.max_page_bytes).await?;
         return Ok(Json(json!({ "events": events.iter().map(to_json).collect::<Vec<_>>() })).into_response());
     }
-    let stream = futures::stream::unfold((s, thread, after, Vec::<Event>::new()), |(s, thread, mut after, mut buf)| async move {
+    let Ok(permit) = s.streams.clone().try_acquire_owned() else {
+        return Ok(super::busy(
+            format!("this host has {} event streams open, its cap; try again shortly", s.config.max_streams),
+        ));
+    };
+    let stream = async_stream(s, thread, after, permit);
+    Ok(Sse::new(stream).keep_alive(KeepAlive::default()).into_response())
+}
+
+/// The events of `thread` after `after`, as they are written, until
+/// shutdown. Holds its stream's `permit`.
+fn async_stream(
+    s: AppState,
+    thread: String,
+    after: i64,
+    permit: tokio::sync::OwnedSemaphorePermit,
+) -> impl futures::Stream<Item = Result<SseEvent, Infallible>> {
+    let (tx, rx) = tokio::sync::mpsc::channel::<SseEvent>(16);
+    tokio::spawn(async move {
+        let _permit = permit;
+        let mut watch = s.store.hub().watch(&thread);
+        let mut after = after;
+        let mut shutdown = s.shutdown.clone();
         loop {
-            if let Some(e) = (!buf.is_empty()).then(|| buf.remove(0)) {
-                after = e.seq;
-                let sse = SseEvent::default().id(e.seq.to_string()).event(e.kind.clone()).data(to_json(&e).to_string());
-                return Some((Ok::<_, Infallible>(sse), (s, thread, after, buf)));
+            if *shutdown.borrow() {
+                return;
             }
-            if *s.shutdown.borrow() {
-                return None;
-            }
-            match s.store.events_after(&thread, after, PAGE).await {
-                Ok(events) if !events.is_empty() => buf = events,
-                Ok(_) => {}
-                Err(e) => tracing::warn!(error = %e, "event stream read failed; retrying"),
-            }
-            if buf.is_empty() {
-                let mut shutdown = s.shutdown.clone();
-                tokio::select! {
-                    _ = tokio::time::sleep(s.config.stream_poll) => {}
-                    _ = shutdown.changed() => {}
+            match s.store.events_page(&thread, after, PAGE, s.config.max_page_bytes).await {
+                Ok(events) if !events.is_empty() => {
+                    for e in events {
+                        after = e.seq;
+                        let sse = SseEvent::default().id(e.seq.to_string()).event(e.kind.clone()).data(to_json(&e).to_string());
+                        if tx.send(sse).await.is_err() {
+                            return; // the reader went away
+                        }
+                    }
+                    continue;
                 }
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::warn!(error = %e, "event stream read failed; retrying");
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                    continue;
+                }
+            }
+            tokio::select! {
+                _ = watch.changed() => {}
+                _ = shutdown.changed() => {}
+                _ = tx.closed() => return,
             }
         }
     });
-    Ok(Sse::new(stream).keep_alive(KeepAlive::default()).into_response())
+    futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|e| (Ok(e), rx)) })
+}
+
+/// Looks, every `every`, for events other hosts wrote to the threads this
+/// host's streams watch, in one query for all of them, and wakes the
+/// streams of those that moved on. Ends at shutdown.
+pub(crate) async fn watch_other_hosts(store: Store, every: Duration, mut shutdown: watch::Receiver<bool>) {
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(every) => {}
+            _ = shutdown.wait_for(|s| *s) => return,
+        }
+        let watched = store.hub().watched();
+        if watched.is_empty() {
+            continue;
+        }
+        match store.thread_heads(&watched).await {
+            Ok(heads) => store.hub().heads(&heads),
+            Err(e) => tracing::debug!(error = %e, "reading thread heads failed; retrying"),
+        }
+    }
 }

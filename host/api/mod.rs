@@ -1,9 +1,18 @@
 //! The HTTP API (DESIGN.md §7), on axum. JSON in and out; every error is
 //! `{"error": {"code", "message"}}`. See the README for the endpoint table.
 //!
-//! Every `/v1` route needs `Authorization: Bearer <token>` when a token is
-//! configured. Bodies are capped (JSON: 1 MiB by default, components: 64 MiB)
+//! Every `/v1` route and `/metrics` need `Authorization: Bearer <token>`
+//! when a token is configured (`leasehold serve` configures one by
+//! default). Bodies are capped (JSON: 1 MiB by default, components: 64 MiB)
 //! and requests time out (30 s by default; event streams are exempt).
+//!
+//! The front door, for callers the operator did not choose (another web
+//! page in the operator's browser, a DNS-rebinding page): a `POST` must say
+//! `Content-Type: application/json` (415 otherwise), which a cross-site
+//! form or simple request cannot without a preflight, and no CORS headers
+//! are ever sent; the `Host` header must be an IP address, `localhost` or
+//! a configured name (421 otherwise), since a rebinding page's own name is
+//! none of those.
 
 mod error;
 mod events;
@@ -24,23 +33,43 @@ use serde::de::DeserializeOwned;
 use tokio::sync::watch;
 
 pub use self::error::ApiError;
+use crate::redact::Secret;
 use crate::runtime::Runtime;
 use crate::store::Store;
 
 /// API settings. Every field documents its default.
 #[derive(Debug, Clone)]
 pub struct ApiConfig {
-    /// Required as `Authorization: Bearer …` on `/v1` when set. Default: none.
-    pub token: Option<String>,
+    /// Required as `Authorization: Bearer …` on `/v1` and `/metrics` when
+    /// set. Default: none. Never printed.
+    pub token: Option<Secret>,
+    /// Names (`name` or `name:port`) the `Host` header may carry besides IP
+    /// addresses and `localhost`: the names clients reach this API by (a
+    /// reverse proxy's). Default: none.
+    pub allowed_hosts: Vec<String>,
     /// Largest JSON body. Default: 1 MiB.
     pub max_body_bytes: usize,
     /// Largest component upload. Default: 64 MiB.
     pub max_component_bytes: usize,
     /// Per-request timeout (not for event streams). Default: 30 s.
     pub request_timeout: Duration,
-    /// How often an event stream looks for events written by other hosts.
-    /// Default: 250 ms.
+    /// How often the host looks for events other hosts wrote to the
+    /// threads its event streams watch (one query for all of them; its
+    /// own writes wake them at once). Default: 500 ms.
     pub stream_poll: Duration,
+    /// Event streams open at once; one more is refused with 503 and
+    /// `Retry-After`. Default: 256.
+    pub max_streams: usize,
+    /// Bytes of rows one list, ledger or events page carries (at least one
+    /// row); past it the page ends early with a cursor. Default: 1 MiB.
+    pub max_page_bytes: i64,
+    /// How long `/metrics` reuses the gauges it read from the database
+    /// (runs by status, ledger rows by state); counters are always live.
+    /// Default: 10 s.
+    pub metrics_ttl: Duration,
+    /// Plugin uploads compiling at once; one more is refused with 503 and
+    /// `Retry-After`. Default: 2.
+    pub max_uploads: usize,
 }
 
 impl Default for ApiConfig {
@@ -50,7 +79,12 @@ impl Default for ApiConfig {
             max_body_bytes: 1 << 20,
             max_component_bytes: 64 << 20,
             request_timeout: Duration::from_secs(30),
-            stream_poll: Duration::from_millis(250),
+            stream_poll: Duration::from_millis(500),
+            max_streams: 256,
+            max_page_bytes: 1 << 20,
+            metrics_ttl: Duration::from_secs(10),
+            max_uploads: 2,
+            allowed_hosts: Vec::new(),
         }
     }
 }
@@ -62,10 +96,33 @@ pub struct AppState {
     pub config: Arc<ApiConfig>,
     /// Turns true at shutdown: event streams end.
     pub shutdown: watch::Receiver<bool>,
+    /// Event streams open ([`ApiConfig::max_streams`]).
+    pub(crate) streams: Arc<tokio::sync::Semaphore>,
+    /// Plugin uploads compiling ([`ApiConfig::max_uploads`]).
+    pub(crate) uploads: Arc<tokio::sync::Semaphore>,
+    /// `/metrics`' gauges, read at most every [`ApiConfig::metrics_ttl`].
+    gauges: Arc<tokio::sync::Mutex<Option<(std::time::Instant, String)>>>,
 }
 
+impl AppState {
+    pub fn new(store: Store, runtime: Arc<Runtime>, config: ApiConfig, shutdown: watch::Receiver<bool>) -> AppState {
+        AppState {
+            store,
+            runtime,
+            streams: Arc::new(tokio::sync::Semaphore::new(config.max_streams)),
+            uploads: Arc::new(tokio::sync::Semaphore::new(config.max_uploads.max(1))),
+            config: Arc::new(config),
+            shutdown,
+            gauges: Arc::default(),
+        }
+    }
+}
+
+/// The API's router. Also starts the task that looks for other hosts'
+/// events on the threads this host's streams watch, until shutdown.
 pub fn router(state: AppState) -> Router {
     let config = state.config.clone();
+    tokio::spawn(events::watch_other_hosts(state.store.clone(), config.stream_poll, state.shutdown.clone()));
     let timed = Router::new()
         .route("/v1/plugins", get(plugins::list))
         .route(
@@ -81,15 +138,68 @@ pub fn router(state: AppState) -> Router {
     Router::new()
         .merge(timed)
         .route("/v1/threads/{id}/events", get(events::events))
+        .route("/metrics", get(metrics))
         .layer(middleware::from_fn_with_state(state.clone(), auth))
         .route("/healthz", get(healthz))
-        .route("/metrics", get(metrics))
         .fallback(|| async { ApiError::not_found("no such endpoint") })
         .method_not_allowed_fallback(|| async {
             ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed", "method not allowed here")
         })
+        .layer(middleware::from_fn_with_state(state.clone(), front_door))
         .layer(DefaultBodyLimit::max(config.max_body_bytes))
         .with_state(state)
+}
+
+/// Refuses what another web page could send (see the module's doc): a
+/// `Host` that names neither an IP address, `localhost` nor a configured
+/// name (421), and a `POST` without a JSON content type (415).
+async fn front_door(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    let host = req.headers().get(header::HOST).and_then(|v| v.to_str().ok()).or_else(|| req.uri().host());
+    match host {
+        None => return ApiError::bad_request("the request has no Host header").into_response(),
+        Some(host) if !host_allowed(host, &state.config.allowed_hosts) => {
+            return ApiError::new(
+                StatusCode::MISDIRECTED_REQUEST,
+                "misdirected",
+                format!(
+                    "this API does not answer to the name {host:?}: use its IP address or localhost, \
+                     or add the name with --allowed-host"
+                ),
+            )
+            .into_response();
+        }
+        Some(_) => {}
+    }
+    if req.method() == axum::http::Method::POST {
+        let json = req
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.split(';').next())
+            .is_some_and(|v| v.trim().eq_ignore_ascii_case("application/json"));
+        if !json {
+            return ApiError::new(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "unsupported_media_type",
+                "a POST must have Content-Type: application/json",
+            )
+            .into_response();
+        }
+    }
+    next.run(req).await
+}
+
+/// Whether a `Host` header (`name`, `name:port`, `[v6]:port`) names this
+/// API: an IP address (a DNS-rebinding page can only use a name),
+/// `localhost`, or one of `allowed` (with or without its port).
+pub fn host_allowed(host: &str, allowed: &[String]) -> bool {
+    let name = match host.strip_prefix('[') {
+        Some(v6) => return v6.split_once(']').is_some_and(|(ip, _)| ip.parse::<std::net::Ipv6Addr>().is_ok()),
+        None => host.rsplit_once(':').filter(|(_, p)| p.parse::<u16>().is_ok()).map_or(host, |(n, _)| n),
+    };
+    name.parse::<std::net::Ipv4Addr>().is_ok()
+        || name.eq_ignore_ascii_case("localhost")
+        || allowed.iter().any(|a| a.eq_ignore_ascii_case(host) || a.eq_ignore_ascii_case(name))
 }
 
 async fn auth(State(state): State<AppState>, req: Request, next: Next) -> Response {
@@ -101,9 +211,13 @@ async fn auth(State(state): State<AppState>, req: Request, next: Next) -> Respon
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "));
         // Constant-time compare: the token must not leak through timing.
-        if !given.is_some_and(|g| constant_time_eq(g.as_bytes(), token.as_bytes())) {
-            return ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", "missing or wrong bearer token")
-                .into_response();
+        if !given.is_some_and(|g| constant_time_eq(g.as_bytes(), token.expose().as_bytes())) {
+            let message = if given.is_some() {
+                "wrong bearer token"
+            } else {
+                "this API needs a token: send Authorization: Bearer <token> (leasehold serve wrote it to its token file)"
+            };
+            return ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", message).into_response();
         }
     }
     next.run(req).await
@@ -127,9 +241,27 @@ async fn healthz(State(state): State<AppState>) -> Response {
     }
 }
 
+/// Counters, live; the gauges the database holds, cached (see
+/// [`ApiConfig::metrics_ttl`]), so a scrape costs no table scan.
 async fn metrics(State(state): State<AppState>) -> Result<Response, ApiError> {
-    let text = crate::metrics::global().render(&state.store).await?;
+    let metrics = crate::metrics::global();
+    let mut text = metrics.render_counters();
+    {
+        let mut gauges = state.gauges.lock().await;
+        let fresh = gauges.as_ref().is_some_and(|(at, _)| at.elapsed() < state.config.metrics_ttl);
+        if !fresh {
+            *gauges = Some((std::time::Instant::now(), metrics.render_gauges(&state.store).await?));
+        }
+        if let Some((_, g)) = gauges.as_ref() {
+            text.push_str(g);
+        }
+    }
     Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response())
+}
+
+/// A 503 that says when to try again.
+pub(crate) fn busy(message: impl Into<String>) -> Response {
+    ApiError::busy(message).into_response()
 }
 
 /// A JSON body whose errors are API errors: 400 for malformed JSON or a

@@ -28,6 +28,13 @@ pub async fn put(
     if !crate::plugins::valid_name(&name) {
         return Err(crate::plugins::RegisterError::BadName(name).into());
     }
+    // Compiling is the costliest thing a caller can ask for: a few at once.
+    let Ok(permit) = s.uploads.clone().try_acquire_owned() else {
+        return Err(ApiError::busy(format!(
+            "{} plugin uploads are compiling, this host's cap; try again shortly",
+            s.config.max_uploads
+        )));
+    };
     let bytes = body_bytes(req, &()).await?;
     if bytes.is_empty() {
         return Err(ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_component", "the body is empty"));
@@ -44,7 +51,15 @@ pub async fn put(
         return Err(ApiError::bad_request("http_allow entries must be host or host:port"));
     }
     let settings = PluginSettings { http_allow };
-    let plugin = crate::plugins::register(&s.store, &s.runtime, &name, bytes.to_vec(), settings).await?;
+    // Its own task, holding the permit: an upload whose caller went away
+    // still counts against the cap until its compilation ends.
+    let (store, runtime, n) = (s.store.clone(), s.runtime.clone(), name.clone());
+    let plugin = tokio::spawn(async move {
+        let _permit = permit;
+        crate::plugins::register(&store, &runtime, &n, bytes.to_vec(), settings).await
+    })
+    .await
+    .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", format!("the upload task failed: {e}")))??;
     tracing::info!(plugin = %name, digest = %plugin.digest, "plugin registered");
     Ok((StatusCode::CREATED, Json(json!({ "name": name, "digest": plugin.digest }))))
 }

@@ -89,7 +89,8 @@ pub struct ListQuery {
 }
 
 /// `GET /v1/runs?status=&plugin=&limit=&cursor=`: newest first, at most
-/// `limit` (default 50, at most 1000); `next_cursor` pages on.
+/// `limit` (default 50, at most 1000) and about `max_page_bytes`;
+/// `next_cursor` pages on.
 pub async fn list(State(s): State<AppState>, QueryParams(q): QueryParams<ListQuery>) -> Result<Json<Value>, ApiError> {
     let status = match q.status.as_deref() {
         None | Some("") => None,
@@ -107,8 +108,9 @@ pub async fn list(State(s): State<AppState>, QueryParams(q): QueryParams<ListQue
     if plugin.is_some_and(|p| p.contains('\0')) {
         return Err(ApiError::bad_request("plugin must not contain NUL characters"));
     }
-    let runs = s.store.list_runs(status, plugin, q.cursor, limit).await?;
-    let next = (runs.len() as i64 == limit).then(|| runs.last().map(|r| r.id)).flatten();
+    let (runs, cut) = s.store.runs_page(status, plugin, q.cursor, limit, s.config.max_page_bytes).await?;
+    // A page ends early when its rows reach the byte cap; the cursor pages on.
+    let next = (runs.len() as i64 == limit || cut).then(|| runs.last().map(|r| r.id)).flatten();
     Ok(Json(json!({ "runs": runs, "next_cursor": next })))
 }
 
@@ -148,9 +150,27 @@ pub async fn cancel(State(s): State<AppState>, Params(id): Params<i64>) -> Resul
     Ok(Json(run).into_response())
 }
 
-/// `GET /v1/runs/{id}/effects`: the ledger rows, by seq.
-pub async fn effects(State(s): State<AppState>, Params(id): Params<i64>) -> Result<Json<Value>, ApiError> {
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EffectsQuery {
+    after: Option<i64>,
+    limit: Option<i64>,
+}
+
+/// `GET /v1/runs/{id}/effects?after=&limit=`: the ledger rows after seq
+/// `after`, by seq: at most `limit` (default 1000, at most 10000) and
+/// about `max_page_bytes`; `next_after` pages on.
+pub async fn effects(
+    State(s): State<AppState>,
+    Params(id): Params<i64>,
+    QueryParams(q): QueryParams<EffectsQuery>,
+) -> Result<Json<Value>, ApiError> {
+    let limit = q.limit.unwrap_or(1000);
+    if !(1..=10_000).contains(&limit) {
+        return Err(ApiError::bad_request("limit must be between 1 and 10000"));
+    }
     s.store.get_run(id).await?;
-    let rows = s.store.effects(id).await?;
-    Ok(Json(json!({ "effects": rows })))
+    let (rows, cut) = s.store.effects_capped(id, q.after.unwrap_or(-1), limit, s.config.max_page_bytes).await?;
+    let next = (rows.len() as i64 == limit || cut).then(|| rows.last().map(|r| r.seq)).flatten();
+    Ok(Json(json!({ "effects": rows, "next_after": next })))
 }

@@ -4,7 +4,9 @@
 //!
 //! Requests (JSON): `kv.get {"key": K}` returns the stored JSON value or
 //! `null`; `kv.put {"key": K, "value": V}` stores any JSON `V` and returns
-//! `null`. Keys are non-empty strings of at most 512 bytes, without NUL.
+//! `null`. Keys are non-empty strings of at most 512 bytes, without NUL;
+//! values are at most the plugin's `max_kv_value_bytes` (64 KiB by
+//! default), since every `kv.get` of one records it in the ledger.
 
 use serde::Deserialize;
 
@@ -26,7 +28,7 @@ struct Put {
     value: serde_json::Value,
 }
 
-pub fn op(name: &str, request: &str, namespace: &str) -> Result<LocalOp, EffectError> {
+pub fn op(name: &str, request: &str, namespace: &str, max_value: usize) -> Result<LocalOp, EffectError> {
     let bad = |e: serde_json::Error| EffectError::Failed(format!("{name}: bad request: {e}"));
     let (key, op) = match name {
         "kv.get" => {
@@ -35,11 +37,15 @@ pub fn op(name: &str, request: &str, namespace: &str) -> Result<LocalOp, EffectE
         }
         _ => {
             let Put { key, value } = serde_json::from_str(request).map_err(bad)?;
-            let op = LocalOp::KvPut {
-                namespace: namespace.to_string(),
-                key: key.clone(),
-                value: value.to_string(),
-            };
+            let value = value.to_string();
+            // A value is read back into the ledger by every kv.get of it.
+            if value.len() > max_value {
+                return Err(EffectError::Failed(format!(
+                    "{name}: a value of {} bytes is over the {max_value}-byte cap",
+                    value.len()
+                )));
+            }
+            let op = LocalOp::KvPut { namespace: namespace.to_string(), key: key.clone(), value };
             (key, op)
         }
     };

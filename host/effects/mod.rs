@@ -23,7 +23,7 @@ pub enum Effect {
 }
 
 /// A remote effect, checked and ready to perform.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub enum Remote {
     Http { name: &'static str, class: EffectClass, request: http::HttpRequest },
     Chat { request: model::ChatRequest },
@@ -36,6 +36,36 @@ impl Remote {
             Remote::Chat { .. } => EffectClass::Keyed,
         }
     }
+
+    /// The same effect, to try again under the same key.
+    pub fn again(&self) -> Remote {
+        self.clone()
+    }
+}
+
+/// Why a remote effect gave no result.
+#[derive(Debug)]
+pub enum RemoteFailure {
+    /// A result the guest sees (and the ledger records).
+    Effect(EffectError),
+    /// A re-issue answered "in progress" (`409`, `425`): a deduplicating
+    /// server is still working on the dead segment's request with this key.
+    /// Not a result: the host tries again, or leaves the call in doubt. The
+    /// answer, for messages.
+    InProgress(String),
+}
+
+impl From<EffectError> for RemoteFailure {
+    fn from(e: EffectError) -> RemoteFailure {
+        RemoteFailure::Effect(e)
+    }
+}
+
+/// Whether `status` answers a re-issue with "the first request with this
+/// key is still in progress" (409 Conflict, 425 Too Early), as
+/// deduplicating servers do.
+pub(crate) fn in_progress(status: u16, ctx: &RemoteCtx) -> bool {
+    ctx.reissue && (status == 409 || status == 425)
 }
 
 /// What a remote provider knows about the call it performs.
@@ -45,13 +75,17 @@ pub struct RemoteCtx {
     pub seq: i64,
     pub fence: i64,
     pub max_result_bytes: usize,
+    /// `<database id>:<run_id>:<seq>` (see [`crate::ledger::idempotency_key`]):
+    /// sent as `Idempotency-Key`.
+    pub idempotency_key: String,
+    /// This call re-issues one a dead segment started: an "in progress"
+    /// answer (409, 425) means that one may still be running.
+    pub reissue: bool,
 }
 
 impl RemoteCtx {
-    /// `<run_id>:<seq>`: stable across attempts, so a re-issued request is
-    /// deduplicated by the remote side.
-    pub fn idempotency_key(&self) -> String {
-        crate::ledger::idempotency_key(self.run_id, self.seq)
+    pub fn idempotency_key(&self) -> &str {
+        &self.idempotency_key
     }
 }
 
@@ -60,23 +94,28 @@ impl RemoteCtx {
 pub struct Grants<'a> {
     pub namespace: &'a str,
     pub http_allow: &'a [String],
+    /// Addresses `http` reaches only when an allow-list entry names them
+    /// with their port: the service's own API.
+    pub reserved: &'a [std::net::SocketAddr],
     pub model: Option<&'a model::ModelConfig>,
+    /// Largest `kv.put` value.
+    pub max_kv_value_bytes: usize,
 }
 
 /// Resolves `name` for a plugin. `Err` is a refusal, recorded like any
 /// result, so replay returns it again.
 pub fn resolve(name: &str, request: &str, grants: &Grants<'_>) -> Result<Effect, EffectError> {
     match name {
-        "kv.get" | "kv.put" => kv::op(name, request, grants.namespace).map(Effect::Local),
+        "kv.get" | "kv.put" => kv::op(name, request, grants.namespace, grants.max_kv_value_bytes).map(Effect::Local),
         "http" => Ok(Effect::Remote(Remote::Http {
             name: "http",
             class: EffectClass::Keyed,
-            request: http::check(name, request, grants.http_allow)?,
+            request: http::check(name, request, grants.http_allow, grants.reserved)?,
         })),
         "http.unkeyed" => Ok(Effect::Remote(Remote::Http {
             name: "http.unkeyed",
             class: EffectClass::Unkeyed,
-            request: http::check(name, request, grants.http_allow)?,
+            request: http::check(name, request, grants.http_allow, grants.reserved)?,
         })),
         "model.chat" => Ok(Effect::Remote(Remote::Chat {
             request: model::check(request, grants.model)?,
@@ -93,12 +132,12 @@ pub async fn perform_remote(
     ctx: &RemoteCtx,
     model: Option<&model::ModelConfig>,
     sink: &mut impl model::DeltaSink,
-) -> Result<String, EffectError> {
+) -> Result<String, RemoteFailure> {
     match remote {
         Remote::Http { name, request, .. } => http::perform(name, request, ctx).await,
         Remote::Chat { request } => match model {
             Some(config) => model::perform(request, config, ctx, sink).await,
-            None => Err(EffectError::Denied("model.chat: no model endpoint is configured".into())),
+            None => Err(EffectError::Denied("model.chat: no model endpoint is configured".into()).into()),
         },
     }
 }

@@ -20,7 +20,8 @@ use std::time::Duration;
 
 use serde_json::{Map, Value};
 
-use super::RemoteCtx;
+use super::{RemoteCtx, RemoteFailure, in_progress};
+use crate::redact::Secret;
 use crate::runtime::host::EffectError;
 
 /// Where `model.chat` goes. Every field documents its default.
@@ -32,7 +33,8 @@ pub struct ModelConfig {
     pub base_url: String,
     /// Sent as `Authorization: Bearer …` when set. Env:
     /// `LEASEHOLD_MODEL_API_KEY`, else `OPENAI_API_KEY`. Default: none.
-    pub api_key: Option<String>,
+    /// Never printed.
+    pub api_key: Option<Secret>,
     /// Used when a request names no `model`. Env: `LEASEHOLD_MODEL`.
     /// Default: `gpt-4o-mini`.
     pub default_model: String,
@@ -53,7 +55,7 @@ impl ModelConfig {
         let env = |k: &str| std::env::var(k).ok().filter(|s| !s.is_empty());
         ModelConfig {
             base_url: base_url.into(),
-            api_key: env("LEASEHOLD_MODEL_API_KEY").or_else(|| env("OPENAI_API_KEY")),
+            api_key: env("LEASEHOLD_MODEL_API_KEY").or_else(|| env("OPENAI_API_KEY")).map(Secret::from),
             default_model: env("LEASEHOLD_MODEL").unwrap_or_else(|| "gpt-4o-mini".to_string()),
             timeout: Duration::from_secs(120),
         }
@@ -61,7 +63,7 @@ impl ModelConfig {
 }
 
 /// A checked chat request: the JSON body to send.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct ChatRequest {
     body: Map<String, Value>,
 }
@@ -111,10 +113,12 @@ pub async fn perform(
     config: &ModelConfig,
     ctx: &RemoteCtx,
     sink: &mut impl DeltaSink,
-) -> Result<String, EffectError> {
-    let failed = |m: String| EffectError::Failed(format!("model.chat: {m}"));
+) -> Result<String, RemoteFailure> {
+    let failed = |m: String| RemoteFailure::Effect(EffectError::Failed(format!("model.chat: {m}")));
     let url = format!("{}/chat/completions", config.base_url.trim_end_matches('/'));
-    let mut builder = super::http::client()
+    // The operator's endpoint (often on the host's own network): not the
+    // guests' public-only client.
+    let mut builder = super::http::host_client()
         .post(&url)
         .timeout(config.timeout)
         .header("Content-Type", "application/json")
@@ -123,10 +127,13 @@ pub async fn perform(
         .header("Leasehold-Fence", ctx.fence.to_string())
         .body(Value::Object(req.body).to_string());
     if let Some(key) = &config.api_key {
-        builder = builder.bearer_auth(key);
+        builder = builder.bearer_auth(key.expose());
     }
     let mut response = builder.send().await.map_err(|e| failed(format!("request to {url} failed: {e}")))?;
     let status = response.status().as_u16();
+    if in_progress(status, ctx) {
+        return Err(RemoteFailure::InProgress(format!("HTTP {status}")));
+    }
     let streaming = response
         .headers()
         .get("content-type")

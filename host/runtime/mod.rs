@@ -9,7 +9,12 @@
 //!   engine compatibility, and reused across restarts.
 
 mod cache;
+mod clocks;
+
+pub use cache::default_dir as default_cache_dir;
 pub mod host;
+pub mod replay;
+mod stream;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -42,11 +47,42 @@ pub struct Limits {
     /// Bytes of one effect request or result. Default: 1 MiB.
     pub max_effect_bytes: usize,
     /// How long one segment may run before it is sliced (suspended as
-    /// `waiting_takeover` and resumed by replay). Default: 30 s.
+    /// `waiting_takeover` and resumed by replay). Enforced by a timer as
+    /// well as by epochs, so a guest blocked in a WASI or host call is
+    /// stopped like a computing one. Default: 30 s.
     pub segment_budget: Duration,
-    /// Hosts (`host` or `host:port`) the `http` providers may reach; any
-    /// other is `denied`. Default: none.
+    /// How long past its budget a segment lets a host call in flight (an
+    /// `http` request, a model's answer) finish before it stops the guest
+    /// anyway; its lease is not renewed past the budget plus this.
+    /// Default: 5 s.
+    pub slice_grace: Duration,
+    /// Hosts the `http` providers may reach: `host` (its scheme's default
+    /// port only), `host:port` or `scheme://host:port`; any other is
+    /// `denied`. Default: none.
     pub http_allow: Vec<String>,
+    /// Bytes the guest may pass to the host in one call (strings and lists
+    /// the host copies in): past it, the guest traps as a `limit` error
+    /// before anything is copied. Default: 2 MiB.
+    pub max_hostcall_bytes: usize,
+    /// Bytes of one `wait-input` prompt. Default: 4 KiB.
+    pub max_prompt_bytes: usize,
+    /// `log` lines per segment; later ones are dropped (and counted in
+    /// `leasehold_guest_log_lines_dropped_total`). Default: 1,000.
+    pub max_log_lines: u64,
+    /// Bytes of one `log` line; longer ones are cut. Default: 4 KiB.
+    pub max_log_bytes: usize,
+    /// Bytes of WASI random per call. Default: 1 MiB.
+    pub max_random_bytes: u64,
+    /// WASI resources (pollables, streams) alive at once. Default: 10,000.
+    pub max_resources: usize,
+    /// Bytes of one `kv.put` value (each `kv.get` of it is recorded in the
+    /// ledger). Default: 64 KiB.
+    pub max_kv_value_bytes: usize,
+    /// Rows in a run's ledger, over all its segments; past it the run fails
+    /// as `ledger-too-large`. Default: 50,000.
+    pub max_ledger_rows: u64,
+    /// Bytes of names and results in a run's ledger. Default: 64 MiB.
+    pub max_ledger_bytes: u64,
 }
 
 impl Default for Limits {
@@ -59,7 +95,17 @@ impl Default for Limits {
             max_output_bytes: 1 << 20,
             max_effect_bytes: 1 << 20,
             segment_budget: Duration::from_secs(30),
+            slice_grace: Duration::from_secs(5),
             http_allow: Vec::new(),
+            max_hostcall_bytes: 2 << 20,
+            max_prompt_bytes: 4 << 10,
+            max_log_lines: 1_000,
+            max_log_bytes: 4 << 10,
+            max_random_bytes: 1 << 20,
+            max_resources: 10_000,
+            max_kv_value_bytes: 64 << 10,
+            max_ledger_rows: 50_000,
+            max_ledger_bytes: 64 << 20,
         }
     }
 }
@@ -67,7 +113,8 @@ impl Default for Limits {
 /// Runtime settings. Every field documents its default.
 #[derive(Debug, Clone)]
 pub struct RuntimeConfig {
-    /// Where compiled components are cached. Default: `$TMPDIR/leasehold-cache`.
+    /// Where compiled components are cached: a private directory (created
+    /// 0700). Default: [`default_cache_dir`].
     pub cache_dir: PathBuf,
     /// Most instances alive at once (pooling allocator). Default: 64.
     pub max_instances: u32,
@@ -83,7 +130,7 @@ pub struct RuntimeConfig {
 impl Default for RuntimeConfig {
     fn default() -> Self {
         RuntimeConfig {
-            cache_dir: std::env::temp_dir().join("leasehold-cache"),
+            cache_dir: cache::default_dir(),
             max_instances: 64,
             pool_max_memory_bytes: 1 << 30,
             default_limits: Limits::default(),
@@ -118,7 +165,11 @@ pub struct Runtime {
     engine: Engine,
     linker: Linker<SegmentState>,
     cache: cache::Cache,
+    /// The current version of each plugin, by name.
     plugins: RwLock<HashMap<String, Arc<Plugin>>>,
+    /// Every version loaded, by (name, digest): a run keeps the version it
+    /// was submitted with.
+    versions: RwLock<HashMap<(String, String), Arc<Plugin>>>,
     default_limits: Limits,
     _ticker: Ticker,
 }
@@ -154,6 +205,7 @@ impl Runtime {
             linker,
             cache,
             plugins: RwLock::new(HashMap::new()),
+            versions: RwLock::new(HashMap::new()),
             default_limits: config.default_limits.clone(),
             _ticker: ticker,
         })
@@ -167,9 +219,23 @@ impl Runtime {
         &self.engine
     }
 
-    /// Validates, compiles (or loads from the cache) and registers a plugin,
-    /// replacing any plugin of the same name.
+    /// Validates, compiles (or loads from the cache) and registers a plugin
+    /// as the current version of `name`. Earlier versions stay loaded for
+    /// the runs that use them.
     pub fn add_plugin(
+        &self,
+        name: &str,
+        bytes: &[u8],
+        limits: Limits,
+    ) -> Result<Arc<Plugin>, PluginError> {
+        let plugin = self.load_version(name, bytes, limits)?;
+        self.plugins.write().expect("plugin registry lock").insert(name.to_string(), plugin.clone());
+        Ok(plugin)
+    }
+
+    /// Loads one version of `name` (for the runs submitted with it)
+    /// without making it the current one.
+    pub fn load_version(
         &self,
         name: &str,
         bytes: &[u8],
@@ -197,19 +263,25 @@ impl Runtime {
         let pre = TurnPre::new(pre).map_err(|e| PluginError::Link(format!("{e:#}")))?;
         let plugin = Arc::new(Plugin {
             name: name.to_string(),
-            digest,
+            digest: digest.clone(),
             limits,
             pre,
         });
-        self.plugins
+        self.versions
             .write()
             .expect("plugin registry lock")
-            .insert(name.to_string(), plugin.clone());
+            .insert((name.to_string(), digest), plugin.clone());
         Ok(plugin)
     }
 
+    /// The current version of `name`.
     pub fn plugin(&self, name: &str) -> Option<Arc<Plugin>> {
         self.plugins.read().expect("plugin registry lock").get(name).cloned()
+    }
+
+    /// Version `digest` of `name`, if this runtime has loaded it.
+    pub fn version(&self, name: &str, digest: &str) -> Option<Arc<Plugin>> {
+        self.versions.read().expect("plugin registry lock").get(&(name.to_string(), digest.to_string())).cloned()
     }
 
     pub fn plugins(&self) -> Vec<Arc<Plugin>> {
@@ -228,8 +300,7 @@ impl Runtime {
         init: host::SegmentInit,
         input: &str,
     ) -> (wasmtime::Result<Result<String, String>>, SegmentState) {
-        let mut store = wasmtime::Store::new(&self.engine, SegmentState::new(init));
-        store.limiter(|s| &mut s.limiter);
+        let mut store = self.store(plugin, init);
         store.set_epoch_deadline(u64::MAX / 2);
         let result = async {
             let turn = plugin.pre.instantiate_async(&mut store).await?;
@@ -239,10 +310,36 @@ impl Runtime {
         (result, store.into_data())
     }
 
+    /// A wasmtime store for one segment of `plugin`, with its limits.
+    pub(crate) fn store(&self, plugin: &Plugin, init: host::SegmentInit) -> wasmtime::Store<SegmentState> {
+        let mut store = wasmtime::Store::new(&self.engine, SegmentState::new(init));
+        store.limiter(|s| &mut s.limiter);
+        store.set_hostcall_fuel(plugin.limits.max_hostcall_bytes);
+        store
+    }
+
     /// Compiles `bytes` without caching; for benches that measure compilation.
     pub fn compile_uncached(&self, bytes: &[u8]) -> wasmtime::Result<Component> {
         Component::new(&self.engine, bytes)
     }
+}
+
+/// The sandbox cap a trap hit, if it was one the host sets (data copied in
+/// one host call, WASI random, resources), as the run's error says it.
+pub(crate) fn limit_trap(trap: &wasmtime::Error) -> Option<String> {
+    for cause in trap.chain() {
+        if let Some(wasmtime::component::ResourceTableError::Full) = cause.downcast_ref() {
+            return Some("the guest holds more WASI resources (pollables, streams) than its cap".into());
+        }
+        let text = cause.to_string();
+        if text.contains("fuel allocated for hostcalls has been exhausted") {
+            return Some("a host call carried more data than its cap (Limits::max_hostcall_bytes)".into());
+        }
+        if text.starts_with("requested len") && text.contains("exceeds limit") {
+            return Some(format!("WASI random: {text}"));
+        }
+    }
+    None
 }
 
 /// The one epoch ticker: advances the engine's epoch every [`EPOCH_TICK`]

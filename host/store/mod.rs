@@ -12,6 +12,7 @@
 
 pub(crate) mod closes;
 pub(crate) mod group;
+pub mod hub;
 pub mod postgres;
 pub mod sqlite;
 pub(crate) mod submits;
@@ -124,15 +125,18 @@ fn render(backend: Backend, template: &str) -> &'static str {
 }
 
 /// SQLite's durability setting for the WAL (`PRAGMA synchronous`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum SqliteSync {
-    /// Durable against a process crash; a power loss may drop the last
-    /// commits (never corrupts). The default.
+    /// Every commit is fsynced before it returns: a commit that returned is
+    /// on disk. The default. An unkeyed effect is at most once only if its
+    /// `started` row is on disk before its request leaves.
     #[default]
-    Normal,
-    /// Every commit is fsynced.
     Full,
+    /// Durable against a process crash, but a power loss or an OS crash may
+    /// drop the last commits (it never corrupts the file). A `started` row
+    /// lost that way lets an unkeyed effect that went out be made again.
+    Normal,
 }
 
 /// How to connect. Every field documents its default.
@@ -141,7 +145,7 @@ pub struct StoreOptions {
     /// Pool size. Default: 16 for PostgreSQL; 8 readers for SQLite (which
     /// also keeps one dedicated writer connection).
     pub max_connections: Option<u32>,
-    /// SQLite only: `synchronous` mode. Default: `NORMAL`.
+    /// SQLite only: `synchronous` mode. Default: `FULL` (see [`SqliteSync`]).
     pub sqlite_sync: SqliteSync,
     /// SQLite only: how long a writer waits for the lock before the store
     /// retries the whole operation. Default: 5 s.
@@ -157,17 +161,24 @@ pub struct StoreOptions {
     /// row locks would otherwise keep every other host from taking over its
     /// runs until it wakes. Default: 5 s.
     pub pg_idle_in_transaction_timeout: Duration,
+    /// PostgreSQL only: how long a renewal or a reaper statement waits for
+    /// a row lock (`lock_timeout`) before it gives up. A frozen host (a
+    /// stopped process, a VM paused mid-statement) can hold its claim's row
+    /// locks for as long as it is frozen; without this, every other host's
+    /// reaper would wait on them. Default: 2 s.
+    pub pg_lock_timeout: Duration,
 }
 
 impl Default for StoreOptions {
     fn default() -> Self {
         StoreOptions {
             max_connections: None,
-            sqlite_sync: SqliteSync::Normal,
+            sqlite_sync: SqliteSync::Full,
             busy_timeout: Duration::from_secs(5),
             acquire_timeout: Duration::from_secs(30),
             migrate: true,
             pg_idle_in_transaction_timeout: Duration::from_secs(5),
+            pg_lock_timeout: Duration::from_secs(2),
         }
     }
 }
@@ -183,12 +194,20 @@ pub struct Store {
     /// handler sleeps in 1–100 ms steps. On PostgreSQL the same pool as
     /// `pool`.
     writer: AnyPool,
+    /// Renewals and the reaper. On PostgreSQL a small pool of its own whose
+    /// sessions have a `lock_timeout` (see [`StoreOptions::pg_lock_timeout`]);
+    /// on SQLite the writer.
+    maint: AnyPool,
     backend: Backend,
+    /// This database's random id (table `deployment`), read once: the first
+    /// part of every idempotency key.
+    database_id: std::sync::Arc<tokio::sync::OnceCell<std::sync::Arc<str>>>,
     /// Wakes this process's idle workers when work arrives (a submit, a
     /// delivered input, a suspended run). Other hosts on PostgreSQL hear of
     /// it through `NOTIFY` (see [`WORK_CHANNEL`]).
     work: std::sync::Arc<tokio::sync::Notify>,
-    url: std::sync::Arc<str>,
+    /// Holds the password, if the URL has one: never logged or printed.
+    url: crate::redact::Secret,
     /// A random id for this store handle (and its clones), sent as the
     /// `NOTIFY` payload so this process's listener can skip its own
     /// announcements: its workers were already woken in process.
@@ -199,6 +218,8 @@ pub struct Store {
     pub(crate) submits: std::sync::Arc<submits::Queue>,
     /// PostgreSQL closes waiting to be group-committed (see [`closes`]).
     pub(crate) closes: std::sync::Arc<closes::Queue>,
+    /// The event streams of this process, woken by its writes (see [`hub`]).
+    hub: std::sync::Arc<hub::Hub>,
 }
 
 /// PostgreSQL takes one database-wide lock for every committing transaction
@@ -267,35 +288,46 @@ impl Store {
                         Ok(())
                     })
                 });
-            } else {
-                let idle_ms = opts.pg_idle_in_transaction_timeout.as_millis().to_string();
-                pool = pool.after_connect(move |conn, _| {
-                    let idle_ms = idle_ms.clone();
-                    Box::pin(async move {
-                        sqlx::query("SELECT set_config('idle_in_transaction_session_timeout', $1, false)")
-                            .bind(idle_ms)
-                            .execute(&mut *conn)
-                            .await?;
-                        Ok(())
-                    })
-                });
             }
             pool
         };
-        let (pool, writer) = match backend {
+        // PostgreSQL sessions: the idle-in-transaction timeout on every
+        // one, and a lock timeout on the maintenance pool's.
+        let pg_session = |pool: AnyPoolOptions, lock_timeout: Option<Duration>| {
+            let idle_ms = opts.pg_idle_in_transaction_timeout.as_millis().to_string();
+            let lock_ms = lock_timeout.map_or_else(|| "0".to_string(), |t| t.as_millis().max(1).to_string());
+            pool.after_connect(move |conn, _| {
+                let (idle_ms, lock_ms) = (idle_ms.clone(), lock_ms.clone());
+                Box::pin(async move {
+                    sqlx::query(
+                        "SELECT set_config('idle_in_transaction_session_timeout', $1, false), \
+                         set_config('lock_timeout', $2, false)",
+                    )
+                    .bind(idle_ms)
+                    .bind(lock_ms)
+                    .execute(&mut *conn)
+                    .await?;
+                    Ok(())
+                })
+            })
+        };
+        let (pool, writer, maint) = match backend {
             Backend::Sqlite => {
                 // The writer first: it creates the file and switches it to WAL.
                 let writer = pool_options(1).connect_with(connect.clone()).await?;
-                (pool_options(max).connect_with(connect).await?, writer)
+                (pool_options(max).connect_with(connect).await?, writer.clone(), writer)
             }
             Backend::Postgres => {
-                let pool = pool_options(max).connect_with(connect).await?;
-                (pool.clone(), pool)
+                let pool = pg_session(pool_options(max), None).connect_with(connect.clone()).await?;
+                let maint = pg_session(pool_options(4), Some(opts.pg_lock_timeout)).connect_with(connect).await?;
+                (pool.clone(), pool, maint)
             }
         };
         let store = Store {
             pool,
             writer,
+            maint,
+            database_id: Default::default(),
             backend,
             work: Default::default(),
             url: url.as_str().into(),
@@ -303,11 +335,32 @@ impl Store {
             announce: Default::default(),
             submits: Default::default(),
             closes: Default::default(),
+            hub: Default::default(),
         };
         if opts.migrate {
             store.migrate().await?;
         }
         Ok(store)
+    }
+
+    /// Opens one connection to `url` and closes it: says at once whether
+    /// the database can be reached, and why not (a pool's connect waits
+    /// for its acquire timeout first). Gives up after `timeout`.
+    pub async fn probe(url: &str, timeout: Duration) -> Result<(), StoreError> {
+        DRIVERS.get_or_init(sqlx::any::install_default_drivers);
+        let url = match Backend::from_url(url)? {
+            Backend::Sqlite => sqlite::normalize_url(url),
+            Backend::Postgres => url.to_string(),
+        };
+        let options = AnyConnectOptions::from_str(&url)?;
+        let connect = sqlx::ConnectOptions::connect(&options);
+        match tokio::time::timeout(timeout, connect).await {
+            Ok(conn) => {
+                let _ = sqlx::Connection::close(conn?).await;
+                Ok(())
+            }
+            Err(_) => Err(StoreError::Unknown(format!("no answer within {timeout:?}"))),
+        }
     }
 
     /// Applies the embedded migrations for this backend (forward-only).
@@ -334,9 +387,39 @@ impl Store {
         &self.writer
     }
 
-    /// The URL this store was opened with.
+    /// The pool of renewals and the reaper (see [`Store`]).
+    pub(crate) fn maint(&self) -> &AnyPool {
+        &self.maint
+    }
+
+    /// This database's random id, created once by a migration: the first
+    /// part of every idempotency key, so that keys never repeat across
+    /// deployments or after a reset.
+    pub async fn database_id(&self) -> Result<std::sync::Arc<str>, StoreError> {
+        let id = self
+            .database_id
+            .get_or_try_init(|| async {
+                let id: String = sqlx::query_scalar("SELECT id FROM deployment").fetch_one(&self.pool).await?;
+                Ok::<_, StoreError>(std::sync::Arc::<str>::from(id))
+            })
+            .await?;
+        Ok(id.clone())
+    }
+
+    /// The URL this store was opened with, password included: for
+    /// connecting, never for logs (see [`Store::url_redacted`]).
     pub fn url(&self) -> &str {
-        &self.url
+        self.url.expose()
+    }
+
+    /// The URL without its password, for logs and messages.
+    pub fn url_redacted(&self) -> String {
+        crate::redact::url(self.url.expose())
+    }
+
+    /// The event streams watching threads in this process (see [`hub`]).
+    pub fn hub(&self) -> &hub::Hub {
+        &self.hub
     }
 
     /// Notified when work arrives in this process (see [`Store::signal_work`]).
@@ -451,8 +534,9 @@ impl Store {
         Ok(now)
     }
 
-    /// Closes the pool, waiting for connections to be returned.
+    /// Closes the pools, waiting for connections to be returned.
     pub async fn shutdown(&self) {
+        self.maint.close().await;
         self.writer.close().await;
         self.pool.close().await;
     }
@@ -483,6 +567,12 @@ impl Store {
             }
         }
     }
+}
+
+/// True when a statement gave up waiting for a row lock (PostgreSQL
+/// `lock_not_available`, raised by `lock_timeout`).
+pub fn is_lock_timeout(e: &StoreError) -> bool {
+    matches!(e, StoreError::Db(sqlx::Error::Database(db)) if db.code().as_deref() == Some("55P03"))
 }
 
 /// True for errors that mean "try the same transaction again".

@@ -29,6 +29,8 @@ pub(crate) struct Submit {
     pub new: NewRun,
     pub thread_id: String,
     pub max_attempts: i64,
+    /// The run's random secret, hex (see [`crate::store::Run::secret`]).
+    pub secret: String,
 }
 
 /// Submits waiting to be group-committed.

@@ -103,6 +103,11 @@ pub struct Run {
     /// When the run's first segment started (its first claim); `None`
     /// until then. `started_at - created_at` is the time it queued.
     pub started_at: Option<i64>,
+    /// The run's own random secret (hex), which seeds its guest's WASI
+    /// random. Never shown by the API. `None` for runs submitted before it
+    /// existed.
+    #[serde(skip)]
+    pub secret: Option<String>,
 }
 
 impl Run {
@@ -132,6 +137,7 @@ impl Run {
             updated_at: row.try_get("updated_at")?,
             finished_at: row.try_get("finished_at")?,
             started_at: row.try_get("started_at")?,
+            secret: row.try_get("secret")?,
         })
     }
 }
@@ -301,13 +307,18 @@ pub struct EffectRow {
     pub seq: i64,
     pub name: String,
     pub request_hash: String,
-    /// `<run_id>:<seq>`, stable across attempts.
+    /// `<database id>:<run_id>:<seq>`, stable across attempts, unique
+    /// across databases.
     pub idempotency_key: String,
     pub class: EffectClass,
     pub state: EffectState,
     pub result: Option<String>,
     /// The run's emit position when the row was written.
     pub emit_pos: i64,
+    /// How many emits the call streamed (`model.chat`), failed or not, and
+    /// their bytes: replay moves the stream position on by them.
+    pub deltas: i64,
+    pub delta_bytes: i64,
     pub fence_started: i64,
     pub fence_completed: Option<i64>,
     pub created_at: i64,
@@ -328,6 +339,8 @@ impl EffectRow {
             state: EffectState::parse(&state)?,
             result: row.try_get("result")?,
             emit_pos: row.try_get("emit_pos")?,
+            deltas: row.try_get("deltas")?,
+            delta_bytes: row.try_get("delta_bytes")?,
             fence_started: row.try_get("fence_started")?,
             fence_completed: row.try_get("fence_completed")?,
             created_at: row.try_get("created_at")?,

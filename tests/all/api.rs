@@ -25,23 +25,28 @@ struct Server {
 
 impl Server {
     async fn start(db: &TestDb, token: Option<&str>) -> Result<Server> {
+        Server::start_with(db, token, true, |_| {}).await
+    }
+
+    /// [`Server::start`], with `tune` applied to the API's settings, and
+    /// without a worker pool unless `pool`.
+    async fn start_with(db: &TestDb, token: Option<&str>, pool: bool, tune: impl FnOnce(&mut ApiConfig)) -> Result<Server> {
         let runtime = plugins::runtime()?;
         let store = db.store.clone();
-        let config = ExecutorConfig { owner: "api-test".into(), lease_ttl: Duration::from_secs(30), renew_every: None, model: None };
+        let config = ExecutorConfig { owner: "api-test".into(), lease_ttl: Duration::from_secs(30), renew_every: None, model: None, reserved: vec![] };
         let exec = Arc::new(Executor::new(store.clone(), runtime.clone(), config));
-        let pool = WorkerPool::start(store.clone(), exec, PoolConfig { workers: 2, poll: Duration::from_millis(200), ..PoolConfig::default() });
+        let pool = pool.then(|| {
+            WorkerPool::start(store.clone(), exec, PoolConfig { workers: 2, poll: Duration::from_millis(200), ..PoolConfig::default() })
+        });
         let (stop, shutdown) = watch::channel(false);
-        let state = AppState {
-            store,
-            runtime,
-            config: Arc::new(ApiConfig {
-                token: token.map(str::to_string),
-                max_body_bytes: 64 << 10,
-                stream_poll: Duration::from_millis(20),
-                ..ApiConfig::default()
-            }),
-            shutdown: shutdown.clone(),
+        let mut config = ApiConfig {
+            token: token.map(Into::into),
+            max_body_bytes: 64 << 10,
+            stream_poll: Duration::from_millis(20),
+            ..ApiConfig::default()
         };
+        tune(&mut config);
+        let state = AppState::new(store, runtime, config, shutdown.clone());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let base = format!("http://{}", listener.local_addr()?);
         let mut stopped = shutdown;
@@ -53,7 +58,7 @@ impl Server {
                 .await;
         });
         leasehold::effects::http::install_tls();
-        Ok(Server { base, http: reqwest::Client::new(), token: token.map(str::to_string), pool: Some(pool), stop })
+        Ok(Server { base, http: reqwest::Client::new(), token: token.map(str::to_string), pool, stop })
     }
 
     fn req(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
@@ -344,6 +349,128 @@ both! {
         server.stop().await;
         Ok(())
     }
+}
+
+both! {
+    async fn cross_site_requests_and_rebound_host_names_are_refused(db) {
+        // A web page the operator opens can send a `text/plain` POST without
+        // a preflight, and a DNS-rebinding page can make its own name point
+        // at the API. Neither may reach it.
+        let server = with_testkit(db, None).await?;
+        let body = json!({ "plugin": "testkit", "input": { "steps": 1 } }).to_string();
+        let plain = server.req(reqwest::Method::POST, "/v1/runs").header("content-type", "text/plain").body(body.clone());
+        let (status, err) = server.send(plain).await?;
+        ensure!(status == 415 && err["error"]["code"].is_string(), "text/plain submit: {status} {err}");
+        let bare = server.req(reqwest::Method::POST, "/v1/runs").body(body.clone());
+        let (status, _) = server.send(bare).await?;
+        ensure!(status == 415, "a submit without a content type: {status}");
+        let (_, run) = server.post("/v1/runs", json!({ "plugin": "testkit", "input": { "mode": "wait" } })).await?;
+        let id = run["id"].as_i64().unwrap();
+        let form = server.req(reqwest::Method::POST, &format!("/v1/runs/{id}/cancel")).header("content-type", "application/x-www-form-urlencoded");
+        let (status, _) = server.send(form).await?;
+        ensure!(status == 415, "a form POST to cancel: {status}");
+        ensure!(db.store.get_run(id).await?.status != leasehold::store::RunStatus::Cancelled);
+        // The page's own name in the Host header.
+        let port = server.base.rsplit(':').next().unwrap_or_default().to_string();
+        for host in [format!("rebind.example:{port}"), "rebind.example".to_string()] {
+            let rebound = server.req(reqwest::Method::GET, "/v1/runs").header("host", host.clone());
+            let (status, err) = server.send(rebound).await?;
+            ensure!(status == 421 && err["error"]["code"].is_string(), "Host {host}: {status} {err}");
+        }
+        for host in [format!("localhost:{port}"), format!("127.0.0.1:{port}")] {
+            let (status, _) = server.send(server.req(reqwest::Method::GET, "/v1/runs").header("host", host.clone())).await?;
+            ensure!(status == 200, "Host {host}: {status}");
+        }
+        // No CORS: a preflight gets no permission.
+        let preflight = server
+            .req(reqwest::Method::OPTIONS, "/v1/runs")
+            .header("origin", "https://evil.example")
+            .header("access-control-request-method", "POST")
+            .send()
+            .await?;
+        ensure!(preflight.headers().get("access-control-allow-origin").is_none(), "{:?}", preflight.headers());
+        server.stop().await;
+        Ok(())
+    }
+
+    async fn an_event_stream_is_woken_in_process_without_polling(db) {
+        // Streams poll the database only for other hosts' events, and
+        // slowly (here: never, within the test): this host's writes must
+        // wake them at once.
+        let server = Server::start_with(db, None, true, |c| c.stream_poll = Duration::from_secs(3600)).await?;
+        let (status, body) = server.put_plugin("testkit", plugins::rust_plugin("testkit")?).await?;
+        ensure!(status == 201, "{body}");
+        let (_, run) = server.post("/v1/runs", json!({ "plugin": "testkit", "input": { "mode": "wait" } })).await?;
+        let thread = run["thread_id"].as_str().unwrap().to_string();
+        let id = run["id"].as_i64().unwrap();
+        let waiting = async {
+            server.wait_status(id, "waiting_input").await?;
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let (status, _) = server.post(&format!("/v1/runs/{id}/input"), json!({ "input": "Ada" })).await?;
+            ensure!(status == 200);
+            Ok::<_, anyhow::Error>(())
+        };
+        let path = format!("/v1/threads/{thread}/events");
+        let reading = read_sse(&server, &path, None, |e| e["kind"] == "message");
+        let (events, ()) = tokio::try_join!(reading, waiting)?;
+        ensure!(events.last().is_some_and(|e| e["payload"]["output"] == "hello Ada"), "{events:?}");
+        server.stop().await;
+        Ok(())
+    }
+
+    async fn list_ledger_and_event_pages_are_capped_by_bytes(db) {
+        let server = Server::start_with(db, None, false, |_| {}).await?;
+        let s = &db.store;
+        let big = "x".repeat(200 << 10);
+        let mut new = leasehold::store::NewRun::new("p", serde_json::to_string(&big)?);
+        new.thread_id = Some("big".into());
+        let mut ids = Vec::new();
+        for _ in 0..12 {
+            ids.push(s.create_run(&new).await?.0.id);
+        }
+        let claimed = s.claim("w", Duration::from_secs(30)).await?.unwrap();
+        for i in 0..12 {
+            s.emit(&claimed.lease, &big).await?;
+            let call = leasehold::ledger::EffectCall { seq: i, name: "clock".into(), request_hash: "h".into(), emit_pos: 0 };
+            s.local_effect(&claimed.lease, &call, &leasehold::ledger::LocalOp::Record { value: big.clone() }).await?;
+        }
+        let cap = 2 << 20;
+        let size = |v: &Value| v.to_string().len();
+        let (status, list) = server.get("/v1/runs?limit=1000").await?;
+        let runs = list["runs"].as_array().map_or(0, Vec::len);
+        ensure!(status == 200 && size(&list) < cap && (1..12).contains(&runs) && list["next_cursor"].is_i64(), "runs: {runs}, {} bytes", size(&list));
+        let (status, ledger) = server.get(&format!("/v1/runs/{}/effects", claimed.run.id)).await?;
+        let rows = ledger["effects"].as_array().map_or(0, Vec::len);
+        ensure!(status == 200 && size(&ledger) < cap && (1..12).contains(&rows) && ledger["next_after"].is_i64(), "effects: {rows}, {} bytes", size(&ledger));
+        let (status, events) = server.get("/v1/threads/big/events?limit=10000").await?;
+        let n = events["events"].as_array().map_or(0, Vec::len);
+        ensure!(status == 200 && size(&events) < cap && (1..24).contains(&n), "events: {n}, {} bytes", size(&events));
+        // Paging on gets the rest.
+        let mut seen = 0;
+        let mut cursor = String::new();
+        loop {
+            let (_, page) = server.get(&format!("/v1/runs?limit=1000{cursor}")).await?;
+            seen += page["runs"].as_array().map_or(0, Vec::len);
+            match page["next_cursor"].as_i64() {
+                Some(c) => cursor = format!("&cursor={c}"),
+                None => break,
+            }
+        }
+        ensure!(seen == 12, "paged {seen} runs of 12");
+        server.stop().await;
+        Ok(())
+    }
+}
+
+#[test]
+fn debug_output_never_shows_a_secret() {
+    let api = ApiConfig { token: Some("s3cret-token".into()), ..ApiConfig::default() };
+    let shown = format!("{api:?}");
+    assert!(!shown.contains("s3cret-token"), "{shown}");
+    let mut model = leasehold::effects::model::ModelConfig::new("http://127.0.0.1:1/v1");
+    model.api_key = Some("sk-s3cret".into());
+    let shown = format!("{model:?}");
+    assert!(!shown.contains("sk-s3cret"), "{shown}");
 }
 
 /// A core module: valid Wasm, but not a component.

@@ -26,7 +26,9 @@ both! {
         ensure!(result.runs_per_sec > 0.0 && result.baseline_per_sec > 0.0 && result.ratio > 0.0 && result.rounds == 2, "{result:?}");
         ensure!(result.submit_to_start_p50_ms >= 0.0 && result.submit_to_start_p99_ms >= result.submit_to_start_p50_ms, "{result:?}");
         let left: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM runs").fetch_one(db.store.pool()).await?;
-        let plugins: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM plugins").fetch_one(db.store.pool()).await?;
+        let plugins: i64 = sqlx::query_scalar("SELECT (SELECT COUNT(*) FROM plugins) + (SELECT COUNT(*) FROM plugin_versions)")
+            .fetch_one(db.store.pool())
+            .await?;
         ensure!(left == 0 && plugins == 0, "{left} runs and {plugins} plugins left behind");
         // A second run on the same database works, and a database with
         // runs is refused.

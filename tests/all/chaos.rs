@@ -365,6 +365,8 @@ struct Cluster<'a> {
     /// may be taken over.
     faulted: Mutex<HashSet<String>>,
     host_crashes: AtomicU64,
+    /// The sink's allow-list entry.
+    http_allow: String,
 }
 
 fn owner(host: usize, generation: u32) -> String {
@@ -380,6 +382,7 @@ impl<'a> Cluster<'a> {
         a.reaper_interval_ms = REAPER_MS;
         a.poll_ms = POLL_MS;
         a.workers = WORKERS;
+        a.http_allow = vec![self.http_allow.clone()];
         a.extra = vec![
             format!("--test-clock-skew-ms={}", SKEWS_MS[host]),
             "--segment-budget-ms=2000".into(),
@@ -388,11 +391,10 @@ impl<'a> Cluster<'a> {
         Ok(a)
     }
 
-    async fn start(db_url: &'a str, dir: &'a Path) -> Result<Cluster<'a>> {
-        let http = reqwest::Client::builder()
-            .timeout(Duration::from_secs(10))
-            .connect_timeout(Duration::from_secs(1))
-            .build()?;
+    async fn start(db_url: &'a str, dir: &'a Path, http_allow: String) -> Result<Cluster<'a>> {
+        let http = crate::serve_proc::client(
+            reqwest::Client::builder().timeout(Duration::from_secs(10)).connect_timeout(Duration::from_secs(1)),
+        )?;
         let mut slots = Vec::new();
         for _ in 0..HOSTS {
             slots.push(Mutex::new(Slot { proc: None, port: crate::serve_proc::free_port()?, generation: 0, stopped: false }));
@@ -404,6 +406,7 @@ impl<'a> Cluster<'a> {
             http,
             faulted: Mutex::new(HashSet::new()),
             host_crashes: AtomicU64::new(0),
+            http_allow,
         };
         for h in 0..HOSTS {
             c.spawn(h)?;
@@ -576,7 +579,7 @@ async fn chaos(backend: Backend) -> Result<()> {
         .await?;
     let sink = Sink::start_with_jitter(Duration::ZERO, Duration::from_millis(30)).await?;
     leasehold::effects::http::install_tls();
-    let cluster = Cluster::start(&db_url, dir.path()).await?;
+    let cluster = Cluster::start(&db_url, dir.path(), sink.allow()).await?;
     let result = drive(&settings, backend, &schedule, load, &cluster, &store, pg.as_ref(), &sink).await;
     drop(cluster);
     store.shutdown().await;
@@ -637,7 +640,7 @@ async fn drive(
                     Some((id, Kind::Cancel { after_ms, .. })) => running.push(Box::pin(async move {
                         tokio::time::sleep(Duration::from_millis(after_ms)).await;
                         let (status, body) =
-                            call(cluster, id as u64, |http, base| http.post(format!("{base}/v1/runs/{id}/cancel"))).await?;
+                            call(cluster, id as u64, |http, base| http.post(format!("{base}/v1/runs/{id}/cancel")).json(&json!({}))).await?;
                         ensure!(status == 200 || status == 409, "cancel {id}: {status} {body}");
                         Ok::<_, anyhow::Error>(())
                     })),

@@ -211,28 +211,37 @@ both! {
     }
 
     async fn reaper_aborts_an_open_run_whose_attempts_are_used_up(db) {
+        // A suspension resets the count now; a run the previous release
+        // suspended could still be left open with its attempts used up.
         let s = &db.store;
         let id = submit(s, 1).await?;
         let a = claim(s, "a").await?;
-        // No ledger row in this segment: no progress, the attempt stands.
         s.suspend(&a.lease, &Suspend::Takeover).await?;
-        ensure!(s.get_run(id).await?.attempt == 1);
+        sqlx::query("UPDATE runs SET attempt = max_attempts WHERE id = $1").bind(id).execute(s.pool()).await?;
         ensure!(s.claim("b", TTL).await?.is_none());
         let report = reaper::tick(s, &ReaperConfig::default()).await?;
         ensure!(report.aborted == vec![id], "{report:?}");
+        let error = s.get_run(id).await?.error.unwrap_or_default();
+        ensure!(error.contains("max_attempts is 1"), "{error}");
         Ok(())
     }
 
-    async fn suspend_after_progress_resets_attempts_and_without_progress_keeps_them(db) {
+    async fn a_suspension_resets_attempts_with_or_without_progress(db) {
         let s = &db.store;
         let id = submit(s, 2).await?;
         let a = claim(s, "a").await?;
         s.local_effect(&a.lease, &call(0, "clock"), &LocalOp::Record { value: "1".into() }).await?;
         s.suspend(&a.lease, &Suspend::Takeover).await?;
-        ensure!(s.get_run(id).await?.attempt == 0, "progress resets the attempt count");
+        ensure!(s.get_run(id).await?.attempt == 0, "a suspension after progress resets the attempt count");
         let b = claim(s, "b").await?;
+        ensure!(b.run.attempt == 1);
         s.suspend(&b.lease, &Suspend::Takeover).await?;
-        ensure!(s.get_run(id).await?.attempt == 1, "no progress keeps the attempt count");
+        ensure!(s.get_run(id).await?.attempt == 0, "so does one without");
+        // A death does not: the next claim counts it.
+        let c = claim(s, "c").await?;
+        db.backdate_lease(id, TTL.as_millis() as i64 + 1).await?;
+        let d = claim(s, "d").await?;
+        ensure!(c.run.attempt == 1 && d.run.attempt == 2, "{} {}", c.run.attempt, d.run.attempt);
         Ok(())
     }
 
@@ -328,7 +337,8 @@ both! {
         let a = claim(s, "a").await?;
         let put = |v: &str| LocalOp::KvPut { namespace: "ns".into(), key: "note".into(), value: v.into() };
         let row = s.local_effect(&a.lease, &call(0, "kv.put"), &put(r#""first""#)).await?;
-        ensure!(row.state == EffectState::Committed && row.idempotency_key == format!("{id}:0"));
+        ensure!(row.state == EffectState::Committed && row.idempotency_key == crate::harness::key(s, id, 0).await?, "{row:?}");
+        ensure!(row.idempotency_key.len() > format!(":{id}:0").len(), "the key starts with the database's id: {row:?}");
         ensure!(row.fence_started == a.lease.fence && row.fence_completed == Some(a.lease.fence));
         // Replaying the same position must not apply the effect again.
         let dup = s.local_effect(&a.lease, &call(0, "kv.put"), &put(r#""second""#)).await;
@@ -484,7 +494,7 @@ both! {
             ensure!(r.seq == i as i64 && r.state == EffectState::Committed && r.class == EffectClass::Local, "{r:?}");
             ensure!(r.fence_started == a.lease.fence && r.fence_completed == Some(a.lease.fence), "{r:?}");
             ensure!(r.result.as_deref() == Some("null") && r.emit_pos == (i as i64).min(1), "{r:?}");
-            ensure!(r.idempotency_key == format!("{}:{i}", run.id), "{r:?}");
+            ensure!(r.idempotency_key == crate::harness::key(s, run.id, i as i64).await?, "{r:?}");
         }
         ensure!(value("k").await?.as_deref() == Some("2") && value("j").await?.as_deref() == Some("\"v\""));
         let after = s.get_run(run.id).await?;

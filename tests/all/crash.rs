@@ -21,17 +21,17 @@ use crate::sink::Sink;
 /// kill the worker in.
 const SPIN: u64 = 1 << 28;
 
-fn runtime() -> Result<Arc<Runtime>> {
+fn runtime(sink: &Sink) -> Result<Arc<Runtime>> {
     let rt = plugins::runtime()?;
     let mut limits = plugins::test_limits();
-    limits.http_allow = vec!["127.0.0.1".into()];
+    limits.http_allow = vec![sink.allow()];
     limits.segment_budget = Duration::from_secs(20);
     rt.add_plugin("testkit", &plugins::rust_plugin("testkit")?, limits)?;
     Ok(rt)
 }
 
 fn worker(db: &TestDb, rt: &Arc<Runtime>, owner: &str) -> Executor {
-    let config = ExecutorConfig { owner: owner.into(), lease_ttl: Duration::from_secs(30), renew_every: None, model: None };
+    let config = ExecutorConfig { owner: owner.into(), lease_ttl: Duration::from_secs(30), renew_every: None, model: None, reserved: vec![] };
     Executor::new(db.store.clone(), rt.clone(), config)
 }
 
@@ -43,7 +43,7 @@ async fn kill_and_resume(
     sink: &Sink,
     dead_when: impl AsyncFn() -> Result<bool>,
 ) -> Result<i64> {
-    let rt = runtime()?;
+    let rt = runtime(sink)?;
     let id = db.store.create_run(&NewRun::new("testkit", input.to_string())).await?.0.id;
     let a = worker(db, &rt, "worker-a");
     let task = tokio::spawn(async move { a.run_once().await });
@@ -77,7 +77,7 @@ both! {
         };
         let id = kill_and_resume(db, input, &sink, claimed_by_a).await?;
         let hits = sink.hits();
-        ensure!(hits.len() == 1 && hits[0].key == format!("{id}:0") && hits[0].fence == "2", "{hits:?}");
+        ensure!(hits.len() == 1 && hits[0].key == crate::harness::key(&db.store, id, 0).await? && hits[0].fence == "2", "{hits:?}");
         Ok(())
     }
 
@@ -88,7 +88,8 @@ both! {
         let id = kill_and_resume(db, input, &sink, async || Ok(!sink.hits().is_empty())).await?;
         let hits = sink.hits();
         ensure!(hits.len() == 2, "re-issued once: {hits:?}");
-        ensure!(hits.iter().all(|h| h.key == format!("{id}:0")), "one idempotency key: {hits:?}");
+        let key = crate::harness::key(&db.store, id, 0).await?;
+        ensure!(hits.iter().all(|h| h.key == key), "one idempotency key: {hits:?}");
         ensure!(hits[0].fence == "1" && hits[1].fence == "2", "{hits:?}");
         let run = db.store.get_run(id).await?;
         ensure!(run.output.as_deref().is_some_and(|o| o.contains("applied")), "{run:?}");
@@ -138,13 +139,14 @@ both! {
         for budget in [Duration::from_millis(400), Duration::from_secs(30)] {
             let rt = plugins::runtime()?;
             let mut limits = plugins::test_limits();
-            limits.http_allow = vec!["127.0.0.1".into()];
+            limits.http_allow = vec![sink.allow()];
             limits.segment_budget = budget;
             rt.add_plugin("testkit", &plugins::rust_plugin("testkit")?, limits)?;
             let id = db.store.create_run(&NewRun::new("testkit", input.to_string())).await?.0.id;
             let outcomes = worker(db, &rt, "w").drain().await?;
             let run = db.store.get_run(id).await?;
-            let keys: Vec<String> = sink.hits().into_iter().map(|h| h.key).filter(|k| k.starts_with(&format!("{id}:"))).collect();
+            let prefix = crate::harness::key(&db.store, id, 0).await?.trim_end_matches('0').to_string();
+            let keys: Vec<String> = sink.hits().into_iter().map(|h| h.key).filter(|k| k.starts_with(&prefix)).collect();
             ensure!(keys.len() == 6, "budget {budget:?}: each step reached the sink once: {keys:?}");
             results.push((outcomes.len(), run.output, run.partial, run.status));
         }
@@ -157,7 +159,7 @@ both! {
     }
 
     async fn http_to_a_host_off_the_allow_list_is_denied_and_recorded(db) {
-        let rt = runtime()?;
+        let rt = runtime(&Sink::start().await?)?;
         let id = db.store.create_run(&NewRun::new("testkit",
             serde_json::json!({ "mode": "http", "url": "http://10.0.0.1:9/effect" }).to_string())).await?.0.id;
         let out = worker(db, &rt, "w").run_once().await?;

@@ -21,7 +21,8 @@ pub struct ChatHit {
     pub fence: String,
 }
 
-/// The answer to call number `n` (from 0), as the chunks to stream.
+/// The answer to call number `n` (from 0), as the chunks to stream. A chunk
+/// [`FAIL`] ends the stream with an error event instead.
 pub type Script = Arc<dyn Fn(usize, &Value) -> Vec<String> + Send + Sync>;
 
 #[derive(Clone)]
@@ -40,6 +41,10 @@ pub struct FakeModel {
     gate: tokio::sync::watch::Sender<bool>,
     server: tokio::task::JoinHandle<()>,
 }
+
+/// A chunk that makes the stream end with an error: the call fails after
+/// the chunks before it were streamed.
+pub const FAIL: &str = "\u{0}fail";
 
 /// Answers `echo: <the last message>` in three chunks.
 pub fn echo() -> Script {
@@ -121,6 +126,10 @@ async fn chat(State(s): State<Shared>, headers: HeaderMap, body: String) -> Resp
                 }))
             };
             match i.cmp(&chunks.len()) {
+                std::cmp::Ordering::Less if chunks[i] == FAIL => {
+                    Some((event(json!({ "error": { "message": "the model broke mid-answer" } })), usize::MAX - 1))
+                }
+                _ if i == usize::MAX - 1 => None,
                 std::cmp::Ordering::Less => {
                     Some((chunk(json!({ "content": chunks[i] }), Value::Null), i + 1))
                 }

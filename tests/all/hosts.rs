@@ -32,10 +32,12 @@ both! {
         // the kill below lands mid-way, with runs left for the others.
         let sink = Sink::start_with_delay(Duration::from_millis(20)).await?;
         leasehold::effects::http::install_tls();
-        let http = reqwest::Client::new();
+        let http = crate::serve_proc::client(reqwest::Client::builder())?;
         let mut hosts = Vec::new();
         for n in 0..3 {
-            hosts.push(Some(ServeProc::spawn(&ServeArgs::new(db.url(), dir.path(), format!("host-{n}"))?)?));
+            let mut args = ServeArgs::new(db.url(), dir.path(), format!("host-{n}"))?;
+            args.http_allow = vec![sink.allow()];
+            hosts.push(Some(ServeProc::spawn(&args)?));
         }
         for h in hosts.iter().flatten() {
             h.wait_healthy(&http, Duration::from_secs(60)).await?;
@@ -128,7 +130,7 @@ both! {
         leasehold::effects::http::install_tls();
         let dir = tempfile::tempdir()?;
         std::fs::write(dir.path().join("testkit.wasm"), plugins::rust_plugin("testkit")?)?;
-        let http = reqwest::Client::new();
+        let http = crate::serve_proc::client(reqwest::Client::builder())?;
         let mut args = ServeArgs::new(db.url(), dir.path(), "host-term".into())?;
         args.extra = vec!["--shutdown-grace-ms=300".into()];
         let mut host = ServeProc::spawn(&args)?;

@@ -19,11 +19,11 @@ use crate::harness::{TestDb, both};
 use crate::plugins;
 use crate::sink::Sink;
 
-fn runtime_with(names: &[&str]) -> Result<Arc<Runtime>> {
+fn runtime_with(names: &[&str], tool: &Sink) -> Result<Arc<Runtime>> {
     let rt = plugins::runtime()?;
     for name in names {
         let mut limits = plugins::test_limits();
-        limits.http_allow = vec!["127.0.0.1".into()];
+        limits.http_allow = vec![tool.allow()];
         limits.max_memory_bytes = 128 << 20; // Python and JS guests
         limits.segment_budget = Duration::from_secs(20);
         rt.add_plugin(name, &plugins::example_plugin(name)?, limits)?;
@@ -41,6 +41,7 @@ fn worker(db: &TestDb, rt: &Arc<Runtime>, owner: &str, model: &FakeModel) -> Exe
         lease_ttl: Duration::from_secs(30),
         renew_every: None,
         model: Some(Arc::new(config)),
+        reserved: vec![],
     };
     Executor::new(db.store.clone(), rt.clone(), config)
 }
@@ -65,8 +66,8 @@ async fn streamed(store: &Store, run_id: i64) -> Result<String> {
 /// The behaviour every example agent must have, in any language: ask the
 /// model, call the tool, store a note, ask the user, answer.
 async fn agent_behaviour(db: &TestDb, plugin: &str) -> Result<()> {
-    let rt = runtime_with(&[plugin])?;
     let (model, tool) = (FakeModel::start(echo()).await?, Sink::start().await?);
+    let rt = runtime_with(&[plugin], &tool)?;
     let exec = worker(db, &rt, "worker-a", &model);
     let input = json!({ "prompt": "say \"hi\"\n", "tool_url": tool.url, "ask": true });
     let id = submit(&db.store, plugin, input).await?;
@@ -98,9 +99,9 @@ async fn agent_behaviour(db: &TestDb, plugin: &str) -> Result<()> {
     let chats = model.hits();
     ensure!(chats.len() == 1, "{plugin}: model called {} times", chats.len());
     ensure!(chats[0].body["stream"] == json!(true) && chats[0].body["model"] == json!("fake-1"), "{:?}", chats[0].body);
-    ensure!(chats[0].authorization == "Bearer sk-test" && chats[0].key == format!("{id}:0"), "{:?}", chats[0]);
+    ensure!(chats[0].authorization == "Bearer sk-test" && chats[0].key == crate::harness::key(&db.store, id, 0).await?, "{:?}", chats[0]);
     let tools = tool.hits();
-    ensure!(tools.len() == 1 && tools[0].key == format!("{id}:1"), "{plugin}: tool hits {tools:?}");
+    ensure!(tools.len() == 1 && tools[0].key == crate::harness::key(&db.store, id, 1).await?, "{plugin}: tool hits {tools:?}");
     Ok(())
 }
 
@@ -122,7 +123,6 @@ both! {
     }
 
     async fn a_worker_dying_mid_answer_has_its_half_answer_retracted(db) {
-        let rt = runtime_with(&["agent-rust"])?;
         // The dead segment streams two chunks of one answer; the re-issued
         // call (same idempotency key) streams another.
         let script: crate::fake_model::Script = Arc::new(|n, _| {
@@ -130,6 +130,7 @@ both! {
             words.iter().map(|w| w.to_string()).collect()
         });
         let (model, tool) = (FakeModel::start_holding(script, 2).await?, Sink::start().await?);
+        let rt = runtime_with(&["agent-rust"], &tool)?;
         model.hold(true);
         let input = json!({ "prompt": "go", "tool_url": tool.url });
         let id = submit(&db.store, "agent-rust", input).await?;
@@ -157,7 +158,8 @@ both! {
         let cut: Value = serde_json::from_str(&retracts[0].payload)?;
         ensure!(cut == json!({ "from": 0, "to": 2 }) && retracts[0].fence == 2, "{cut} {:?}", retracts[0]);
         let keys: Vec<_> = model.hits().iter().map(|h| (h.key.clone(), h.fence.clone())).collect();
-        ensure!(keys == vec![(format!("{id}:0"), "1".into()), (format!("{id}:0"), "2".into())], "{keys:?}");
+        let key = crate::harness::key(&db.store, id, 0).await?;
+        ensure!(keys == vec![(key.clone(), "1".into()), (key, "2".into())], "{keys:?}");
         ensure!(tool.hits().len() == 1);
         Ok(())
     }
@@ -165,13 +167,16 @@ both! {
     async fn a_graceful_suspend_replays_a_recorded_answer_without_retracting_it(db) {
         // After `wait-input` the stream is whole: nothing is cut, the model
         // is not asked again, and the resumed segment does not re-stream.
-        let rt = runtime_with(&["agent-rust"])?;
         let (model, tool) = (FakeModel::start(echo()).await?, Sink::start().await?);
+        let rt = runtime_with(&["agent-rust"], &tool)?;
         let exec = worker(db, &rt, "worker-a", &model);
         let id = submit(&db.store, "agent-rust", json!({ "prompt": "x", "tool_url": tool.url, "ask": true })).await?;
-        exec.run_once().await?;
+        let first = exec.run_once().await?;
+        ensure!(first == Some((id, SegmentOutcome::Suspended(RunStatus::WaitingInput))), "{first:?}");
         db.store.deliver_input(id, "ok").await?;
-        exec.run_once().await?;
+        let second = exec.run_once().await?;
+        ensure!(second == Some((id, SegmentOutcome::Completed)), "{second:?}: {:?}", db.store.get_run(id).await?.error);
+        ensure!(model.hits().len() == 1, "the model was asked again");
         let events = db.store.run_events(id).await?;
         ensure!(events.iter().all(|e| e.kind != "retract"), "{events:?}");
         ensure!(events.iter().filter(|e| e.kind == "delta").count() == 2, "{events:?}");
@@ -179,12 +184,13 @@ both! {
     }
 
     async fn model_chat_without_a_configured_endpoint_is_denied(db) {
-        let rt = runtime_with(&["agent-rust"])?;
         let tool = Sink::start().await?;
-        let config = ExecutorConfig { owner: "w".into(), lease_ttl: Duration::from_secs(30), renew_every: None, model: None };
+        let rt = runtime_with(&["agent-rust"], &tool)?;
+        let config = ExecutorConfig { owner: "w".into(), lease_ttl: Duration::from_secs(30), renew_every: None, model: None, reserved: vec![] };
         let exec = Executor::new(db.store.clone(), rt, config);
         let id = submit(&db.store, "agent-rust", json!({ "prompt": "x", "tool_url": tool.url })).await?;
-        exec.run_once().await?;
+        let out = exec.run_once().await?;
+        ensure!(out == Some((id, SegmentOutcome::Failed(leasehold::executor::GuestErrorKind::TurnError))), "{out:?}");
         let run = db.store.get_run(id).await?;
         let error = run.error.unwrap_or_default();
         ensure!(run.status == RunStatus::Failed && error.contains("no model endpoint is configured"), "{error}");

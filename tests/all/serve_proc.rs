@@ -20,6 +20,8 @@ pub struct ServeArgs<'a> {
     pub lease_ttl_ms: u64,
     pub reaper_interval_ms: u64,
     pub poll_ms: u64,
+    /// `--http-allow` entries, e.g. a sink's `127.0.0.1:<port>`.
+    pub http_allow: Vec<String>,
     pub extra: Vec<String>,
 }
 
@@ -35,6 +37,7 @@ impl ServeArgs<'_> {
             lease_ttl_ms: 3000,
             reaper_interval_ms: 500,
             poll_ms: 200,
+            http_allow: Vec::new(),
             extra: Vec::new(),
         })
     }
@@ -52,10 +55,11 @@ impl ServeProc {
             .args(["serve", "--database-url", a.db_url, "--listen", &format!("127.0.0.1:{}", a.port)])
             .arg("--plugins-dir")
             .arg(a.plugins_dir)
-            .args(["--http-allow", "127.0.0.1", "--workers", &a.workers.to_string()])
+            .args(["--http-allow", &a.http_allow.join(","), "--workers", &a.workers.to_string()])
             .args(["--lease-ttl-ms", &a.lease_ttl_ms.to_string()])
             .args(["--reaper-interval-ms", &a.reaper_interval_ms.to_string()])
             .args(["--poll-ms", &a.poll_ms.to_string(), "--owner", &a.owner])
+            .args(["--api-token", TEST_TOKEN])
             .arg("--cache-dir")
             .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("target/component-cache"))
             .args(&a.extra)
@@ -97,6 +101,16 @@ pub async fn wait_healthy(http: &reqwest::Client, base: &str, timeout: Duration)
         ensure!(Instant::now() < deadline, "{base} never became healthy");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// The API token the test hosts are started with.
+pub const TEST_TOKEN: &str = "leasehold-test-token-0123456789";
+
+/// An HTTP client that sends [`TEST_TOKEN`], with `builder`'s settings.
+pub fn client(builder: reqwest::ClientBuilder) -> Result<reqwest::Client> {
+    let mut headers = reqwest::header::HeaderMap::new();
+    headers.insert(reqwest::header::AUTHORIZATION, format!("Bearer {TEST_TOKEN}").parse()?);
+    Ok(builder.default_headers(headers).build()?)
 }
 
 pub fn free_port() -> Result<u16> {

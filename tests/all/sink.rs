@@ -1,7 +1,9 @@
 //! A counting HTTP effect sink: records every request's idempotency key and
 //! fence on arrival, and can hold its responses (to kill a worker while its
 //! request is in flight). A JSON body with `delay_ms` is answered that much
-//! later.
+//! later. Like a deduplicating server that sees a re-issue while the first
+//! request is still in progress, it can answer re-issues (fence above 1)
+//! `409` a set number of times ([`Sink::conflict_reissues`]).
 
 use std::sync::{Arc, Mutex};
 
@@ -25,11 +27,15 @@ struct Shared {
     delay: std::time::Duration,
     /// Extra delay, uniform in [0, jitter), per request.
     jitter: std::time::Duration,
+    /// Re-issues (fence above 1) still to answer 409.
+    conflicts: Arc<std::sync::atomic::AtomicU32>,
 }
 
 pub struct Sink {
     pub url: String,
+    pub port: u16,
     hits: Arc<Mutex<Vec<Hit>>>,
+    conflicts: Arc<std::sync::atomic::AtomicU32>,
     gate: tokio::sync::watch::Sender<bool>,
     server: tokio::task::JoinHandle<()>,
 }
@@ -49,15 +55,17 @@ impl Sink {
     pub async fn start_with_jitter(delay: std::time::Duration, jitter: std::time::Duration) -> Result<Sink> {
         let hits = Arc::new(Mutex::new(Vec::new()));
         let (gate, open) = tokio::sync::watch::channel(true);
+        let conflicts = Arc::new(std::sync::atomic::AtomicU32::new(0));
         let app = axum::Router::new()
             .route("/effect", post(hit))
-            .with_state(Shared { hits: hits.clone(), open, delay, jitter });
+            .with_state(Shared { hits: hits.clone(), open, delay, jitter, conflicts: conflicts.clone() });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let url = format!("http://{}/effect", listener.local_addr()?);
+        let port = listener.local_addr()?.port();
+        let url = format!("http://127.0.0.1:{port}/effect");
         let server = tokio::spawn(async move {
             let _ = axum::serve(listener, app).await;
         });
-        Ok(Sink { url, hits, gate, server })
+        Ok(Sink { url, port, hits, conflicts, gate, server })
     }
 
     /// While held, requests are counted but not answered.
@@ -68,6 +76,18 @@ impl Sink {
     pub fn hits(&self) -> Vec<Hit> {
         self.hits.lock().unwrap().clone()
     }
+
+    /// Answers the next `n` re-issues (fence above 1) `409 Conflict`, as a
+    /// deduplicating server does while the first request with that key is
+    /// still in progress.
+    pub fn conflict_reissues(&self, n: u32) {
+        self.conflicts.store(n, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// The allow-list entry for this sink: `127.0.0.1:<port>`.
+    pub fn allow(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
 }
 
 impl Drop for Sink {
@@ -76,15 +96,21 @@ impl Drop for Sink {
     }
 }
 
-async fn hit(State(s): State<Shared>, headers: HeaderMap, body: axum::body::Bytes) -> &'static str {
+async fn hit(State(s): State<Shared>, headers: HeaderMap, body: axum::body::Bytes) -> (axum::http::StatusCode, &'static str) {
     let get = |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
     let body = String::from_utf8_lossy(&body).into_owned();
     // A body may ask for a slow answer: {"delay_ms": N}.
     let asked = serde_json::from_str::<serde_json::Value>(&body).ok().and_then(|b| b["delay_ms"].as_u64());
+    let reissue = get("leasehold-fence").parse::<i64>().is_ok_and(|f| f > 1);
     s.hits.lock().unwrap().push(Hit { key: get("idempotency-key"), fence: get("leasehold-fence"), body });
+    if reissue
+        && s.conflicts.fetch_update(std::sync::atomic::Ordering::SeqCst, std::sync::atomic::Ordering::SeqCst, |n| n.checked_sub(1)).is_ok()
+    {
+        return (axum::http::StatusCode::CONFLICT, "in progress");
+    }
     let mut open = s.open.clone();
     let _ = open.wait_for(|open| *open).await;
     let jitter = if s.jitter.is_zero() { std::time::Duration::ZERO } else { s.jitter.mul_f64(rand::random::<f64>()) };
     tokio::time::sleep(s.delay + jitter + std::time::Duration::from_millis(asked.unwrap_or(0))).await;
-    "applied"
+    (axum::http::StatusCode::OK, "applied")
 }

@@ -27,11 +27,27 @@
 //! * `put-then-spin`: `kv.put` key `early`, burns `spins` iterations and
 //!   returns `"spun"` (a put must reach the database while the turn still
 //!   computes).
+//! * `script`: runs `ops` in order and returns the JSON list of what each
+//!   gave: `{"op": "put", "key"}` (`kv.put`), `{"op": "emit", "text"}`,
+//!   `{"op": "sleep", "ms"}` (the host's durable timer),
+//!   `{"op": "wasi-sleep", "ms"}` (the language's own sleep:
+//!   `std::thread::sleep`), `{"op": "chat", "prompt"}` (`model.chat`; a
+//!   failure is returned, not raised), `{"op": "http", "url", "keyed"}`,
+//!   `{"op": "random", "bytes"}` (WASI secure random, as hex),
+//!   `{"op": "put-random", "key"}` (puts 16 random bytes, as hex: a replay
+//!   that drew other bytes would make another request),
+//!   `{"op": "clock"}` (WASI monotonic and wall clocks, in ms),
+//!   `{"op": "wait", "prompt"}` and `{"op": "effect", "name", "request"}`.
 //! * hostile: `loop` (never returns), `oom` (allocates without bound),
 //!   `emit-bomb` (emits 1 MiB chunks forever), `trap` (unreachable),
 //!   `big-output` (returns 2 MiB), `fail` (returns an error), `nul` (emits,
 //!   puts a key, calls an effect and returns text, each holding a NUL),
-//!   `nul-fail` (returns an error holding a NUL).
+//!   `nul-fail` (returns an error holding a NUL), `big-name` (an effect
+//!   whose name is 8 MiB), `long-name` (300 bytes), `bad-name`,
+//!   `big-prompt` (a 1 MiB `wait-input` prompt), `log-flood` (`n` log
+//!   lines with control characters), `random-bomb` (asks WASI for 1 GiB of
+//!   random), `table-bomb` (keeps WASI pollables without bound),
+//!   `kv-big` (puts a `bytes`-long value), `gets` (`n` `kv.get`s).
 
 wit_bindgen::generate!({ path: "../../wit", world: "turn" });
 
@@ -179,9 +195,121 @@ impl Guest for Testkit {
                 Ok(format!("x\0y | {bad_key} | {bad_name}"))
             }
             "nul-fail" => Err("gave\0up".to_string()),
+            "script" => script(&v["ops"]),
+            "big-name" => {
+                let name = "a".repeat(8 << 20);
+                effect(&name, "{}").map_err(describe)
+            }
+            "long-name" => Ok(match effect(&"a".repeat(300), "{}") {
+                Ok(r) => format!("ok {r}"),
+                Err(e) => describe(e),
+            }),
+            "bad-name" => Ok(match effect("Bad Name!", "{}") {
+                Ok(r) => format!("ok {r}"),
+                Err(e) => describe(e),
+            }),
+            "big-prompt" => Ok(wait_input(&"?".repeat(1 << 20))),
+            "log-flood" => {
+                let n = v["n"].as_u64().unwrap_or(100_000);
+                for i in 0..n {
+                    leasehold::turn::host::log(2, &format!("line {i}\n\u{1b}[31mfake\r\u{0}"));
+                }
+                Ok(format!("logged {n}"))
+            }
+            "random-bomb" => Ok(format!("{} bytes", wasip2::random::random::get_random_bytes(1 << 30).len())),
+            "table-bomb" => {
+                let mut kept = Vec::new();
+                loop {
+                    kept.push(wasip2::clocks::monotonic_clock::subscribe_duration(1_000_000_000));
+                }
+            }
+            "kv-big" => {
+                let value = "x".repeat(v["bytes"].as_u64().unwrap_or(1 << 17) as usize);
+                let request = serde_json::json!({ "key": "big", "value": value });
+                effect("kv.put", &request.to_string()).map_err(describe)?;
+                Ok("put".to_string())
+            }
+            "gets" => {
+                let n = v["n"].as_u64().unwrap_or(10);
+                for _ in 0..n {
+                    effect("kv.get", r#"{"key":"k"}"#).map_err(describe)?;
+                }
+                Ok(format!("did {n} gets"))
+            }
             other => Err(format!("unknown mode {other:?}")),
         }
     }
+}
+
+/// The `script` mode: each op's result, in order.
+fn script(ops: &Value) -> Result<String, String> {
+    let mut out = Vec::new();
+    for op in ops.as_array().into_iter().flatten() {
+        let got = match op["op"].as_str().unwrap_or("") {
+            "put" => {
+                let request = serde_json::json!({ "key": op["key"], "value": op["value"] });
+                effect("kv.put", &request.to_string()).map_err(describe)?;
+                Value::Null
+            }
+            "emit" => {
+                emit(op["text"].as_str().unwrap_or(""));
+                Value::Null
+            }
+            "sleep" => {
+                sleep(op["ms"].as_u64().unwrap_or(0));
+                Value::Null
+            }
+            "wasi-sleep" => {
+                std::thread::sleep(std::time::Duration::from_millis(op["ms"].as_u64().unwrap_or(0)));
+                Value::Null
+            }
+            "chat" => {
+                let request = serde_json::json!({ "messages": [{ "role": "user", "content": op["prompt"] }] });
+                match effect("model.chat", &request.to_string()) {
+                    Ok(r) => serde_json::from_str::<Value>(&r).map(|v| v["content"].clone()).unwrap_or(Value::Null),
+                    Err(e) => Value::String(describe(e)),
+                }
+            }
+            "http" => {
+                let name = if op["keyed"].as_bool().unwrap_or(true) { "http" } else { "http.unkeyed" };
+                let request = serde_json::json!({ "method": "POST", "url": op["url"], "body": op["body"] });
+                match effect(name, &request.to_string()) {
+                    Ok(r) => serde_json::from_str::<Value>(&r).map(|v| v["body"].clone()).unwrap_or(Value::Null),
+                    Err(e) => Value::String(describe(e)),
+                }
+            }
+            "put-random" => {
+                let bytes = wasip2::random::random::get_random_bytes(16);
+                let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+                let request = serde_json::json!({ "key": op["key"], "value": hex });
+                effect("kv.put", &request.to_string()).map_err(describe)?;
+                Value::String(hex)
+            }
+            "random" => {
+                let bytes = wasip2::random::random::get_random_bytes(op["bytes"].as_u64().unwrap_or(8));
+                Value::String(bytes.iter().map(|b| format!("{b:02x}")).collect())
+            }
+            "clock" => {
+                let wall = wasip2::clocks::wall_clock::now();
+                let mono = wasip2::clocks::monotonic_clock::now();
+                serde_json::json!({
+                    "monotonic_ms": mono / 1_000_000,
+                    "wall_ms": wall.seconds * 1000 + u64::from(wall.nanoseconds) / 1_000_000,
+                })
+            }
+            "wait" => Value::String(wait_input(op["prompt"].as_str().unwrap_or("?"))),
+            "effect" => {
+                let name = op["name"].as_str().unwrap_or("");
+                match effect(name, op["request"].as_str().unwrap_or("{}")) {
+                    Ok(r) => Value::String(r),
+                    Err(e) => Value::String(describe(e)),
+                }
+            }
+            other => return Err(format!("unknown op {other:?}")),
+        };
+        out.push(got);
+    }
+    Ok(Value::Array(out).to_string())
 }
 
 fn spin(n: u64) {

@@ -1,0 +1,209 @@
+//! The protocol at its edges, on both backends: attempts that deliberate
+//! suspensions must not use up, a reaper and a renewal that must not wait
+//! on a frozen host's row locks, the stream cut, reaper races, and
+//! idempotency keys that must not repeat across databases.
+
+use std::time::Duration;
+
+use anyhow::{Result, ensure};
+use leasehold::ledger::{EffectCall, LocalOp};
+use leasehold::reaper::{self, ReapReport, ReaperConfig};
+use leasehold::store::{EffectClass, NewRun, Outcome, RunStatus, Store, Suspend};
+
+use crate::harness::{TTL, TestDb, both, run_on};
+
+async fn submit(store: &Store, max_attempts: i64) -> Result<i64> {
+    let mut new = NewRun::new("p", "{}");
+    new.max_attempts = Some(max_attempts);
+    Ok(store.create_run(&new).await?.0.id)
+}
+
+fn call(seq: i64, name: &str, emit_pos: i64) -> EffectCall {
+    EffectCall { seq, name: name.into(), request_hash: format!("h{seq}"), emit_pos }
+}
+
+both! {
+    async fn a_deliberate_suspension_never_uses_up_an_attempt(db) {
+        // max_attempts bounds consecutive failed segments. A segment that
+        // suspends on purpose (wait-input, sleep, a slice, a shutdown
+        // hand-over) did not fail, whether or not it wrote a ledger row:
+        // with max_attempts 1 the run must still be claimable afterwards.
+        let s = &db.store;
+        for how in [
+            Suspend::WaitInput { prompt: "name?".into() },
+            Suspend::Sleep { delay_ms: 0 },
+            Suspend::Takeover,
+        ] {
+            let id = submit(s, 1).await?;
+            let first = s.claim("a", TTL).await?.ok_or_else(|| anyhow::anyhow!("nothing to claim"))?;
+            ensure!(first.run.id == id && first.run.attempt == 1);
+            s.suspend(&first.lease, &how).await?;
+            if let Suspend::WaitInput { .. } = how {
+                s.deliver_input(id, "\"Ada\"").await?;
+            }
+            let again = s.claim("b", TTL).await?;
+            ensure!(
+                again.as_ref().map(|c| c.run.id) == Some(id),
+                "{how:?}: the run was not claimable after its suspension: {:?}",
+                s.get_run(id).await?
+            );
+            let report = reaper::tick(s, &ReaperConfig::default()).await?;
+            ensure!(report.aborted.is_empty(), "{how:?}: {report:?}");
+            s.close(&again.unwrap().lease, &Outcome::Completed { output: "done".into() }).await?;
+        }
+        Ok(())
+    }
+
+    async fn an_aborted_run_says_why_in_words_an_operator_understands(db) {
+        let s = &db.store;
+        let id = submit(s, 2).await?;
+        for owner in ["host-a", "host-b"] {
+            s.claim(owner, TTL).await?.ok_or_else(|| anyhow::anyhow!("nothing to claim"))?;
+            db.backdate_lease(id, TTL.as_millis() as i64 + 1).await?;
+        }
+        let report = reaper::tick(s, &ReaperConfig::default()).await?;
+        ensure!(report.aborted == vec![id], "{report:?}");
+        let error = s.get_run(id).await?.error.unwrap_or_default();
+        for words in ["2 segments in a row", "max_attempts", "host-b", "fence 2", "lease"] {
+            ensure!(error.contains(words), "the error does not say {words:?}: {error:?}");
+        }
+        Ok(())
+    }
+
+    async fn an_abort_with_nothing_streamed_has_no_output(db) {
+        let s = &db.store;
+        let id = submit(s, 1).await?;
+        s.claim("a", TTL).await?.ok_or_else(|| anyhow::anyhow!("nothing to claim"))?;
+        db.backdate_lease(id, TTL.as_millis() as i64 + 1).await?;
+        ensure!(reaper::tick(s, &ReaperConfig::default()).await?.aborted == vec![id]);
+        let run = s.get_run(id).await?;
+        ensure!(run.status == RunStatus::Aborted && run.output.is_none(), "{run:?}");
+        let message = s.run_events(id).await?.pop().unwrap();
+        let payload: serde_json::Value = serde_json::from_str(&message.payload)?;
+        ensure!(message.kind == "message" && payload["output"].is_null(), "{payload}");
+        Ok(())
+    }
+
+    async fn the_reaper_leaves_a_run_closed_or_cancelled_after_it_looked(db) {
+        let s = &db.store;
+        let closed = submit(s, 1).await?;
+        let a = s.claim("a", TTL).await?.unwrap();
+        let cancelled = submit(s, 1).await?;
+        let b = s.claim("b", TTL).await?.unwrap();
+        sqlx::query("UPDATE runs SET lease_expires_at = lease_expires_at - 60000").execute(s.pool()).await?;
+        // The reaper has seen both expired on their last attempt; then the
+        // owner closes one and an operator cancels the other.
+        s.close(&a.lease, &Outcome::Completed { output: "in time".into() }).await?;
+        s.cancel(cancelled).await?;
+        let mut report = ReapReport::default();
+        reaper::reap_run(s, closed, a.lease.fence, RunStatus::Running, &mut report).await?;
+        reaper::reap_run(s, cancelled, b.lease.fence, RunStatus::Running, &mut report).await?;
+        ensure!(report.raced == 2 && report.aborted.is_empty(), "{report:?}");
+        ensure!(s.get_run(closed).await?.status == RunStatus::Completed);
+        ensure!(s.get_run(cancelled).await?.status == RunStatus::Cancelled);
+        // A second tick finds nothing to do.
+        let report = reaper::tick(s, &ReaperConfig::default()).await?;
+        ensure!(report == ReapReport::default(), "{report:?}");
+        Ok(())
+    }
+
+    async fn a_second_reaper_tick_reports_a_resumable_run_again_and_changes_nothing(db) {
+        let s = &db.store;
+        let id = submit(s, 3).await?;
+        let a = s.claim("a", TTL).await?.unwrap();
+        s.begin_effect(&a.lease, &call(0, "http", 0), EffectClass::Keyed).await?;
+        db.backdate_lease(id, TTL.as_millis() as i64 + 1).await?;
+        let first = reaper::tick(s, &ReaperConfig::default()).await?;
+        ensure!(first.resumable == vec![id] && first.in_doubt == 1, "{first:?}");
+        let (run, ledger) = (s.get_run(id).await?, s.effects(id).await?);
+        let second = reaper::tick(s, &ReaperConfig::default()).await?;
+        ensure!(second.resumable == vec![id] && second.in_doubt == 0, "{second:?}");
+        ensure!(s.get_run(id).await? == run && s.effects(id).await? == ledger);
+        Ok(())
+    }
+
+    async fn retract_cuts_the_stream_back_and_tells_readers_which_positions_are_void(db) {
+        let s = &db.store;
+        let mut new = NewRun::new("p", "{}");
+        new.thread_id = Some("cut".into());
+        let id = s.create_run(&new).await?.0.id;
+        let a = s.claim("a", TTL).await?.unwrap();
+        s.emit_deltas(&a.lease, &["kept ", "half ", "answer"]).await?;
+        db.backdate_lease(id, TTL.as_millis() as i64 + 1).await?;
+        let b = s.claim("b", TTL).await?.unwrap();
+        // A stale segment cannot cut.
+        ensure!(s.retract(&a.lease, 1).await.unwrap_err().is_lease_lost());
+        ensure!(s.retract(&b.lease, 1).await? == 1);
+        let run = s.get_run(id).await?;
+        ensure!(run.partial == "kept " && run.emit_pos == 1, "{run:?}");
+        let events = s.run_events(id).await?;
+        let last = events.last().unwrap();
+        let payload: serde_json::Value = serde_json::from_str(&last.payload)?;
+        ensure!(last.kind == "retract" && last.fence == b.lease.fence, "{last:?}");
+        ensure!(payload == serde_json::json!({ "from": 1, "to": 3 }), "{payload}");
+        let stream = leasehold::events::replay_stream(events.iter().map(|e| (e.kind.as_str(), e.payload.as_str())));
+        ensure!(stream == vec!["kept ".to_string()], "{stream:?}");
+        // Nothing past the cut: a no-op that writes no event.
+        ensure!(s.retract(&b.lease, 1).await? == 1);
+        ensure!(s.run_events(id).await?.len() == events.len());
+        s.emit(&b.lease, "whole").await?;
+        let events = s.run_events(id).await?;
+        let stream = leasehold::events::replay_stream(events.iter().map(|e| (e.kind.as_str(), e.payload.as_str())));
+        ensure!(stream.concat() == "kept whole" && s.get_run(id).await?.partial == "kept whole", "{stream:?}");
+        Ok(())
+    }
+
+    async fn idempotency_keys_never_repeat_across_databases(db) {
+        // Run 1's first call exists in every deployment, and again after a
+        // database reset: an upstream that caches by key must not hand one
+        // another's answer.
+        let other = TestDb::new(db.backend).await?;
+        let mut keys = Vec::new();
+        for s in [&db.store, &other.store] {
+            let id = submit(s, 3).await?;
+            let a = s.claim("a", TTL).await?.unwrap();
+            let row = s.begin_effect(&a.lease, &call(0, "http", 0), EffectClass::Keyed).await?;
+            ensure!(row.idempotency_key.ends_with(&format!(":{id}:0")), "{row:?}");
+            let local = s.local_effect(&a.lease, &call(1, "clock", 0), &LocalOp::Record { value: "1".into() }).await?;
+            ensure!(local.idempotency_key.ends_with(&format!(":{id}:1")), "{local:?}");
+            keys.push(row.idempotency_key);
+        }
+        other.cleanup().await?;
+        ensure!(keys[0] != keys[1], "two databases gave run 1, call 0 the same key {:?}", keys[0]);
+        Ok(())
+    }
+}
+
+/// PostgreSQL only: SQLite has one writer and no row locks, and its
+/// busy timeout already bounds every wait for the file lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_reaper_and_a_renewal_do_not_wait_on_a_row_a_frozen_host_has_locked() -> Result<()> {
+    run_on(leasehold::Backend::Postgres, async |db: &TestDb| {
+        let s = &db.store;
+        let locked = submit(s, 1).await?;
+        let held = s.claim("owner", TTL).await?.unwrap();
+        let free = submit(s, 1).await?;
+        s.claim("dead", TTL).await?.unwrap();
+        sqlx::query("UPDATE runs SET lease_expires_at = lease_expires_at - 60000").execute(s.pool()).await?;
+        // A frozen host's statement holds the first run's row lock and never
+        // finishes (its own session has no idle timeout).
+        use sqlx::Connection;
+        let mut frozen = sqlx::PgConnection::connect(db.url()).await?;
+        sqlx::raw_sql("BEGIN").execute(&mut frozen).await?;
+        sqlx::query("SELECT id FROM runs WHERE id = $1 FOR UPDATE").bind(locked).fetch_all(&mut frozen).await?;
+
+        let tick = tokio::time::timeout(Duration::from_secs(20), reaper::tick(s, &ReaperConfig::default())).await;
+        let report = tick.map_err(|_| anyhow::anyhow!("the reaper waited on the locked row for 20 s"))??;
+        ensure!(report.aborted == vec![free], "the reaper must still reap the other run: {report:?}");
+        let renew = tokio::time::timeout(Duration::from_secs(20), s.renew(&held.lease, TTL)).await;
+        let renewed = renew.map_err(|_| anyhow::anyhow!("the renewal waited on the locked row for 20 s"))?;
+        ensure!(renewed.is_err() && !renewed.as_ref().unwrap_err().is_lease_lost(), "{renewed:?}");
+
+        sqlx::raw_sql("ROLLBACK").execute(&mut frozen).await?;
+        // Unlocked, both go through.
+        s.renew(&held.lease, TTL).await?;
+        ensure!(s.get_run(free).await?.status == RunStatus::Aborted);
+        Ok(())
+    })
+    .await
+}

@@ -1,0 +1,127 @@
+//! `leasehold serve` as a user starts it: a token is required by default
+//! and the CLI finds it; an unreachable database is reported at once,
+//! without its password.
+
+use std::io::Read;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, ensure};
+
+use crate::serve_proc::{free_port, wait_healthy};
+
+fn leasehold() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_leasehold"))
+}
+
+fn cache_dir() -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("target/component-cache")
+}
+
+/// Kills the child when dropped.
+struct Child(std::process::Child);
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[tokio::test]
+async fn serve_requires_a_token_by_default_and_the_cli_finds_it() -> Result<()> {
+    leasehold::effects::http::install_tls();
+    let dir = tempfile::tempdir()?;
+    let port = free_port()?;
+    let base = format!("http://127.0.0.1:{port}");
+    // As in the quick start: the embedded default, in the current directory.
+    let _serve = Child(
+        leasehold()
+            .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--plugins-dir", "none"])
+            .arg("--cache-dir")
+            .arg(cache_dir())
+            .current_dir(dir.path())
+            .env("LEASEHOLD_LOG", "warn")
+            .env_remove("LEASEHOLD_API_TOKEN")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()?,
+    );
+    let http = reqwest::Client::new();
+    wait_healthy(&http, &base, Duration::from_secs(60)).await?;
+    let anonymous = http.get(format!("{base}/v1/runs")).send().await?;
+    ensure!(anonymous.status() == 401, "a request without the token got {}", anonymous.status());
+
+    let file = dir.path().join("leasehold.token");
+    let token = std::fs::read_to_string(&file).with_context(|| format!("no token file at {}", file.display()))?;
+    let token = token.trim();
+    ensure!(token.len() >= 32 && token.chars().all(|c| c.is_ascii_hexdigit()), "token {token:?}");
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(&file)?.permissions().mode() & 0o777;
+    ensure!(mode == 0o600, "the token file is {mode:o}");
+    let authorized = http.get(format!("{base}/v1/runs")).bearer_auth(token).send().await?;
+    ensure!(authorized.status() == 200, "{}", authorized.status());
+
+    // The CLI, run where the database is, reads the token by itself.
+    let out = leasehold()
+        .args(["runs", "list", "--server", &base])
+        .current_dir(dir.path())
+        .env_remove("LEASEHOLD_API_TOKEN")
+        .output()?;
+    ensure!(out.status.success(), "the CLI failed: {}", String::from_utf8_lossy(&out.stderr));
+    // Elsewhere, without the token, it says what is missing.
+    let elsewhere = tempfile::tempdir()?;
+    let out = leasehold()
+        .args(["runs", "list", "--server", &base])
+        .current_dir(elsewhere.path())
+        .env_remove("LEASEHOLD_API_TOKEN")
+        .env("HOME", elsewhere.path())
+        .output()?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    ensure!(!out.status.success() && err.contains("token"), "without a token: {err}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_unreachable_database_is_reported_at_once_without_its_password() -> Result<()> {
+    let port = free_port()?; // nothing listens there
+    let mut serve = Child(
+        leasehold()
+            .args(["serve", "--listen", &format!("127.0.0.1:{}", free_port()?), "--plugins-dir", "none"])
+            .arg("--database-url")
+            .arg(format!("postgres://leasehold:hunter2@127.0.0.1:{port}/db"))
+            .arg("--cache-dir")
+            .arg(cache_dir())
+            .env("LEASEHOLD_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()?,
+    );
+    let mut stderr = serve.0.stderr.take().context("stderr")?;
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = stderr.read(&mut buf) {
+            if n == 0 || tx.send(String::from_utf8_lossy(&buf[..n]).into_owned()).is_err() {
+                break;
+            }
+        }
+    });
+    // Ten seconds at most: a first warning after the pool's 30 s connect
+    // timeout is too late.
+    let started = Instant::now();
+    let mut log = String::new();
+    while !log.contains("cannot be reached") {
+        let Some(left) = Duration::from_secs(10).checked_sub(started.elapsed()) else { break };
+        match rx.recv_timeout(left) {
+            Ok(chunk) => log.push_str(&chunk),
+            Err(_) => break,
+        }
+    }
+    let took = started.elapsed();
+    drop(serve);
+    ensure!(log.contains("cannot be reached") && log.to_lowercase().contains("refused"), "after {took:?}: {log}");
+    ensure!(!log.contains("hunter2"), "the password is in the log: {log}");
+    Ok(())
+}
