@@ -65,6 +65,8 @@ pub struct E2eResult {
     pub submit_to_start_p99_ms: f64,
     /// The submit rate of the latency phase (half of `runs_per_sec`).
     pub latency_rate_per_sec: f64,
+    /// Runs of the latency phase whose submit→start delay was measured.
+    pub latency_samples: usize,
     pub concurrency: usize,
     pub submitters: usize,
     pub rounds: usize,
@@ -183,6 +185,7 @@ impl E2eBench {
             submit_to_start_p50_ms: p50,
             submit_to_start_p99_ms: p99,
             latency_rate_per_sec: rate.round(),
+            latency_samples: delays.len(),
             concurrency: self.concurrency,
             submitters: self.submitters,
             rounds,

@@ -24,7 +24,11 @@ both! {
         };
         let result = bench.run().await?;
         ensure!(result.runs_per_sec > 0.0 && result.baseline_per_sec > 0.0 && result.ratio > 0.0 && result.rounds == 2, "{result:?}");
-        ensure!(result.submit_to_start_p50_ms >= 0.0 && result.submit_to_start_p99_ms >= result.submit_to_start_p50_ms, "{result:?}");
+        // Every run of the latency phase was measured, at half the peak.
+        ensure!(result.latency_samples == 40, "{result:?}");
+        ensure!(result.latency_rate_per_sec == (result.runs_per_sec / 2.0).round(), "{result:?}");
+        let (p50, p99) = (result.submit_to_start_p50_ms, result.submit_to_start_p99_ms);
+        ensure!(p50.is_finite() && p99.is_finite() && p50 >= 0.0 && p99 >= p50, "{result:?}");
         let left: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM runs").fetch_one(db.store.pool()).await?;
         let plugins: i64 = sqlx::query_scalar("SELECT (SELECT COUNT(*) FROM plugins) + (SELECT COUNT(*) FROM plugin_versions)")
             .fetch_one(db.store.pool())

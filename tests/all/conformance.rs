@@ -48,13 +48,6 @@ both! {
         s.deliver_input(input, r#""answer""#).await?;
         // queued
         let queued = submit(s, 5).await?;
-        ensure!(s.claim("early", TTL).await?.map(|c| c.run.id) != Some(expired), "an unexpired lease is not claimable");
-        // That claim took one of the open runs; put it back.
-        let all = s.list_runs(Some(RunStatus::Running), None, None, 10).await?;
-        for run in all.iter().filter(|r| r.lease_owner.as_deref() == Some("early")) {
-            let lease = leasehold::store::Lease { run_id: run.id, owner: "early".into(), fence: run.fence };
-            s.suspend(&lease, &Suspend::Takeover).await?;
-        }
         db.backdate_lease(expired, TTL.as_millis() as i64 + 1).await?;
 
         let got = s.claim_batch("other", TTL, 10).await?;
@@ -65,10 +58,29 @@ both! {
         ensure!(ids == want, "claimed {ids:?}, want {want:?}");
         let again = got.iter().find(|c| c.run.id == expired).unwrap();
         ensure!(again.run.fence == first.run.fence + 1 && again.run.lease_owner.as_deref() == Some("other"));
-        ensure!(again.run.lease_expires_at.unwrap() > again.run.updated_at, "lease runs from the db's now");
+        // The lease runs exactly its TTL, in milliseconds, from the
+        // database's now (which the same statement wrote as updated_at).
+        let ttl = again.run.lease_expires_at.unwrap() - again.run.updated_at;
+        ensure!(ttl == TTL.as_millis() as i64, "a lease of {ttl} ms for a TTL of {TTL:?}");
         let with_input = got.iter().find(|c| c.run.id == input).unwrap();
         ensure!(with_input.run.pending_input.as_deref() == Some(r#""answer""#), "the claim sees the delivered input");
         ensure!(got.iter().all(|c| c.run.status == RunStatus::Running));
+        Ok(())
+    }
+
+    async fn an_unexpired_lease_is_not_claimable_until_it_expires(db) {
+        // The run is the only candidate: nothing else can be claimed in its
+        // place.
+        let s = &db.store;
+        let id = submit(s, 5).await?;
+        let a = claim(s, "a").await?;
+        // One second left.
+        db.backdate_lease(id, TTL.as_millis() as i64 - 1000).await?;
+        ensure!(s.claim("b", TTL).await?.is_none(), "a lease with a second left was taken");
+        db.backdate_lease(id, 1001).await?;
+        let b = claim(s, "b").await?;
+        ensure!(b.run.id == id && b.lease.fence == a.lease.fence + 1);
+        ensure!(s.get_run(id).await?.lease_owner.as_deref() == Some("b"));
         Ok(())
     }
 
@@ -542,7 +554,7 @@ both! {
         let done = s.get_run(first).await?;
         ensure!(done.status == RunStatus::Completed && done.partial == "tail" && done.lease_owner.is_none(), "{done:?}");
         let Some(next) = next else { anyhow::bail!("the close claimed nothing") };
-        ensure!(next.run.id == second && next.lease.fence == 1 && next.lease.owner == "a", "{next:?}");
+        ensure!(next.run.id == second && next.run.fence == 1 && next.run.lease_owner.as_deref() == Some("a"), "{next:?}");
         let leased = s.get_run(second).await?;
         ensure!(leased.status == RunStatus::Running && leased.lease_owner.as_deref() == Some("a"), "{leased:?}");
         ensure!(leased.attempt == 1 && leased.fence == 1, "{leased:?}");
@@ -683,7 +695,7 @@ both! {
             // Twelve want one; two of them find the queue empty.
             if let Some(next) = got? {
                 ensure!(i % 2 == 0, "{i} claimed {next:?} without asking");
-                ensure!(extra.contains(&next.run.id) && next.lease.fence == 1 && next.lease.owner == "w", "{next:?}");
+                ensure!(extra.contains(&next.run.id) && next.run.fence == 1 && next.run.lease_owner.as_deref() == Some("w"), "{next:?}");
                 ensure!(claimed.insert(next.run.id), "{} claimed twice", next.run.id);
             }
         }
@@ -816,8 +828,20 @@ async fn zombie_case(db: &TestDb, successor: &str) -> Result<()> {
         lost(s.complete_effect(&a.lease, 0, &Completion::Committed("r".into())).await.map(drop), "complete_effect")?;
         lost(s.complete_effect(&a.lease, 0, &Completion::Failed("r".into())).await.map(drop), "fail_effect")?;
         lost(s.reissue_effect(&a.lease, 0).await.map(drop), "reissue_effect")?;
+        // Each local operation is its own statement on PostgreSQL.
         let put = LocalOp::KvPut { namespace: "p".into(), key: "k".into(), value: "zombie".into() };
-        lost(s.local_effect(&a.lease, &call(1, "kv.put"), &put).await.map(drop), "local_effect")?;
+        lost(s.local_effect(&a.lease, &call(1, "kv.put"), &put).await.map(drop), "local_effect kv.put")?;
+        let get = LocalOp::KvGet { namespace: "p".into(), key: "k".into() };
+        lost(s.local_effect(&a.lease, &call(1, "kv.get"), &get).await.map(drop), "local_effect kv.get")?;
+        let record = LocalOp::Record { value: "1".into() };
+        lost(s.local_effect(&a.lease, &call(1, "sleep"), &record).await.map(drop), "local_effect record")?;
+        let take = LocalOp::TakeInput { value: "\"in\"".into() };
+        lost(s.local_effect(&a.lease, &call(1, "wait-input"), &take).await.map(drop), "local_effect take input")?;
+        lost(s.record_refusal(&a.lease, &call(1, "nope"), "{}").await.map(drop), "record_refusal")?;
+        lost(s.retract(&a.lease, 0).await.map(drop), "retract")?;
+        let held = HeldPut { call: call(1, "kv.put"), namespace: "p".into(), key: "k".into(), value: "z".into() };
+        lost(s.write_held(&a.lease, &["zombie"], std::slice::from_ref(&held)).await, "write_held")?;
+        lost(s.close_and_claim(&a.lease, &[], &[held], &completed("zombie"), Some(("worker-a", TTL))).await.map(drop), "close_and_claim")?;
         lost(s.reconcile(&a.lease).await.map(drop), "reconcile")?;
 
         let mut run_after = s.get_run(id).await?;

@@ -47,6 +47,13 @@ struct Sim<'a> {
     snapshot: HashMap<i64, Run>,
     writes_ok: u64,
     writes_rejected: u64,
+    /// (run, fence) of each abort by the reaper, cancel and input
+    /// delivery: the events those write carry that fence.
+    aborts: std::collections::HashSet<(i64, i64)>,
+    cancels: std::collections::HashSet<(i64, i64)>,
+    inputs: std::collections::HashSet<(i64, i64)>,
+    /// Claims that took over a lease (its expiry had passed).
+    takeovers: u64,
 }
 
 impl Sim<'_> {
@@ -104,10 +111,26 @@ impl Sim<'_> {
             }
             8..25 => {
                 let n = self.rng.random_range(1..3);
-                for c in s.claim_batch(&owner, TTL, n).await? {
+                // The leases as the database has them before the claim: a
+                // claim may take a running run only once its lease expired.
+                let expiries: HashMap<i64, i64> = sqlx::query_as::<_, (i64, i64)>(
+                    "SELECT id, lease_expires_at FROM runs WHERE status = 'running'",
+                )
+                .fetch_all(s.pool())
+                .await?
+                .into_iter()
+                .collect();
+                let claimed = s.claim_batch(&owner, TTL, n).await?;
+                let now = s.now_ms().await?;
+                for c in claimed {
                     if let Some(prev) = self.current.get(&c.run.id) {
                         ensure!(c.lease.fence > prev.fence, "fence did not grow");
                     }
+                    if let Some(expiry) = expiries.get(&c.run.id) {
+                        ensure!(*expiry < now, "run {} was claimed while its lease had {} ms left", c.run.id, expiry - now);
+                        self.takeovers += 1;
+                    }
+                    ensure!(c.run.lease_owner.as_deref() == Some(owner.as_str()), "{:?}", c.run);
                     self.current.insert(c.run.id, c.lease.clone());
                     self.leases[w].push(c.lease);
                 }
@@ -159,12 +182,17 @@ impl Sim<'_> {
                 let report = reaper::tick(s, &ReaperConfig::default()).await?;
                 for id in report.aborted {
                     self.current.remove(&id);
+                    // Terminal now: its fence is the one the abort wrote with.
+                    self.aborts.insert((id, s.get_run(id).await?.fence));
                 }
             }
             88..92 => {
                 if let Some(&id) = self.runs.get(self.rng.random_range(0..self.runs.len().max(1))) {
                     match s.cancel(id).await {
-                        Ok(_) => { self.current.remove(&id); }
+                        Ok(run) => {
+                            self.current.remove(&id);
+                            self.cancels.insert((id, run.fence));
+                        }
                         Err(e) if expected(&e) => {}
                         Err(e) => bail!("cancel: {e}"),
                     }
@@ -173,7 +201,9 @@ impl Sim<'_> {
             _ => {
                 if let Some(&id) = self.runs.get(self.rng.random_range(0..self.runs.len().max(1))) {
                     match s.deliver_input(id, "\"hi\"").await {
-                        Ok(_) => {}
+                        Ok(run) => {
+                            self.inputs.insert((id, run.fence));
+                        }
                         Err(e) if expected(&e) => {}
                         Err(e) => bail!("deliver_input: {e}"),
                     }
@@ -214,6 +244,10 @@ both! {
             snapshot: HashMap::new(),
             writes_ok: 0,
             writes_rejected: 0,
+            aborts: Default::default(),
+            cancels: Default::default(),
+            inputs: Default::default(),
+            takeovers: 0,
         };
         for step in 0..steps {
             if let Err(e) = sim.step(WORKERS).await {
@@ -227,21 +261,30 @@ both! {
             let first = &writers[0];
             ensure!(writers.iter().all(|w| w == first), "run {run} fence {fence}: several writers {writers:?}");
         }
-        // Every event of a lease-held kind carries the fence of a segment
-        // that really held the run.
+        // Every event carries the fence of the write that made it: a
+        // segment that held the run (its deltas, suspensions and closes),
+        // the reaper's abort, a cancel or an input delivery.
         for id in &sim.runs {
             for e in db.store.run_events(*id).await? {
-                if e.kind == "delta" || e.kind == "suspended" || (e.kind == "message" && e.fence > 0) {
-                    ensure!(sim.writers.contains_key(&(e.run_id, e.fence)) || e.kind == "message",
-                        "event {e:?} from a fence that never wrote");
-                }
+                let key = (e.run_id, e.fence);
+                let from_holder = sim.writers.contains_key(&key);
+                let ok = match e.kind.as_str() {
+                    "submitted" => e.fence == 0,
+                    "delta" | "suspended" => from_holder,
+                    "message" => from_holder || sim.aborts.contains(&key),
+                    "cancelled" => sim.cancels.contains(&key),
+                    "input" => sim.inputs.contains(&key),
+                    _ => false,
+                };
+                ensure!(ok, "seed {seed}: event {e:?} was not written by a write that held fence {}", e.fence);
             }
         }
         eprintln!(
-            "{:?}: seed {seed}: {} runs, {} writes landed, {} stale writes rejected",
-            db.backend, sim.runs.len(), sim.writes_ok, sim.writes_rejected
+            "{:?}: seed {seed}: {} runs, {} writes landed, {} stale writes rejected, {} takeovers",
+            db.backend, sim.runs.len(), sim.writes_ok, sim.writes_rejected, sim.takeovers
         );
         ensure!(sim.writes_ok > 0 && sim.writes_rejected > 0, "the mix exercised both outcomes");
+        ensure!(sim.takeovers > 0, "seed {seed}: no claim took over an expired lease");
         Ok(())
     }
 }

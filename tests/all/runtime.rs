@@ -218,8 +218,27 @@ both! {
         let out = exec.run_once().await?;
         ensure!(out == Some((changed, SegmentOutcome::Failed(GuestErrorKind::NonDeterminism))), "{out:?}");
         let run = db.store.get_run(changed).await?;
-        ensure!(run.error.as_deref().is_some_and(|e| e.starts_with("non-determinism: call 0")), "{:?}", run.error);
+        let error = run.error.unwrap_or_default();
+        ensure!(error == r#"non-determinism: call 0 ("kv.put") was recorded with a different request"#, "{error}");
         ensure!(kv_count(&db.store).await? == 2, "nothing of the changed turn was performed");
+
+        // A turn whose first call is now another effect: both names are said.
+        let renamed = submit(&db.store, serde_json::json!({ "mode": "chaos", "steps": 1 })).await?;
+        sqlx::query("UPDATE runs SET fence = 1 WHERE id = $1").bind(renamed).execute(db.store.pool()).await?;
+        sqlx::query(
+            "INSERT INTO effects (run_id, seq, name, request_hash, idempotency_key, class, state, result, \
+             emit_pos, fence_started, fence_completed, created_at, updated_at) \
+             SELECT $2, seq, name, request_hash, idempotency_key, class, state, result, emit_pos, 1, 1, \
+             created_at, updated_at FROM effects WHERE run_id = $1",
+        )
+        .bind(recorded)
+        .bind(renamed)
+        .execute(db.store.pool())
+        .await?;
+        let out = exec.run_once().await?;
+        ensure!(out == Some((renamed, SegmentOutcome::Failed(GuestErrorKind::NonDeterminism))), "{out:?}");
+        let error = db.store.get_run(renamed).await?.error.unwrap_or_default();
+        ensure!(error == r#"non-determinism: call 0 was recorded as "kv.put" but the turn now makes "kv.get""#, "{error}");
         Ok(())
     }
 
