@@ -303,6 +303,7 @@ impl Executor {
         lease_left_ms: i64,
     ) -> (wasmtime::Result<Result<String, String>>, SegmentState) {
         let lease = init.lease.clone();
+        let init_lease = init.lease.clone();
         // `lost` is read by the epoch callback (sync); `lost_now` wakes the
         // select below at once.
         let lost = Arc::new(AtomicBool::new(false));
@@ -337,8 +338,10 @@ impl Executor {
         store.set_epoch_deadline(1);
         store.epoch_deadline_callback(move |mut ctx| {
             let elapsed = start.elapsed();
+            // Past the local deadline the guest waits (its epochs yield)
+            // while the segment's timer asks the database one last time.
             let lease_gone = lost_cb.load(Ordering::Relaxed)
-                || elapsed.as_millis() as i64 >= deadline_cb.load(Ordering::Relaxed);
+                || elapsed.as_millis() as i64 >= deadline_cb.load(Ordering::Relaxed) + LAST_CHANCE.as_millis() as i64;
             if lease_gone {
                 ctx.data_mut().interrupt = Some(Interrupt::LeaseLost);
                 return Ok(UpdateDeadline::Interrupt);
@@ -379,7 +382,7 @@ impl Executor {
             }
         };
         // The lease deadline, as renewals move it.
-        let expired = async {
+        let expired = || async {
             loop {
                 let left = lease_deadline.load(Ordering::Relaxed) - start.elapsed().as_millis() as i64;
                 if left <= 0 {
@@ -389,12 +392,34 @@ impl Executor {
             }
         };
         let interrupted = || Err(wasmtime::Error::new(crate::runtime::host::Interrupted));
-        let (result, why) = tokio::select! {
-            r = call => (r, None),
-            _ = lost_now.notified() => (interrupted(), Some(Interrupt::LeaseLost)),
-            _ = expired => (interrupted(), Some(Interrupt::LeaseLost)),
-            _ = stopped => (interrupted(), Some(Interrupt::Shutdown)),
-            _ = sliced => (interrupted(), Some(Interrupt::Slice)),
+        let (result, why) = {
+            // Pinned in this block, so the call (and its borrow of the
+            // store) ends with it.
+            tokio::pin!(call, stopped, sliced);
+            loop {
+                tokio::select! {
+                    r = &mut call => break (r, None),
+                    _ = lost_now.notified() => break (interrupted(), Some(Interrupt::LeaseLost)),
+                    _ = &mut stopped => break (interrupted(), Some(Interrupt::Shutdown)),
+                    _ = &mut sliced => break (interrupted(), Some(Interrupt::Slice)),
+                    _ = expired() => {
+                        // No renewal landed in time (the database was slow, or
+                        // this host was paused). One last renewal decides, with
+                        // the guest held: a lease nobody took is kept; one that
+                        // was taken is refused by its fence, and the guest stops.
+                        let asked_at = start.elapsed().as_millis() as i64;
+                        let (db, lease, ttl) = (self.store.clone(), init_lease.clone(), self.config.lease_ttl);
+                        // Its own task: a renewal is never dropped half-way.
+                        let renewal = tokio::time::timeout(LAST_CHANCE, tokio::spawn(async move { db.renew(&lease, ttl).await })).await;
+                        match renewal {
+                            Ok(Ok(Ok(_))) if start.elapsed() < hard_stop => {
+                                lease_deadline.store(asked_at + self.config.lease_ttl.as_millis() as i64, Ordering::Relaxed);
+                            }
+                            _ => break (interrupted(), Some(Interrupt::LeaseLost)),
+                        }
+                    }
+                }
+            }
         };
         if let Some(why) = why {
             // A reason the guest itself gave first stands.
@@ -550,6 +575,10 @@ fn trap_detail(trap: &wasmtime::Error) -> String {
     }
 }
 
+/// How long a segment past its local lease deadline waits for one last
+/// renewal before it stops its guest. 2 s.
+const LAST_CHANCE: Duration = Duration::from_secs(2);
+
 /// Whether a closing segment should claim the next run in its close, and
 /// the run it claimed.
 struct Handoff {
@@ -592,7 +621,14 @@ async fn renew_loop(store: Store, lease: Lease, ttl: Duration, every: Duration, 
             return;
         }
         let asked_at = start.elapsed().as_millis() as i64;
-        match store.renew(&lease, ttl).await {
+        // Its own task: aborting the renewer (the segment ended) never drops
+        // a renewal half-way, and a refused one is always counted.
+        let (db, held) = (store.clone(), lease.clone());
+        let renewed = match tokio::spawn(async move { db.renew(&held, ttl).await }).await {
+            Ok(r) => r,
+            Err(e) => Err(StoreError::Config(format!("renewal task failed: {e}"))),
+        };
+        match renewed {
             Ok(_) => {
                 // The new expiry is ttl after the database's now, which is
                 // no earlier than when we asked.

@@ -291,21 +291,62 @@ both! {
         Ok(())
     }
 
-    async fn a_guest_that_outlives_its_lease_is_stopped_and_writes_nothing(db) {
+    async fn a_late_renewal_keeps_a_lease_nobody_took(db) {
+        // Renewals that do not land in time (a slow database, a paused
+        // host) do not cost the segment its run while no one else took it:
+        // at its local deadline it renews once more and goes on.
+        let runtime = plugins::runtime()?;
+        let mut limits = plugins::test_limits();
+        limits.segment_budget = Duration::from_secs(120);
+        runtime.add_plugin("testkit", &plugins::rust_plugin("testkit")?, limits)?;
+        let config = ExecutorConfig {
+            owner: "slow".into(),
+            lease_ttl: Duration::from_millis(500),
+            renew_every: Some(Duration::from_secs(600)),
+            model: None,
+            reserved: vec![],
+        };
+        let exec = Executor::new(db.store.clone(), runtime, config);
+        let id = submit(&db.store, serde_json::json!({ "mode": "spin-then-put", "spins": 1u64 << 33 })).await?;
+        let started = std::time::Instant::now();
+        let out = exec.run_once().await?;
+        ensure!(out == Some((id, SegmentOutcome::Completed)), "{out:?} after {:?}", started.elapsed());
+        ensure!(started.elapsed() > Duration::from_millis(500), "the turn ended before its first lease ran out");
+        ensure!(kv_count(&db.store).await? == 1);
+        Ok(())
+    }
+
+    async fn a_guest_whose_lease_was_taken_is_stopped_and_writes_nothing(db) {
         let runtime = plugins::runtime()?;
         let mut limits = plugins::test_limits();
         limits.segment_budget = Duration::from_secs(60);
         runtime.add_plugin("testkit", &plugins::rust_plugin("testkit")?, limits)?;
-        // A 300 ms lease that is never renewed in time: the guest must be
-        // stopped at the lease deadline, before its effect.
-        let config = ExecutorConfig { owner: "slow".into(), lease_ttl: Duration::from_millis(300), renew_every: Some(Duration::from_secs(60)), model: None, reserved: vec![] };
+        // A 1 s lease that this worker never renews on its own schedule in
+        // time: at its deadline it asks one last time, and by then the lease
+        // has been taken.
+        let config = ExecutorConfig {
+            owner: "slow".into(),
+            lease_ttl: Duration::from_secs(1),
+            renew_every: Some(Duration::from_secs(60)),
+            model: None,
+            reserved: vec![],
+        };
         let exec = Executor::new(db.store.clone(), runtime, config);
-        let id = submit(&db.store, serde_json::json!({ "mode": "spin-then-put" })).await?;
-        let out = exec.run_once().await?;
+        let id = submit(&db.store, serde_json::json!({ "mode": "spin-then-put", "spins": 1u64 << 40 })).await?;
+        let task = tokio::spawn(async move { exec.run_once().await });
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while db.store.get_run(id).await?.status != RunStatus::Running {
+            ensure!(std::time::Instant::now() < deadline, "never started");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        db.backdate_lease(id, 60_000).await?;
+        let thief = db.store.claim("thief", Duration::from_secs(30)).await?;
+        ensure!(thief.as_ref().is_some_and(|c| c.run.id == id && c.lease.fence == 2), "{thief:?}");
+        let out = tokio::time::timeout(Duration::from_secs(20), task).await???;
         ensure!(out == Some((id, SegmentOutcome::LeaseLost)), "{out:?}");
         ensure!(db.store.effects(id).await?.is_empty() && kv_count(&db.store).await? == 0);
         let run = db.store.get_run(id).await?;
-        ensure!(run.status == RunStatus::Running && run.lease_owner.as_deref() == Some("slow"), "left for the reaper and the next claim");
+        ensure!(run.status == RunStatus::Running && run.lease_owner.as_deref() == Some("thief"), "{run:?}");
         Ok(())
     }
 }
