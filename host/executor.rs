@@ -15,7 +15,7 @@ use serde::Serialize;
 use wasmtime::UpdateDeadline;
 
 use crate::effects::model::ModelConfig;
-use crate::runtime::host::{Held, Interrupt, SegmentInit, SegmentState, storable};
+use crate::runtime::host::{Held, Interrupt, Phase, SegmentInit, SegmentState, storable};
 use crate::runtime::replay::Recorded;
 use crate::runtime::{EPOCH_TICK, Plugin, Runtime};
 use crate::store::{Claimed, EffectState, Lease, Outcome, RunStatus, Store, StoreError, Suspend};
@@ -333,7 +333,7 @@ impl Executor {
         )));
 
         let mut store = self.runtime.store(plugin, init);
-        let busy = store.data().busy.clone();
+        let phase = store.data().phase.clone();
         let (lost_cb, deadline_cb, stop_cb) = (lost.clone(), lease_deadline.clone(), self.stop.clone());
         store.set_epoch_deadline(1);
         store.epoch_deadline_callback(move |mut ctx| {
@@ -374,10 +374,17 @@ impl Executor {
         };
         // The budget, for a guest that is not running wasm (the epoch
         // callback stops one that is): blocked in a WASI call, it is
-        // stopped at once; in a host call, at the end of the grace.
+        // stopped at once; in a remote call, at the end of the grace; in a
+        // database write, once the write is done (the lease deadline bounds
+        // that), when the epoch callback stops it.
         let sliced = async {
             tokio::time::sleep(budget).await;
-            while busy.load(Ordering::SeqCst) && start.elapsed() < hard_stop {
+            loop {
+                match phase.get() {
+                    Phase::REMOTE if start.elapsed() < hard_stop => {}
+                    Phase::DATABASE => {}
+                    _ => return,
+                }
                 tokio::time::sleep(EPOCH_TICK).await;
             }
         };

@@ -16,7 +16,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::{Duration, Instant};
 
 use serde_json::json;
@@ -160,9 +160,10 @@ pub struct SegmentState {
     pub(crate) settled: u64,
     /// The remote call in flight, if any: `(seq, name, detail)`.
     pub(crate) in_flight: Option<(i64, String, Option<String>)>,
-    /// Set while a remote call is in flight: the executor lets it finish
-    /// past the budget, within the grace.
-    pub(crate) busy: Arc<AtomicBool>,
+    /// What the segment is doing outside wasm (see [`Phase`]): the
+    /// executor's slice timer lets a remote call finish within the grace,
+    /// and never cuts a database write.
+    pub(crate) phase: Phase,
     pub(crate) interrupt: Option<Interrupt>,
 }
 
@@ -213,7 +214,7 @@ impl SegmentState {
             logs: 0,
             settled: 0,
             in_flight: None,
-            busy: Arc::default(),
+            phase: Phase::default(),
             interrupt: None,
         }
     }
@@ -273,6 +274,7 @@ impl SegmentState {
     /// The recorded row at `call.seq`, checked against the call; `Err` is a
     /// non-determinism stop.
     async fn replayed(&mut self, call: &EffectCall) -> wasmtime::Result<Option<EffectRow>> {
+        let _db = self.phase.enter(Phase::DATABASE);
         let row = match self.recorded.get(call.seq).await {
             Ok(row) => row,
             Err(e) => return self.store_failed(e),
@@ -295,6 +297,7 @@ impl SegmentState {
 
     /// Records a refusal at `call` (so replay returns it again) and returns it.
     async fn refuse(&mut self, call: &EffectCall, error: EffectError) -> wasmtime::Result<Result<String, EffectError>> {
+        let _db = self.phase.enter(Phase::DATABASE);
         let failed = encode_error(&error);
         self.room(failed.len())?;
         self.flush_stream().await?;
@@ -313,6 +316,7 @@ impl SegmentState {
     /// refusal is recorded on its row (now `failed`) before the guest sees
     /// it, so no other host re-issues it later and takes another path.
     async fn refuse_reissue(&mut self, call: &EffectCall, error: EffectError) -> wasmtime::Result<Result<String, EffectError>> {
+        let _db = self.phase.enter(Phase::DATABASE);
         self.flush_stream().await?;
         let (db, lease, seq, failed) = (self.db.clone(), self.lease.clone(), call.seq, Completion::Failed(encode_error(&error)));
         match detached(async move { db.complete_effect(&lease, seq, &failed).await }).await {
@@ -357,6 +361,7 @@ impl SegmentState {
     }
 
     async fn perform(&mut self, call: EffectCall, effect: Effect, reissue: bool) -> wasmtime::Result<Result<String, EffectError>> {
+        let _db = self.phase.enter(Phase::DATABASE);
         if !reissue {
             self.room(0)?;
         }
@@ -415,10 +420,11 @@ impl SegmentState {
             reissue,
         };
         self.in_flight = Some((call.seq, call.name.clone(), None));
-        self.busy.store(true, Ordering::SeqCst);
         let bytes_before = self.stream.bytes;
-        let outcome = self.remote_until_answered(remote, &ctx).await;
-        self.busy.store(false, Ordering::SeqCst);
+        let outcome = {
+            let _remote = self.phase.enter(Phase::REMOTE);
+            self.remote_until_answered(remote, &ctx).await
+        };
         let outcome = outcome?;
         if let Some(why) = self.stream.stopped.take() {
             // The lease is lost or the emit cap is reached mid-call: stop
@@ -488,6 +494,7 @@ impl SegmentState {
     }
 
     async fn database_id(&mut self) -> wasmtime::Result<Arc<str>> {
+        let _db = self.phase.enter(Phase::DATABASE);
         let db = self.db.clone();
         match detached(async move { db.database_id().await }).await {
             Ok(id) => Ok(id),
@@ -514,6 +521,7 @@ impl SegmentState {
 
     /// The database's clock, read detached.
     async fn db_now(&mut self) -> wasmtime::Result<i64> {
+        let _db = self.phase.enter(Phase::DATABASE);
         let db = self.db.clone();
         match detached(async move { db.now_ms().await }).await {
             Ok(now) => Ok(now),
@@ -525,6 +533,7 @@ impl SegmentState {
     /// time has come (and suspends again until then); on new ground,
     /// records the wake time and suspends. `Ok` means the timer is done.
     async fn timer(&mut self, call: EffectCall, ms: i64) -> wasmtime::Result<()> {
+        let _db = self.phase.enter(Phase::DATABASE);
         if let Some(row) = self.replayed(&call).await? {
             let wake_at: i64 = row.result.as_deref().and_then(|r| r.parse().ok()).unwrap_or(0);
             let now = self.db_now().await?;
@@ -550,6 +559,7 @@ impl SegmentState {
     /// Writes buffered deltas before another write; a failure stops the
     /// guest like a failed write of its own.
     async fn flush_stream(&mut self) -> wasmtime::Result<()> {
+        let _db = self.phase.enter(Phase::DATABASE);
         match self.stream.flush().await {
             Ok(()) => Ok(()),
             Err(why) => self.stop(why),
@@ -636,6 +646,7 @@ impl leasehold::turn::host::Host for SegmentState {
             return self.stop(Interrupt::WaitInput { prompt });
         };
         self.room(input.len())?;
+        let _db = self.phase.enter(Phase::DATABASE);
         self.flush_stream().await?;
         match self.local(&call, LocalOp::TakeInput { value: input }).await {
             Ok(row) => {
@@ -678,6 +689,39 @@ impl leasehold::turn::host::Host for SegmentState {
             _ => tracing::error!(run_id, "{message}"),
         }
         Ok(())
+    }
+}
+
+/// What a segment is doing outside wasm, shared with the executor's slice
+/// timer: a guest blocked in a remote call gets the grace past its budget;
+/// one in a database write is never cut (the write is the protocol's, and
+/// the lease deadline bounds it); anything else is stopped at the budget.
+#[derive(Clone, Default)]
+pub(crate) struct Phase(Arc<AtomicU8>);
+
+/// Phase 0 (the default) is the guest's own: wasm or a WASI call.
+impl Phase {
+    pub(crate) const REMOTE: u8 = 1;
+    pub(crate) const DATABASE: u8 = 2;
+
+    pub(crate) fn get(&self) -> u8 {
+        self.0.load(Ordering::SeqCst)
+    }
+
+    /// Enters phase `p` until the guard is dropped (then the phase before).
+    fn enter(&self, p: u8) -> PhaseGuard {
+        PhaseGuard { phase: self.0.clone(), before: self.0.swap(p, Ordering::SeqCst) }
+    }
+}
+
+struct PhaseGuard {
+    phase: Arc<AtomicU8>,
+    before: u8,
+}
+
+impl Drop for PhaseGuard {
+    fn drop(&mut self) {
+        self.phase.store(self.before, Ordering::SeqCst);
     }
 }
 

@@ -119,14 +119,37 @@ enum Kind {
     /// testkit `chaos` with `steps` steps; the sink answers each POST
     /// `delay_ms` late (long enough, for some runs, that leases are renewed
     /// mid-effect).
-    Chaos { steps: u64, spin: u64, delay_ms: u64 },
+    /// Part of them with `max_attempts` 1 to 3 (the rest 100): attempts
+    /// must count failed segments only.
+    Chaos { steps: u64, spin: u64, delay_ms: u64, max_attempts: i64 },
     /// Submitted three times at once with one idempotency key.
     Duplicate { steps: u64 },
     /// Cancelled `after_ms` after it is acknowledged.
     Cancel { steps: u64, after_ms: u64 },
-    /// testkit `wait`; its input is delivered twice at once.
-    Wait,
+    /// testkit `wait`; its input is delivered twice at once. Its waiting
+    /// for input must never use up its `max_attempts` (1 to 3).
+    Wait { max_attempts: i64 },
     Hostile(&'static str),
+}
+
+impl Kind {
+    fn max_attempts(&self) -> i64 {
+        match self {
+            Kind::Chaos { max_attempts, .. } | Kind::Wait { max_attempts } => *max_attempts,
+            Kind::Hostile(_) => 2,
+            Kind::Duplicate { .. } | Kind::Cancel { .. } => 100,
+        }
+    }
+}
+
+/// The error each hostile mode must fail its run with.
+fn hostile_error(mode: &str) -> &'static str {
+    match mode {
+        "loop" => "timeout",
+        "oom" => "out-of-memory",
+        "trap" => "trap",
+        _ => "output-too-large", // emit-bomb, big-output
+    }
 }
 
 /// The schedule and the load: both come from the seed alone.
@@ -154,15 +177,17 @@ fn plan(s: &Settings, backend: Backend) -> (Vec<(u64, Fault)>, Vec<Kind>) {
     let load = (0..s.runs)
         .map(|_| {
             let steps = rng.random_range(1..=3);
+            let few = rng.random_range(1..=3);
+            let max_attempts = if rng.random_bool(0.3) { few } else { 100 };
             match rng.random_range(0..100) {
                 0..3 => Kind::Hostile(HOSTILE[rng.random_range(0..HOSTILE.len())]),
-                3..7 => Kind::Wait,
+                3..7 => Kind::Wait { max_attempts: few },
                 7..12 => Kind::Duplicate { steps },
                 12..15 => Kind::Cancel { steps, after_ms: rng.random_range(0..150) },
-                15..20 => Kind::Chaos { steps, spin: 0, delay_ms: rng.random_range(1000..1800) },
+                15..20 => Kind::Chaos { steps, spin: 0, delay_ms: rng.random_range(1000..1800), max_attempts },
                 // About a second a run: enough in flight that faults land
                 // on busy hosts, mid-effect.
-                _ => Kind::Chaos { steps, spin: rng.random_range(0..3_000_000), delay_ms: rng.random_range(50..400) },
+                _ => Kind::Chaos { steps, spin: rng.random_range(0..3_000_000), delay_ms: rng.random_range(50..400), max_attempts },
             }
         })
         .collect();
@@ -261,7 +286,7 @@ impl Drop for PgCluster {
 ///   (`chaos_leases`) was computed from some other clock: a skewed host's.
 const AUDIT_SQLITE: &str = "
 CREATE TABLE chaos_stale (tbl TEXT, run_id INTEGER, row_fence INTEGER, run_fence INTEGER, seq INTEGER);
-CREATE TABLE chaos_takeovers (run_id INTEGER, old_owner TEXT, old_fence INTEGER, new_owner TEXT, expires_in_ms INTEGER);
+CREATE TABLE chaos_takeovers (run_id INTEGER, old_owner TEXT, old_fence INTEGER, new_owner TEXT, expires_in_ms INTEGER, taken_at INTEGER);
 CREATE TABLE chaos_leases (run_id INTEGER, owner TEXT, expires_in_ms INTEGER);
 CREATE TABLE chaos_bounds (max_lease_ms INTEGER);
 CREATE TRIGGER chaos_effects_insert AFTER INSERT ON effects
@@ -279,7 +304,7 @@ CREATE TRIGGER chaos_events AFTER INSERT ON events
 CREATE TRIGGER chaos_takeover AFTER UPDATE ON runs
   WHEN OLD.status = 'running' AND NEW.status = 'running' AND NEW.fence > OLD.fence
   BEGIN INSERT INTO chaos_takeovers VALUES (OLD.id, OLD.lease_owner, OLD.fence, NEW.lease_owner,
-        OLD.lease_expires_at - CAST(unixepoch('subsec') * 1000 AS INTEGER)); END;
+        OLD.lease_expires_at - CAST(unixepoch('subsec') * 1000 AS INTEGER), CAST(unixepoch('subsec') * 1000 AS INTEGER)); END;
 CREATE TRIGGER chaos_lease AFTER UPDATE OF lease_expires_at ON runs
   WHEN NEW.lease_expires_at IS NOT NULL AND NEW.lease_expires_at IS NOT OLD.lease_expires_at
    AND (NEW.lease_expires_at < CAST(unixepoch('subsec') * 1000 AS INTEGER) - 1000
@@ -290,7 +315,7 @@ CREATE TRIGGER chaos_lease AFTER UPDATE OF lease_expires_at ON runs
 
 const AUDIT_POSTGRES: &str = "
 CREATE TABLE chaos_stale (tbl TEXT, run_id BIGINT, row_fence BIGINT, run_fence BIGINT, seq BIGINT);
-CREATE TABLE chaos_takeovers (run_id BIGINT, old_owner TEXT, old_fence BIGINT, new_owner TEXT, expires_in_ms BIGINT);
+CREATE TABLE chaos_takeovers (run_id BIGINT, old_owner TEXT, old_fence BIGINT, new_owner TEXT, expires_in_ms BIGINT, taken_at BIGINT);
 CREATE TABLE chaos_leases (run_id BIGINT, owner TEXT, expires_in_ms BIGINT);
 CREATE TABLE chaos_bounds (max_lease_ms BIGINT);
 CREATE FUNCTION chaos_effect() RETURNS trigger LANGUAGE plpgsql AS $$
@@ -318,7 +343,7 @@ CREATE FUNCTION chaos_takeover() RETURNS trigger LANGUAGE plpgsql AS $$
 DECLARE now_ms BIGINT := (extract(epoch from now()) * 1000)::bigint;
 BEGIN
   IF OLD.status = 'running' AND NEW.status = 'running' AND NEW.fence > OLD.fence THEN
-    INSERT INTO chaos_takeovers VALUES (OLD.id, OLD.lease_owner, OLD.fence, NEW.lease_owner, OLD.lease_expires_at - now_ms);
+    INSERT INTO chaos_takeovers VALUES (OLD.id, OLD.lease_owner, OLD.fence, NEW.lease_owner, OLD.lease_expires_at - now_ms, now_ms);
   END IF;
   IF NEW.lease_expires_at IS NOT NULL AND NEW.lease_expires_at IS DISTINCT FROM OLD.lease_expires_at
      AND (NEW.lease_expires_at < now_ms - 1000
@@ -367,6 +392,8 @@ struct Cluster<'a> {
     host_crashes: AtomicU64,
     /// The sink's allow-list entry.
     http_allow: String,
+    /// 5xx answers other than 503 from live hosts.
+    server_errors: Mutex<Vec<String>>,
 }
 
 fn owner(host: usize, generation: u32) -> String {
@@ -407,6 +434,7 @@ impl<'a> Cluster<'a> {
             faulted: Mutex::new(HashSet::new()),
             host_crashes: AtomicU64::new(0),
             http_allow,
+            server_errors: Mutex::new(Vec::new()),
         };
         for h in 0..HOSTS {
             c.spawn(h)?;
@@ -488,8 +516,9 @@ fn metric(text: &str, name: &str) -> Option<u64> {
 // ---------------------------------------------------------------- API calls
 
 /// Sends a request built by `req` to a live host, moving on to another on a
-/// transport error or a 5xx (a host is dead, stopped or its database is
-/// down), until an answer below 500 arrives.
+/// transport error (a host is dead or stopped) or a 503 (its database is
+/// down, or it is at a cap), until an answer below 500 arrives. Any other
+/// 5xx from a live host is an API bug: it fails the run at once.
 async fn call(
     c: &Cluster<'_>,
     rng_seed: u64,
@@ -501,11 +530,17 @@ async fn call(
         let live = c.live();
         if let Some(&h) = live.get(rng.random_range(0..live.len().max(1)))
             && let Ok(r) = req(&c.http, &c.base(h)).send().await
-            && r.status().as_u16() < 500
         {
             let status = r.status().as_u16();
-            let body = r.json::<Value>().await.unwrap_or(Value::Null);
-            return Ok((status, body));
+            if status < 500 {
+                let body = r.json::<Value>().await.unwrap_or(Value::Null);
+                return Ok((status, body));
+            }
+            if status != 503 && c.live().contains(&h) {
+                let body = r.text().await.unwrap_or_default();
+                c.server_errors.lock().unwrap().push(format!("host {h} answered {status}: {body}"));
+                bail!("live host {h} answered {status}: {body}");
+            }
         }
         ensure!(Instant::now() < deadline, "no host answered for 300 s");
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -524,6 +559,14 @@ struct Counters {
     duplicate_inputs: AtomicU64,
     kill_points: Mutex<BTreeMap<&'static str, u64>>,
     recoveries_ms: Mutex<Vec<u64>>,
+    /// Database faults, on the database clock, from their start to when
+    /// hosts may still be backing off after them: takeovers of leases that
+    /// ran out then are not held to the takeover bound.
+    db_fault_windows: Mutex<Vec<(i64, i64)>>,
+    /// Faults that never bit (a kill that found its host idle every time,
+    /// a zombie that held nothing, whose runs were not taken over, or
+    /// whose writes were not refused).
+    unbitten: Mutex<Vec<String>>,
     /// Runs the submitter may send beyond its pace: a fault that wants its
     /// target busy raises it.
     extra_load: AtomicU64,
@@ -644,7 +687,7 @@ async fn drive(
                         ensure!(status == 200 || status == 409, "cancel {id}: {status} {body}");
                         Ok::<_, anyhow::Error>(())
                     })),
-                    Some((id, Kind::Wait)) => running.push(Box::pin(deliver_twice(cluster, &counters, id))),
+                    Some((id, Kind::Wait { .. })) => running.push(Box::pin(deliver_twice(cluster, &counters, id))),
                     Some(_) => {}
                     None => open = false,
                 },
@@ -655,7 +698,27 @@ async fn drive(
     };
 
     let submit = async {
-        for (i, kind) in load.into_iter().enumerate() {
+        // The planned load, then, while faults are still to come and want
+        // busy hosts, filler runs: a fault must find work to land on.
+        let planned = load.len();
+        let mut filler = StdRng::seed_from_u64(settings.seed ^ 0xf111);
+        let mut load = load.into_iter();
+        for i in 0.. {
+            let kind = match load.next() {
+                Some(kind) => Some(kind),
+                None => loop {
+                    if counters.faults_done.load(Relaxed) >= total_faults {
+                        break None;
+                    }
+                    let wanted = counters.extra_load.load(Relaxed) as usize;
+                    if i < planned + wanted {
+                        let (steps, spin, delay_ms) = (filler.random_range(1..=3), filler.random_range(0..3_000_000), filler.random_range(50..400));
+                        break Some(Kind::Chaos { steps, spin, delay_ms, max_attempts: 100 });
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                },
+            };
+            let Some(kind) = kind else { break };
             loop {
                 let done = counters.faults_done.load(Relaxed) as f64;
                 let allowed = ((done + 1.0) / (total_faults as f64 + 1.0) * settings.runs as f64).ceil() as usize
@@ -668,19 +731,19 @@ async fn drive(
             }
             let tag = format!("r{i}");
             let key = format!("chaos-{}-{i}", settings.seed);
-            let (input, max_attempts) = match &kind {
-                Kind::Chaos { steps, spin, delay_ms } => (
-                    json!({ "mode": "chaos", "steps": steps, "spin": spin, "delay_ms": delay_ms, "tag": tag, "url": sink.url }),
-                    100,
-                ),
-                Kind::Duplicate { steps } => (json!({ "mode": "chaos", "steps": steps, "tag": tag, "url": sink.url }), 100),
+            let input = match &kind {
+                Kind::Chaos { steps, spin, delay_ms, .. } => {
+                    json!({ "mode": "chaos", "steps": steps, "spin": spin, "delay_ms": delay_ms, "tag": tag, "url": sink.url })
+                }
+                Kind::Duplicate { steps } => json!({ "mode": "chaos", "steps": steps, "tag": tag, "url": sink.url }),
                 // Slow enough that most cancels land mid-run.
                 Kind::Cancel { steps, .. } => {
-                    (json!({ "mode": "chaos", "steps": steps, "spin": 30_000_000, "tag": tag, "url": sink.url }), 100)
+                    json!({ "mode": "chaos", "steps": steps, "spin": 30_000_000, "tag": tag, "url": sink.url })
                 }
-                Kind::Wait => (json!({ "mode": "wait" }), 100),
-                Kind::Hostile(mode) => (json!({ "mode": mode }), 2),
+                Kind::Wait { .. } => json!({ "mode": "wait" }),
+                Kind::Hostile(mode) => json!({ "mode": mode }),
             };
+            let max_attempts = kind.max_attempts();
             let body = json!({ "plugin": "testkit", "input": input, "idempotency_key": key, "max_attempts": max_attempts });
             let id = if let Kind::Duplicate { .. } = kind {
                 // Three at once, one key: one run.
@@ -704,7 +767,7 @@ async fn drive(
                 run["id"].as_i64().context("run id")?
             };
             acked.lock().unwrap().push(Acked { id, kind: kind.clone(), tag });
-            if matches!(kind, Kind::Cancel { .. } | Kind::Wait) {
+            if matches!(kind, Kind::Cancel { .. } | Kind::Wait { .. }) {
                 side_tx.send((id, kind))?;
             }
         }
@@ -898,12 +961,31 @@ async fn inject(
 ) -> Result<()> {
     match fault {
         Fault::Kill { host, restart_after_ms } => {
-            let owner = cluster.owner_of(host);
-            until_busy(store, counters, &owner, Duration::from_secs(2)).await?;
-            cluster.kill(host);
-            let killed_at = Instant::now();
+            // One dead host at a time, so the others have the workers to
+            // take its runs over at once.
+            wait_recoveries(counters).await;
+            // A kill must land on a host that holds runs: a kill of an idle
+            // host proves nothing. Killed idle, it is restarted and tried
+            // again.
+            let mut tries = 0;
+            let (owner, held, killed_at) = loop {
+                let owner = cluster.owner_of(host);
+                until_busy(store, counters, &owner, Duration::from_secs(5)).await?;
+                cluster.kill(host);
+                let killed_at = Instant::now();
+                let held = held_by(store, &owner).await?;
+                tries += 1;
+                if !held.is_empty() || tries == 5 {
+                    break (owner, held, killed_at);
+                }
+                eprintln!("chaos: killed {owner} while it held nothing; again");
+                cluster.spawn(host)?;
+                cluster.wait_healthy(host).await?;
+            };
+            if held.is_empty() {
+                counters.unbitten.lock().unwrap().push(format!("5 kills of host {host} found it holding no run"));
+            }
             counters.kills.fetch_add(1, Relaxed);
-            let held = held_by(store, &owner).await?;
             eprintln!("chaos: killed {owner} holding {} runs", held.len());
             for (id, _) in &held {
                 let point = kill_point(store, *id).await?;
@@ -918,87 +1000,164 @@ async fn inject(
         Fault::Zombie { host } => {
             wait_recoveries(counters).await;
             let owner = cluster.owner_of(host);
-            let base = cluster.base(host);
             let Some(pid) = cluster.pid(host) else { return Ok(()) };
-            // Stop it while it holds runs: wait until it holds some, stop
-            // it, and start over if they finished in between.
-            let mut tries = 0;
-            let (before, held) = loop {
-                until_busy(store, counters, &owner, Duration::from_secs(3)).await?;
-                let before = scrape(&cluster.http, &base, "leasehold_fenced_writes_rejected_total").await.unwrap_or(0);
-                signal(pid, "STOP")?;
-                let held = held_by(store, &owner).await?;
-                tries += 1;
-                if !held.is_empty() || tries == 10 {
-                    break (before, held);
-                }
-                signal(pid, "CONT")?;
-            };
-            cluster.slots[host].lock().unwrap().stopped = true;
             cluster.faulted.lock().unwrap().insert(owner.clone());
             counters.zombies.fetch_add(1, Relaxed);
-            // Until every run it held is taken over.
-            let deadline = Instant::now() + Duration::from_millis(TTL_MS + REAPER_MS + 10_000);
-            loop {
-                let mut taken = 0;
-                for (id, fence) in &held {
-                    let f: i64 = patiently(async || {
-                        sqlx::query_scalar("SELECT fence FROM runs WHERE id = $1").bind(id).fetch_one(store.pool()).await
-                    })
-                    .await?;
-                    taken += usize::from(f > *fence);
+            // A zombie fault bites when runs it held were taken over while
+            // it was stopped, and its writes were refused when it woke. Its
+            // runs may instead all be finished by writes it sent just
+            // before it stopped: then it is tried again.
+            let mut rounds = 0;
+            let (held, taken, rejected) = loop {
+                rounds += 1;
+                let (held, taken, rejected) = zombie_round(cluster, store, counters, backend, host, pid, &owner).await?;
+                if taken > 0 || rounds == 3 {
+                    break (held, taken, rejected);
                 }
-                if taken == held.len() || Instant::now() > deadline {
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-            signal(pid, "CONT")?;
-            cluster.slots[host].lock().unwrap().stopped = false;
-            // Its segments wake up and try to write: every write is refused.
-            let deadline = Instant::now() + Duration::from_secs(5);
-            let mut rejected = 0;
-            while !held.is_empty() && Instant::now() < deadline {
-                rejected = scrape(&cluster.http, &base, "leasehold_fenced_writes_rejected_total").await.unwrap_or(before)
-                    .saturating_sub(before);
-                if rejected > 0 {
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
+            };
+            let mut unbitten = counters.unbitten.lock().unwrap();
+            if held == 0 {
+                unbitten.push(format!("zombie {owner} held no run"));
+            } else if taken == 0 {
+                unbitten.push(format!("zombie {owner}: none of its runs was taken over in {rounds} rounds"));
+            } else if rejected == 0 {
+                unbitten.push(format!("zombie {owner}: none of its writes was refused after SIGCONT"));
             }
             counters.zombie_writes_rejected.fetch_add(rejected, Relaxed);
-            eprintln!("chaos: zombie {owner} held {} runs; {rejected} of its writes refused after SIGCONT", held.len());
+            eprintln!("chaos: zombie {owner} held {held} runs, {taken} taken over; {rejected} of its writes refused after SIGCONT");
         }
         Fault::Db(f) => {
             wait_recoveries(counters).await;
             counters.db_faults.fetch_add(1, Relaxed);
-            match (f, backend, pg) {
-                (DbFault::TerminateBackends, Backend::Postgres, _) => {
-                    patiently(async || {
-                        sqlx::query(
-                            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
-                             WHERE datname = current_database() AND pid <> pg_backend_pid()",
-                        )
-                        .execute(store.pool())
-                        .await
-                    })
-                    .await?;
-                }
-                (DbFault::RestartFast, Backend::Postgres, Some(pg)) => pg.restart("fast")?,
-                (DbFault::RestartImmediate, Backend::Postgres, Some(pg)) => pg.restart("immediate")?,
-                (DbFault::HoldWriteLock { ms }, Backend::Sqlite, _) => {
-                    use sqlx::Connection;
-                    let mut conn = sqlx::SqliteConnection::connect(cluster.db_url).await?;
-                    sqlx::raw_sql("BEGIN IMMEDIATE").execute(&mut conn).await?;
-                    tokio::time::sleep(Duration::from_millis(ms)).await;
-                    sqlx::raw_sql("COMMIT").execute(&mut conn).await?;
-                    conn.close().await?;
-                }
-                (other, backend, _) => bail!("fault {other:?} does not apply to {}", backend.name()),
-            }
+            let began = patiently(async || sqlx::query_scalar::<_, i64>(NOW_MS[backend as usize]).fetch_one(store.pool()).await).await?;
+            let result = inject_db(f, cluster, store, pg, backend).await;
+            let ended = patiently(async || sqlx::query_scalar::<_, i64>(NOW_MS[backend as usize]).fetch_one(store.pool()).await).await?;
+            // A host's claims back off to 5 s while its database fails.
+            counters.db_fault_windows.lock().unwrap().push((began, ended + 5_000 + POLL_MS as i64));
+            result?;
         }
     }
     Ok(())
+}
+
+/// The database clock, in epoch ms, per backend.
+const NOW_MS: [&str; 2] =
+    ["SELECT CAST(unixepoch('subsec') * 1000 AS INTEGER)", "SELECT (extract(epoch from now()) * 1000)::bigint"];
+
+async fn inject_db(f: DbFault, cluster: &Cluster<'_>, store: &Store, pg: Option<&PgCluster>, backend: Backend) -> Result<()> {
+    match (f, backend, pg) {
+        (DbFault::TerminateBackends, Backend::Postgres, _) => {
+            patiently(async || {
+                sqlx::query(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+                     WHERE datname = current_database() AND pid <> pg_backend_pid()",
+                )
+                .execute(store.pool())
+                .await
+            })
+            .await?;
+        }
+        (DbFault::RestartFast, Backend::Postgres, Some(pg)) => pg.restart("fast")?,
+        (DbFault::RestartImmediate, Backend::Postgres, Some(pg)) => pg.restart("immediate")?,
+        (DbFault::HoldWriteLock { ms }, Backend::Sqlite, _) => {
+            use sqlx::Connection;
+            let mut conn = sqlx::SqliteConnection::connect(cluster.db_url).await?;
+            sqlx::raw_sql("BEGIN IMMEDIATE").execute(&mut conn).await?;
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+            sqlx::raw_sql("COMMIT").execute(&mut conn).await?;
+            conn.close().await?;
+        }
+        (other, backend, _) => bail!("fault {other:?} does not apply to {}", backend.name()),
+    }
+    Ok(())
+}
+
+/// One try of a zombie fault on `host`: SIGSTOP it while it holds runs,
+/// until they are taken over (or finished), then SIGCONT and count its
+/// writes refused by the fence. Returns (runs held, taken over, refused).
+async fn zombie_round(
+    cluster: &Cluster<'_>,
+    store: &Store,
+    counters: &Arc<Counters>,
+    backend: Backend,
+    host: usize,
+    pid: u32,
+    owner: &str,
+) -> Result<(usize, usize, u64)> {
+    let base = cluster.base(host);
+    // Stop it while it holds runs: wait until it holds some, stop it, and
+    // start over if they finished in between.
+    let mut tries = 0;
+    let (before, held) = loop {
+        until_busy(store, counters, owner, Duration::from_secs(5)).await?;
+        let before = scrape(&cluster.http, &base, "leasehold_fenced_writes_rejected_total").await.unwrap_or(0);
+        signal(pid, "STOP")?;
+        let held = held_by(store, owner).await?;
+        tries += 1;
+        // On SQLite a host stopped inside a transaction holds the one write
+        // lock, and no host can take anything over until it wakes (which
+        // is why several hosts need PostgreSQL): stop it between
+        // transactions.
+        let locked = backend == Backend::Sqlite && sqlite_write_locked(cluster.db_url).await;
+        if (!held.is_empty() && !locked) || tries == 10 {
+            break (before, held);
+        }
+        signal(pid, "CONT")?;
+    };
+    cluster.slots[host].lock().unwrap().stopped = true;
+    // Until every run it held is taken over, or finished by a write it sent
+    // before it stopped.
+    let deadline = Instant::now() + Duration::from_millis(TTL_MS + REAPER_MS + 10_000);
+    let taken = loop {
+        let (mut resolved, mut grew) = (0, 0);
+        for (id, fence) in &held {
+            let (f, status): (i64, String) = patiently(async || {
+                sqlx::query_as("SELECT fence, status FROM runs WHERE id = $1").bind(id).fetch_one(store.pool()).await
+            })
+            .await?;
+            grew += usize::from(f > *fence);
+            resolved += usize::from(f > *fence || status != "running");
+        }
+        if resolved == held.len() || Instant::now() > deadline {
+            if resolved < held.len() {
+                counters.unbitten.lock().unwrap().push(format!(
+                    "zombie {owner}: {} of its {} runs were neither taken over nor finished",
+                    held.len() - resolved,
+                    held.len()
+                ));
+            }
+            break grew;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    signal(pid, "CONT")?;
+    cluster.slots[host].lock().unwrap().stopped = false;
+    // Its segments wake up and try to write: every write is refused.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut rejected = 0;
+    while taken > 0 && Instant::now() < deadline {
+        rejected = scrape(&cluster.http, &base, "leasehold_fenced_writes_rejected_total").await.unwrap_or(before).saturating_sub(before);
+        if rejected > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok((held.len(), taken, rejected))
+}
+
+/// Whether some process holds SQLite's write lock for more than a moment.
+async fn sqlite_write_locked(db_url: &str) -> bool {
+    use sqlx::Connection;
+    let Ok(mut conn) = sqlx::SqliteConnection::connect(db_url).await else { return true };
+    let locked = match sqlx::raw_sql("PRAGMA busy_timeout = 500; BEGIN IMMEDIATE").execute(&mut conn).await {
+        Ok(_) => {
+            let _ = sqlx::raw_sql("ROLLBACK").execute(&mut conn).await;
+            false
+        }
+        Err(_) => true,
+    };
+    let _ = conn.close().await;
+    locked
 }
 
 async fn scrape(http: &reqwest::Client, base: &str, name: &str) -> Option<u64> {
@@ -1068,6 +1227,37 @@ async fn check(
     .into_iter()
     .collect();
 
+    let taken: Vec<(i64, Option<String>, i64, i64)> = patiently(async || {
+        sqlx::query_as("SELECT run_id, old_owner, expires_in_ms, taken_at FROM chaos_takeovers").fetch_all(store.pool()).await
+    })
+    .await?;
+    let takeovers: Vec<(i64, Option<String>, i64)> = taken.iter().map(|(r, o, e, _)| (*r, o.clone(), *e)).collect();
+    let mut taken_over: HashMap<i64, i64> = HashMap::new();
+    for (run, _, _) in &takeovers {
+        *taken_over.entry(*run).or_default() += 1;
+    }
+    // A run may be aborted only for failed segments in a row: it was taken
+    // over at least max_attempts - 1 times, and the last one's lease ran
+    // out (the abort says so), never for suspensions.
+    let mut aborted_on_attempts = 0u64;
+    let mut aborted_ok = |a: &Acked, status: &str, error: &Option<String>, failures: &mut Vec<String>| -> bool {
+        if status != "aborted" {
+            return false;
+        }
+        let m = a.kind.max_attempts();
+        let takeovers = taken_over.get(&a.id).copied().unwrap_or(0);
+        let expired = error.as_deref().is_some_and(|e| e.contains("stopped renewing its lease"));
+        if m < 100 && takeovers + 1 >= m && expired {
+            aborted_on_attempts += 1;
+        } else {
+            failures.push(format!(
+                "run {} ({:?}) was aborted after {takeovers} takeovers with max_attempts {m}: {error:?}",
+                a.id, a.kind
+            ));
+        }
+        true
+    };
+
     let mut duplicate_effects = 0;
     let mut missing_effects = 0;
     let mut hostile = 0;
@@ -1077,10 +1267,14 @@ async fn check(
         match &a.kind {
             Kind::Chaos { steps, .. } | Kind::Duplicate { steps } | Kind::Cancel { steps, .. } => {
                 let cancelled = matches!(a.kind, Kind::Cancel { .. }) && status == "cancelled";
-                if !cancelled && status != "completed" {
+                // Aborted on its attempts: what it did must not repeat, but
+                // it need not all have happened.
+                let aborted = aborted_ok(a, status, error, &mut failures);
+                if !cancelled && !aborted && status != "completed" {
                     failures.push(format!("run {} ({:?}) ended {status}: {error:?}", a.id, a.kind));
                     continue;
                 }
+                let cancelled = cancelled || aborted;
                 normal_completed += u64::from(status == "completed");
                 // Local: the counter went up once a step.
                 let count: u64 = kv.get(&format!("count-{}", a.tag)).and_then(|v| v.parse().ok()).unwrap_or(0);
@@ -1127,16 +1321,20 @@ async fn check(
                     failures.push(format!("run {}: {unkeyed_missing} unkeyed POSTs missing, {in_doubt} in doubt", a.id));
                 }
             }
-            Kind::Wait => {
-                if status != "completed" || output.as_deref() != Some("hello Ada") {
-                    failures.push(format!("wait run {} ended {status} with {output:?}", a.id));
+            Kind::Wait { .. } => {
+                if !aborted_ok(a, status, error, &mut failures)
+                    && (status != "completed" || output.as_deref() != Some("hello Ada"))
+                {
+                    failures.push(format!("wait run {} ({:?}) ended {status} with {output:?}: {error:?}", a.id, a.kind));
                 }
                 normal_completed += u64::from(status == "completed");
             }
             Kind::Hostile(mode) => {
                 hostile += 1;
-                if status != "failed" && status != "aborted" {
-                    failures.push(format!("hostile run {} ({mode}) ended {status}", a.id));
+                let class = hostile_error(mode);
+                let classified = status == "failed" && error.as_deref().is_some_and(|e| e.starts_with(&format!("{class}: ")));
+                if !classified && !aborted_ok(a, status, error, &mut failures) {
+                    failures.push(format!("hostile run {} ({mode}) ended {status}, not failed as {class}: {error:?}", a.id));
                 }
             }
         }
@@ -1149,10 +1347,6 @@ async fn check(
     for s in stale.iter().take(10) {
         failures.push(format!("stale write: {s:?}"));
     }
-    let takeovers: Vec<(i64, Option<String>, i64)> = patiently(async || {
-        sqlx::query_as("SELECT run_id, old_owner, expires_in_ms FROM chaos_takeovers").fetch_all(store.pool()).await
-    })
-    .await?;
     let steals: Vec<_> = takeovers.iter().filter(|(_, _, left)| *left >= 0).collect();
     if !steals.is_empty() {
         failures.push(format!("leases taken before they expired (run, owner, ms left): {steals:?}"));
@@ -1177,16 +1371,43 @@ async fn check(
         failures.push(format!("{leftover} leases left behind"));
     }
 
+    // Informational: from each kill to its runs' takeover.
     let mut rec = counters.recoveries_ms.lock().unwrap().clone();
     rec.sort_unstable();
     let max_recovery = rec.last().copied().unwrap_or(0);
     let p99 = rec.get((rec.len() * 99).div_ceil(100).saturating_sub(1)).copied().unwrap_or(0);
-    // A dead host's lease runs out within the TTL of its last renewal; then
-    // a worker's poll or the reaper's wake-up claims it. Slack for a
-    // loaded debug build.
-    let bound = TTL_MS + REAPER_MS + 1_000;
-    if max_recovery > bound {
-        failures.push(format!("recovery took {max_recovery} ms; bound {bound} ms"));
+    // Bounded: from the moment a dead (or stopped) host's lease ran out,
+    // on the database clock, to its takeover. That is the protocol's part:
+    // a free worker's poll, or the reaper's tick then a poll; the time to
+    // the expiry itself depends on when the host last renewed.
+    let windows = counters.db_fault_windows.lock().unwrap().clone();
+    let mut delays: Vec<i64> = taken
+        .iter()
+        .filter(|(_, o, _, _)| o.as_ref().is_some_and(|o| faulted.contains(o)))
+        .filter(|(_, _, left, at)| !windows.iter().any(|(from, to)| (*from..=*to).contains(&(at + left))))
+        .map(|(_, _, left, _)| -left)
+        .collect();
+    delays.sort_unstable();
+    let max_delay = delays.last().copied().unwrap_or(0);
+    let bound = 2 * (POLL_MS + REAPER_MS) as i64 + 1_000;
+    if max_delay > bound {
+        failures.push(format!("a dead host's run was taken over {max_delay} ms after its lease ran out; bound {bound} ms"));
+    }
+    let unbitten = counters.unbitten.lock().unwrap().clone();
+    for u in &unbitten {
+        failures.push(format!("a fault did not bite: {u}"));
+    }
+    if settings.runs >= 1000 {
+        let points = counters.kill_points.lock().unwrap().clone();
+        for class in ["before_started", "between_started_and_committed", "after_committed_before_close"] {
+            if !points.contains_key(class) {
+                failures.push(format!("no kill landed {class} (kill points {points:?})"));
+            }
+        }
+    }
+    let server_errors = cluster.server_errors.lock().unwrap().clone();
+    for e in server_errors.iter().take(10) {
+        failures.push(format!("a live host answered a 5xx other than 503: {e}"));
     }
     let host_crashes = cluster.host_crashes.load(Relaxed);
     if host_crashes > 0 {
@@ -1209,8 +1430,8 @@ async fn check(
         "lost": lost,
         "duplicate_effects": duplicate_effects,
         "stale_writes": stale.len(),
-        "max_recovery_ms": max_recovery,
-        "p99_recovery_ms": p99,
+        "max_recovery_from_kill_ms": max_recovery,
+        "p99_recovery_from_kill_ms": p99,
         "hostile_guests": hostile,
         "host_crashes": host_crashes,
         "missing_effects": missing_effects,
@@ -1219,7 +1440,11 @@ async fn check(
         "takeovers_from_live_hosts": from_live,
         "skewed_leases": skewed.len(),
         "recoveries": rec.len(),
-        "recovery_bound_ms": bound,
+        "max_takeover_delay_ms": max_delay,
+        "takeover_delay_bound_ms": bound,
+        "aborted_on_attempts": aborted_on_attempts,
+        "server_errors": server_errors.len(),
+        "unbitten_faults": unbitten.len(),
         "kill_points": *counters.kill_points.lock().unwrap(),
         "duplicate_submits": dup_submits,
         "duplicate_inputs": dup_inputs,
