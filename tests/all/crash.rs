@@ -130,13 +130,14 @@ both! {
     }
 
     async fn a_sliced_run_completes_over_several_segments_with_the_same_output_as_an_unsliced_one(db) {
-        // Each step waits 150 ms on the sink; a 400 ms budget slices the
-        // turn. Slices end between host calls, after their effects commit,
-        // so replay skips them and no step reaches the sink twice.
-        let sink = Sink::start_with_delay(Duration::from_millis(150)).await?;
+        // Each step waits 500 ms on the sink; a 2 s budget slices the
+        // turn, and each slice has time for about four steps, well clear of
+        // a slow one. Slices end between host calls, after their effects
+        // commit, so replay skips them and no step reaches the sink twice.
+        let sink = Sink::start_with_delay(Duration::from_millis(500)).await?;
         let input = serde_json::json!({ "mode": "http-steps", "steps": 6, "url": sink.url });
         let mut results = Vec::new();
-        for budget in [Duration::from_millis(400), Duration::from_secs(30)] {
+        for budget in [Duration::from_secs(2), Duration::from_secs(60)] {
             let rt = plugins::runtime()?;
             let mut limits = plugins::test_limits();
             limits.http_allow = vec![sink.allow()];
@@ -196,7 +197,27 @@ async fn postgres_ends_a_stalled_hosts_transaction_so_its_run_can_be_taken_over(
             .bind(run.id)
             .execute(&mut *tx)
             .await?;
-        tokio::time::sleep(Duration::from_millis(900)).await;
+        // Wait for the server to end the stalled session (no fixed sleep:
+        // that is the server's to do, on its own time).
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let stalled: i64 = sqlx::query_scalar(
+                "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database() AND state = 'idle in transaction'",
+            )
+            .fetch_one(db.store.pool())
+            .await?;
+            let expired: bool = sqlx::query_scalar(
+                "SELECT lease_expires_at < (extract(epoch from now()) * 1000)::bigint FROM runs WHERE id = $1",
+            )
+            .bind(run.id)
+            .fetch_one(db.store.pool())
+            .await?;
+            if stalled == 0 && expired {
+                break;
+            }
+            ensure!(std::time::Instant::now() < deadline, "the stalled session was not ended within 30 s");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         let taken = db.store.claim("other", Duration::from_secs(30)).await?;
         ensure!(
             taken.as_ref().is_some_and(|c| c.run.id == run.id && c.lease.fence == held.lease.fence + 1),

@@ -243,7 +243,9 @@ both! {
     }
 
     async fn hostile_guests_are_classified_and_neighbouring_runs_keep_completing(db) {
-        let (_rt, exec) = setup(db)?;
+        // A short budget, for the loop: it is sliced without progress.
+        let rt = runtime_with_budget(Duration::from_secs(1))?;
+        let exec = Executor::new(db.store.clone(), rt, worker("worker-a"));
         let cases = [
             ("loop", GuestErrorKind::Timeout),
             ("oom", GuestErrorKind::OutOfMemory),
