@@ -85,6 +85,15 @@ enum Command {
         #[command(flatten)]
         args: cli::EventsArgs,
     },
+    /// Internal: `serve`'s compiler child. Reads a component on stdin and
+    /// writes it compiled, for an engine of these settings, on stdout.
+    #[command(name = "__compile", hide = true)]
+    Compile {
+        #[arg(long)]
+        max_instances: u32,
+        #[arg(long)]
+        pool_max_memory_bytes: usize,
+    },
 }
 
 #[derive(Subcommand)]
@@ -242,6 +251,9 @@ async fn run(cli: Cli) -> Result<()> {
         Command::Submit { api, args } => cli::submit(&api, args).await,
         Command::Runs { api, command } => cli::runs(&api, command).await,
         Command::Events { api, args } => cli::events(&api, args).await,
+        Command::Compile { max_instances, pool_max_memory_bytes } => {
+            leasehold::runtime::compile_stdio(max_instances, pool_max_memory_bytes)
+        }
     }
 }
 
@@ -269,6 +281,8 @@ async fn serve(cfg: config::Serve) -> Result<()> {
     let mut runtime_config = RuntimeConfig {
         cache_dir: cfg.cache_dir.clone(),
         max_instances: cfg.max_instances,
+        // Uploads compile in a child process, stopped with the request.
+        compiler: Some(std::env::current_exe().context("finding this program, to compile components with")?),
         ..RuntimeConfig::default()
     };
     runtime_config.default_limits.segment_budget = cfg.segment_budget;

@@ -56,13 +56,11 @@ pub fn valid_name(name: &str) -> bool {
         && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
 }
 
-/// Compiles (or loads from the cache) and registers `bytes` in the runtime,
-/// off the async threads: a large component takes seconds.
+/// Compiles (or loads from the cache) and registers `bytes` in the runtime
+/// as the current version of `name`, off the async threads: a large
+/// component takes seconds.
 async fn compile(runtime: &Arc<Runtime>, name: &str, bytes: Vec<u8>, limits: Limits) -> Result<Arc<Plugin>, PluginError> {
-    let (rt, n) = (runtime.clone(), name.to_string());
-    tokio::task::spawn_blocking(move || rt.add_plugin(&n, &bytes, limits))
-        .await
-        .map_err(|e| PluginError::Invalid(format!("compiler task failed: {e}")))?
+    runtime.load_async(name, bytes, limits, true).await
 }
 
 /// Compiles and links `bytes` (so a bad component is refused before it is
@@ -148,11 +146,7 @@ pub async fn resolve(
     };
     let settings = store.plugin_settings(name).await?.map(|(_, s)| s).unwrap_or_default();
     let limits = settings.limits(runtime.default_limits());
-    let (rt, n) = (runtime.clone(), name.to_string());
-    let plugin = tokio::task::spawn_blocking(move || rt.load_version(&n, &bytes, limits))
-        .await
-        .map_err(|e| PluginError::Invalid(format!("compiler task failed: {e}")))??;
-    Ok(Some(plugin))
+    Ok(Some(runtime.load_async(name, bytes, limits, false).await?))
 }
 
 impl Store {

@@ -51,15 +51,11 @@ pub async fn put(
         return Err(ApiError::bad_request("http_allow entries must be host or host:port"));
     }
     let settings = PluginSettings { http_allow };
-    // Its own task, holding the permit: an upload whose caller went away
-    // still counts against the cap until its compilation ends.
-    let (store, runtime, n) = (s.store.clone(), s.runtime.clone(), name.clone());
-    let plugin = tokio::spawn(async move {
-        let _permit = permit;
-        crate::plugins::register(&store, &runtime, &n, bytes.to_vec(), settings).await
-    })
-    .await
-    .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", format!("the upload task failed: {e}")))??;
+    // Awaited here, holding the permit: a caller that goes away drops the
+    // registration, and with it the compiler child (`serve` compiles in
+    // one), so nothing is left compiling for nobody.
+    let plugin = crate::plugins::register(&s.store, &s.runtime, &name, bytes.to_vec(), settings).await?;
+    drop(permit);
     tracing::info!(plugin = %name, digest = %plugin.digest, "plugin registered");
     Ok((StatusCode::CREATED, Json(json!({ "name": name, "digest": plugin.digest }))))
 }

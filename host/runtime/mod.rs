@@ -125,6 +125,12 @@ pub struct RuntimeConfig {
     /// The limits of a plugin registered without its own. Default:
     /// [`Limits::default`].
     pub default_limits: Limits,
+    /// Compile components in a child process of this program
+    /// (`<compiler> __compile`), which is killed if the registration that
+    /// asked for it is dropped (an upload whose caller went away), and
+    /// whose crash or memory use cannot take the host down. Default: none
+    /// (in a blocking thread of this process, which runs to the end).
+    pub compiler: Option<PathBuf>,
 }
 
 impl Default for RuntimeConfig {
@@ -134,6 +140,7 @@ impl Default for RuntimeConfig {
             max_instances: 64,
             pool_max_memory_bytes: 1 << 30,
             default_limits: Limits::default(),
+            compiler: None,
         }
     }
 }
@@ -171,30 +178,52 @@ pub struct Runtime {
     /// was submitted with.
     versions: RwLock<HashMap<(String, String), Arc<Plugin>>>,
     default_limits: Limits,
+    /// The child-process compiler and the engine settings it must match.
+    compiler: Option<(PathBuf, u32, usize)>,
     _ticker: Ticker,
+}
+
+/// The engine's settings for `max_instances` and `pool_max_memory_bytes`
+/// (see [`RuntimeConfig`]): the host's, and the compiler child's, which
+/// must match for its output to load.
+pub fn engine_config(max_instances: u32, pool_max_memory_bytes: usize) -> Config {
+    let mut pool = PoolingAllocationConfig::default();
+    // Per component instance: a Rust or C guest is 1 to 4 core instances
+    // with one memory; componentize-py's Python guest is 38 core instances
+    // with 10 memories. The totals leave room for that.
+    pool.total_component_instances(max_instances)
+        .max_core_instances_per_component(64)
+        .max_memories_per_component(16)
+        .max_tables_per_component(64)
+        .total_core_instances(max_instances * 48)
+        .total_memories(max_instances * 12)
+        .total_tables(max_instances * 48)
+        .max_memory_size(pool_max_memory_bytes)
+        .total_stacks(max_instances);
+    let mut wasm = Config::new();
+    wasm.epoch_interruption(true)
+        .wasm_component_model(true)
+        .max_wasm_stack(Limits::default().max_wasm_stack)
+        .allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
+    wasm
+}
+
+/// The compiler child's work (`leasehold __compile`): a component's bytes on
+/// stdin, its compiled form on stdout, the reason on stderr and a failure
+/// status if it is not a valid component.
+pub fn compile_stdio(max_instances: u32, pool_max_memory_bytes: usize) -> anyhow::Result<()> {
+    use std::io::{Read, Write};
+    let engine = Engine::new(&engine_config(max_instances, pool_max_memory_bytes))?;
+    let mut bytes = Vec::new();
+    std::io::stdin().read_to_end(&mut bytes)?;
+    let compiled = engine.precompile_component(&bytes)?;
+    std::io::stdout().write_all(&compiled)?;
+    Ok(())
 }
 
 impl Runtime {
     pub fn new(config: RuntimeConfig) -> anyhow::Result<Runtime> {
-        let mut pool = PoolingAllocationConfig::default();
-        // Per component instance: a Rust or C guest is 1 to 4 core instances
-        // with one memory; componentize-py's Python guest is 38 core
-        // instances with 10 memories. The totals leave room for that.
-        pool.total_component_instances(config.max_instances)
-            .max_core_instances_per_component(64)
-            .max_memories_per_component(16)
-            .max_tables_per_component(64)
-            .total_core_instances(config.max_instances * 48)
-            .total_memories(config.max_instances * 12)
-            .total_tables(config.max_instances * 48)
-            .max_memory_size(config.pool_max_memory_bytes)
-            .total_stacks(config.max_instances);
-        let mut wasm = Config::new();
-        wasm.epoch_interruption(true)
-            .wasm_component_model(true)
-            .max_wasm_stack(Limits::default().max_wasm_stack)
-            .allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
-        let engine = Engine::new(&wasm)?;
+        let engine = Engine::new(&engine_config(config.max_instances, config.pool_max_memory_bytes))?;
         let mut linker = Linker::new(&engine);
         wasmtime_wasi::p2::add_to_linker_async(&mut linker)?;
         host::add_to_linker(&mut linker)?;
@@ -207,6 +236,7 @@ impl Runtime {
             plugins: RwLock::new(HashMap::new()),
             versions: RwLock::new(HashMap::new()),
             default_limits: config.default_limits.clone(),
+            compiler: config.compiler.map(|c| (c, config.max_instances, config.pool_max_memory_bytes)),
             _ticker: ticker,
         })
     }
@@ -250,12 +280,63 @@ impl Runtime {
                     .engine
                     .precompile_component(bytes)
                     .map_err(|e| PluginError::Invalid(format!("{e:#}")))?;
-                self.cache.store(&digest, &compiled)?;
-                self.cache
-                    .load(&self.engine, &digest)?
-                    .ok_or_else(|| PluginError::Invalid("cache write did not stick".into()))?
+                self.cached(&digest, &compiled)?
             }
         };
+        self.link(name, digest, component, limits)
+    }
+
+    /// [`Runtime::add_plugin`] (`current`) or [`Runtime::load_version`],
+    /// for async callers: compiles off the async threads, in the compiler
+    /// child when one is configured, so dropping the returned future stops
+    /// the compilation.
+    pub async fn load_async(self: &Arc<Self>, name: &str, bytes: Vec<u8>, limits: Limits, current: bool) -> Result<Arc<Plugin>, PluginError> {
+        let blocking = |rt: Arc<Runtime>, f: Box<dyn FnOnce(&Runtime) -> Result<Arc<Plugin>, PluginError> + Send>| async move {
+            tokio::task::spawn_blocking(move || f(&rt))
+                .await
+                .map_err(|e| PluginError::Invalid(format!("compiler task failed: {e}")))?
+        };
+        let Some((compiler, instances, memory)) = self.compiler.clone() else {
+            let n = name.to_string();
+            let load = move |rt: &Runtime| if current { rt.add_plugin(&n, &bytes, limits) } else { rt.load_version(&n, &bytes, limits) };
+            return blocking(self.clone(), Box::new(load)).await;
+        };
+        let digest = format!("sha256:{}", hex::encode(Sha256::digest(&bytes)));
+        let cached = {
+            let (rt, d) = (self.clone(), digest.clone());
+            tokio::task::spawn_blocking(move || rt.cache.load(&rt.engine, &d))
+                .await
+                .map_err(|e| PluginError::Invalid(format!("cache task failed: {e}")))??
+        };
+        let component = match cached {
+            Some(c) => c,
+            None => {
+                let compiled = compile_in_child(&compiler, instances, memory, bytes).await?;
+                let (rt, d) = (self.clone(), digest.clone());
+                tokio::task::spawn_blocking(move || rt.cached(&d, &compiled))
+                    .await
+                    .map_err(|e| PluginError::Invalid(format!("cache task failed: {e}")))??
+            }
+        };
+        let plugin = self.link(name, digest, component, limits)?;
+        if current {
+            self.plugins.write().expect("plugin registry lock").insert(name.to_string(), plugin.clone());
+        }
+        Ok(plugin)
+    }
+
+    /// Stores a compiled component in the cache and loads it back from the
+    /// bytes the cache recorded.
+    fn cached(&self, digest: &str, compiled: &[u8]) -> Result<Component, PluginError> {
+        self.cache.store(digest, compiled)?;
+        self.cache
+            .load(&self.engine, digest)?
+            .ok_or_else(|| PluginError::Invalid("cache write did not stick".into()))
+    }
+
+    /// Links a compiled component against the host and registers it as
+    /// version `digest` of `name`.
+    fn link(&self, name: &str, digest: String, component: Component, limits: Limits) -> Result<Arc<Plugin>, PluginError> {
         let pre = self
             .linker
             .instantiate_pre(&component)
@@ -322,6 +403,32 @@ impl Runtime {
     pub fn compile_uncached(&self, bytes: &[u8]) -> wasmtime::Result<Component> {
         Component::new(&self.engine, bytes)
     }
+}
+
+/// Runs the compiler child on `bytes` and returns the compiled component.
+/// The child is killed when this future is dropped.
+async fn compile_in_child(compiler: &std::path::Path, instances: u32, memory: usize, bytes: Vec<u8>) -> Result<Vec<u8>, PluginError> {
+    use tokio::io::AsyncWriteExt;
+    let mut child = tokio::process::Command::new(compiler)
+        .args(["__compile", "--max-instances", &instances.to_string(), "--pool-max-memory-bytes", &memory.to_string()])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()?;
+    let mut stdin = child.stdin.take().ok_or_else(|| PluginError::Invalid("the compiler has no stdin".into()))?;
+    let feed = async move {
+        stdin.write_all(&bytes).await?;
+        stdin.shutdown().await
+    };
+    let (fed, out) = tokio::join!(feed, child.wait_with_output());
+    let out = out?;
+    if !out.status.success() {
+        let reason = String::from_utf8_lossy(&out.stderr).trim().to_string();
+        return Err(PluginError::Invalid(reason.strip_prefix("error: ").unwrap_or(&reason).to_string()));
+    }
+    fed?;
+    Ok(out.stdout)
 }
 
 /// The sandbox cap a trap hit, if it was one the host sets (data copied in

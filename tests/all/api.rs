@@ -462,6 +462,75 @@ both! {
     }
 }
 
+both! {
+    async fn event_streams_past_the_cap_are_refused_with_retry_after(db) {
+        let server = Server::start_with(db, None, false, |c| c.max_streams = 1).await?;
+        let open = |thread: &str| server.req(reqwest::Method::GET, &format!("/v1/threads/{thread}/events")).header("Accept", "text/event-stream").send();
+        let first = open("a").await?;
+        ensure!(first.status() == 200, "{}", first.status());
+        let second = open("b").await?;
+        ensure!(second.status() == 503 && second.headers().get("retry-after").is_some(), "{} {:?}", second.status(), second.headers());
+        let body: Value = second.json().await?;
+        ensure!(body["error"]["code"] == "busy", "{body}");
+        drop(first);
+        // The stream's slot is given back once it notices its reader left.
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let again = open("c").await?;
+            if again.status() == 200 {
+                break;
+            }
+            ensure!(std::time::Instant::now() < deadline, "the slot was never given back: {}", again.status());
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        server.stop().await;
+        Ok(())
+    }
+
+    async fn uploads_past_the_cap_are_refused_with_retry_after(db) {
+        let server = Server::start_with(db, None, false, |c| c.max_uploads = 1).await?;
+        // An upload whose body never ends holds the one slot.
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Vec<u8>, std::io::Error>>(1);
+        tx.send(Ok(b"\0asm".to_vec())).await?;
+        let stream = futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|c| (c, rx)) });
+        let slow = server.req(reqwest::Method::PUT, "/v1/plugins/slow").body(reqwest::Body::wrap_stream(stream)).send();
+        let slow = tokio::spawn(slow);
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let (status, body) = server.put_plugin("other", plugins::rust_plugin("testkit")?).await?;
+            if status == 503 {
+                ensure!(body["error"]["code"] == "busy", "{body}");
+                break;
+            }
+            ensure!(std::time::Instant::now() < deadline, "a second upload was not refused: {status} {body}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        drop(tx);
+        let _ = slow.await;
+        let (status, body) = server.put_plugin("other", plugins::rust_plugin("testkit")?).await?;
+        ensure!(status == 201, "{status} {body}");
+        server.stop().await;
+        Ok(())
+    }
+
+    async fn metrics_gauges_come_from_a_cache_and_counters_stay_live(db) {
+        let server = Server::start_with(db, None, false, |c| c.metrics_ttl = Duration::from_secs(3600)).await?;
+        let scrape = async || -> Result<String> { Ok(server.req(reqwest::Method::GET, "/metrics").send().await?.text().await?) };
+        let value = |text: &str, name: &str| -> Option<f64> {
+            text.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        };
+        let first = scrape().await?;
+        db.store.create_run(&leasehold::store::NewRun::new("p", "{}")).await?;
+        let second = scrape().await?;
+        let queued = r#"leasehold_runs{status="queued"}"#;
+        ensure!(value(&first, queued) == Some(0.0) && value(&second, queued) == Some(0.0), "the gauge was read again:\n{second}");
+        let requests = "leasehold_http_requests_total";
+        ensure!(value(&second, requests) > value(&first, requests), "counters are live");
+        server.stop().await;
+        Ok(())
+    }
+}
+
 #[test]
 fn debug_output_never_shows_a_secret() {
     let api = ApiConfig { token: Some("s3cret-token".into()), ..ApiConfig::default() };

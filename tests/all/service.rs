@@ -125,3 +125,74 @@ async fn an_unreachable_database_is_reported_at_once_without_its_password() -> R
     ensure!(!log.contains("hunter2"), "the password is in the log: {log}");
     Ok(())
 }
+
+/// The pids of `parent`'s children whose command line contains `needle`.
+fn children_running(parent: u32, needle: &str) -> Vec<u32> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        // pid (comm) state ppid …; comm may hold spaces.
+        let ppid = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1)).and_then(|p| p.parse::<u32>().ok());
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        if ppid == Some(parent) && String::from_utf8_lossy(&cmdline).contains(needle) {
+            found.push(pid);
+        }
+    }
+    found
+}
+
+#[tokio::test]
+async fn an_upload_whose_caller_went_away_is_not_left_compiling() -> Result<()> {
+    leasehold::effects::http::install_tls();
+    let dir = tempfile::tempdir()?;
+    let port = free_port()?;
+    let base = format!("http://127.0.0.1:{port}");
+    let serve = Child(
+        leasehold()
+            .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--plugins-dir", "none", "--insecure"])
+            .arg("--cache-dir")
+            .arg(dir.path().join("cache"))
+            .current_dir(dir.path())
+            .env("LEASEHOLD_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()?,
+    );
+    let http = reqwest::Client::new();
+    wait_healthy(&http, &base, Duration::from_secs(60)).await?;
+    // The Python agent: seconds to compile, and never compiled in this
+    // fresh cache.
+    let big = crate::plugins::example_plugin("agent-py")?;
+    let size = big.len() as u64;
+    let upload = tokio::spawn({
+        let (http, base) = (http.clone(), base.clone());
+        async move { http.put(format!("{base}/v1/plugins/big")).body(big).send().await }
+    });
+    let pid = serve.0.id();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    // Compiling: a compiler child that has read the whole component.
+    let read = |child: u32| -> u64 {
+        let io = std::fs::read_to_string(format!("/proc/{child}/io")).unwrap_or_default();
+        io.lines().find_map(|l| l.strip_prefix("rchar: ")).and_then(|n| n.trim().parse().ok()).unwrap_or(0)
+    };
+    while !children_running(pid, "__compile").iter().any(|&c| read(c) >= size) {
+        ensure!(!upload.is_finished(), "the upload finished before it was seen compiling: {:?}", upload.await);
+        ensure!(Instant::now() < deadline, "no compiler child read the component");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The caller goes away.
+    upload.abort();
+    let _ = upload.await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !children_running(pid, "__compile").is_empty() {
+        ensure!(Instant::now() < deadline, "the compiler was still running 10 s after its caller went away");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let listed: serde_json::Value = http.get(format!("{base}/v1/plugins")).send().await?.json().await?;
+    ensure!(listed["plugins"].as_array().is_some_and(|p| p.is_empty()), "{listed}");
+    let compiled = std::fs::read_dir(dir.path().join("cache"))?.flatten().filter(|e| e.file_name().to_string_lossy().ends_with(".cwasm")).count();
+    ensure!(compiled == 0, "{compiled} compiled files were written for an abandoned upload");
+    Ok(())
+}
+
