@@ -291,15 +291,12 @@ impl Runtime {
     /// child when one is configured, so dropping the returned future stops
     /// the compilation.
     pub async fn load_async(self: &Arc<Self>, name: &str, bytes: Vec<u8>, limits: Limits, current: bool) -> Result<Arc<Plugin>, PluginError> {
-        let blocking = |rt: Arc<Runtime>, f: Box<dyn FnOnce(&Runtime) -> Result<Arc<Plugin>, PluginError> + Send>| async move {
-            tokio::task::spawn_blocking(move || f(&rt))
-                .await
-                .map_err(|e| PluginError::Invalid(format!("compiler task failed: {e}")))?
-        };
         let Some((compiler, instances, memory)) = self.compiler.clone() else {
-            let n = name.to_string();
-            let load = move |rt: &Runtime| if current { rt.add_plugin(&n, &bytes, limits) } else { rt.load_version(&n, &bytes, limits) };
-            return blocking(self.clone(), Box::new(load)).await;
+            let (rt, n) = (self.clone(), name.to_string());
+            let load = move || if current { rt.add_plugin(&n, &bytes, limits) } else { rt.load_version(&n, &bytes, limits) };
+            return tokio::task::spawn_blocking(load)
+                .await
+                .map_err(|e| PluginError::Invalid(format!("compiler task failed: {e}")))?;
         };
         let digest = format!("sha256:{}", hex::encode(Sha256::digest(&bytes)));
         let cached = {
