@@ -49,6 +49,8 @@ pub struct E2eBench {
     pub plugin_file: PathBuf,
     pub cache_dir: PathBuf,
     pub progress: bool,
+    /// SQLite's `synchronous` (the store's default, FULL, unless set).
+    pub sqlite_sync: crate::store::SqliteSync,
 }
 
 #[derive(Debug, Serialize)]
@@ -70,6 +72,8 @@ pub struct E2eResult {
     pub concurrency: usize,
     pub submitters: usize,
     pub rounds: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sqlite_synchronous: Option<crate::store::SqliteSync>,
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -82,7 +86,11 @@ impl E2eBench {
     pub async fn run(&self) -> Result<E2eResult, BenchError> {
         // A connection for each worker, and for the submit batches in
         // flight (up to 4), the claimer, the NOTIFY sender and the poller.
-        let opts = StoreOptions { max_connections: Some(self.concurrency as u32 + 8), ..Default::default() };
+        let opts = StoreOptions {
+            max_connections: Some(self.concurrency as u32 + 8),
+            sqlite_sync: self.sqlite_sync,
+            ..Default::default()
+        };
         let store = Store::connect_with(&self.database_url, opts).await?;
         let existing: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM runs")
             .fetch_one(store.pool())
@@ -189,6 +197,7 @@ impl E2eBench {
             concurrency: self.concurrency,
             submitters: self.submitters,
             rounds,
+            sqlite_synchronous: (store.backend() == crate::store::Backend::Sqlite).then_some(self.sqlite_sync),
         })
     }
 

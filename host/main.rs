@@ -127,6 +127,9 @@ enum BenchCommand {
         /// The one-effect plugin (the Rust test plugin).
         #[arg(long, default_value = "target/plugins/testkit.wasm")]
         plugin_file: PathBuf,
+        /// SQLite only: PRAGMA synchronous, as `serve --sqlite-synchronous`.
+        #[arg(long, default_value = "full")]
+        sqlite_synchronous: SqliteSync,
         /// No progress lines on stderr.
         #[arg(long)]
         quiet: bool,
@@ -151,7 +154,7 @@ enum BenchCommand {
         #[arg(long, default_value_t = 0)]
         finished: i64,
         /// SQLite only: PRAGMA synchronous.
-        #[arg(long, default_value = "normal")]
+        #[arg(long, default_value = "full")]
         synchronous: SqliteSync,
         /// Rounds of (baseline, claim), alternating order; medians are reported.
         #[arg(long, default_value_t = 3)]
@@ -198,7 +201,7 @@ fn main() -> std::process::ExitCode {
 async fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Serve { config, options } => serve(options.resolve(config.as_deref())?).await,
-        Command::Bench { bench: BenchCommand::E2e { database_url, runs, concurrency, submitters, rounds, plugin_file, quiet } } => {
+        Command::Bench { bench: BenchCommand::E2e { database_url, runs, concurrency, submitters, rounds, plugin_file, sqlite_synchronous, quiet } } => {
             let submitters = submitters.unwrap_or(concurrency);
             anyhow::ensure!(
                 runs > 0 && concurrency > 0 && submitters > 0 && rounds > 0,
@@ -221,6 +224,7 @@ async fn run(cli: Cli) -> Result<()> {
                 plugin_file,
                 cache_dir: leasehold::runtime::default_cache_dir(),
                 progress: !quiet,
+                sqlite_sync: sqlite_synchronous,
             };
             let result = bench.run().await;
             if let Some(p) = temp {

@@ -21,6 +21,7 @@ both! {
             plugin_file,
             cache_dir: std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/component-cache"),
             progress: false,
+            sqlite_sync: Default::default(),
         };
         let result = bench.run().await?;
         ensure!(result.runs_per_sec > 0.0 && result.baseline_per_sec > 0.0 && result.ratio > 0.0 && result.rounds == 2, "{result:?}");
