@@ -1,17 +1,14 @@
-//! Prometheus metrics, in the text exposition format, without a metrics
-//! library: counters and histograms are atomics in one process-wide
-//! [`Metrics`]; gauges (runs by status, effects by state) are read from the
-//! database at scrape time, so every host reports the same totals.
+//! The process's counters and histograms: atomics in one process-wide
+//! [`Metrics`], bumped by the store, the executor and the API, and written
+//! out in Prometheus' text format. A leaf: it imports nothing of the crate.
+//! The gauges read from the database (runs by status, ledger rows by
+//! state) and the whole `/metrics` page are the API's (`api::metrics`).
 
 use std::fmt::Write;
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
 
-use sqlx::Row;
-
-use crate::executor::GuestErrorKind;
-use crate::store::{Store, StoreError, sql};
 
 /// Upper bounds of the latency buckets, in seconds.
 const BUCKETS: [f64; 14] = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 60.0];
@@ -63,7 +60,8 @@ pub struct Metrics {
     pub segments_suspended: AtomicU64,
     pub segments_abandoned: AtomicU64,
     pub segment_duration: Histogram,
-    guest_errors: [AtomicU64; GUEST_ERROR_KINDS.len()],
+    /// Runs failed by a guest error, by kind (`GuestErrorKind::as_str`).
+    guest_errors: std::sync::Mutex<std::collections::HashMap<&'static str, u64>>,
     pub http_requests: AtomicU64,
     /// Submit attempts written (new runs and repeated idempotency keys).
     pub submits: AtomicU64,
@@ -74,18 +72,7 @@ pub struct Metrics {
     pub guest_log_lines_dropped: AtomicU64,
 }
 
-const GUEST_ERROR_KINDS: [GuestErrorKind; 10] = [
-    GuestErrorKind::TurnError,
-    GuestErrorKind::Timeout,
-    GuestErrorKind::OutOfMemory,
-    GuestErrorKind::OutputTooLarge,
-    GuestErrorKind::Trap,
-    GuestErrorKind::NonDeterminism,
-    GuestErrorKind::HostCalls,
-    GuestErrorKind::UnknownPlugin,
-    GuestErrorKind::Limit,
-    GuestErrorKind::LedgerTooLarge,
-];
+
 
 /// The process-wide metrics.
 pub fn global() -> &'static Metrics {
@@ -94,22 +81,14 @@ pub fn global() -> &'static Metrics {
 }
 
 impl Metrics {
-    pub fn guest_error(&self, kind: GuestErrorKind) {
-        if let Some(i) = GUEST_ERROR_KINDS.iter().position(|k| *k == kind) {
-            self.guest_errors[i].fetch_add(1, Relaxed);
-        }
+    /// Counts a run failed by a guest error of `kind`.
+    pub fn guest_error(&self, kind: &'static str) {
+        *self.guest_errors.lock().expect("metrics lock").entry(kind).or_default() += 1;
     }
 
-    pub fn guest_errors(&self, kind: GuestErrorKind) -> u64 {
-        GUEST_ERROR_KINDS.iter().position(|k| *k == kind).map_or(0, |i| self.guest_errors[i].load(Relaxed))
-    }
-
-    /// The exposition text: this process's counters plus the database's
-    /// gauges.
-    pub async fn render(&self, store: &Store) -> Result<String, StoreError> {
-        let mut out = self.render_counters();
-        out.push_str(&self.render_gauges(store).await?);
-        Ok(out)
+    /// Runs failed by a guest error of `kind` so far.
+    pub fn guest_errors(&self, kind: &str) -> u64 {
+        self.guest_errors.lock().expect("metrics lock").get(kind).copied().unwrap_or(0)
     }
 
     /// This process's counters and histograms.
@@ -145,10 +124,6 @@ impl Metrics {
             let _ = writeln!(out, "leasehold_segments_total{{outcome=\"{outcome}\"}} {}", v.load(Relaxed));
         }
         self.segment_duration.render(&mut out, "leasehold_segment_seconds", "Duration of one segment.");
-        let _ = writeln!(out, "# HELP leasehold_guest_errors_total Runs failed by a guest error, by kind.\n# TYPE leasehold_guest_errors_total counter");
-        for (i, kind) in GUEST_ERROR_KINDS.iter().enumerate() {
-            let _ = writeln!(out, "leasehold_guest_errors_total{{kind=\"{}\"}} {}", kind.as_str(), self.guest_errors[i].load(Relaxed));
-        }
         counter(&mut out, "leasehold_http_requests_total", "API requests served by this host.", &self.http_requests);
         counter(
             &mut out,
@@ -164,36 +139,5 @@ impl Metrics {
             &self.submit_commits,
         );
         out
-    }
-
-    /// The gauges read from the database: runs by status, ledger rows by
-    /// state. Two `GROUP BY` scans: the API caches them.
-    pub async fn render_gauges(&self, store: &Store) -> Result<String, StoreError> {
-        let mut out = String::new();
-        let rows = sqlx::query(sql!(store, "SELECT status, COUNT(*) AS n FROM runs GROUP BY status"))
-            .fetch_all(store.pool())
-            .await?;
-        let _ = writeln!(out, "# HELP leasehold_runs Runs in the database, by status.\n# TYPE leasehold_runs gauge");
-        for status in ["queued", "running", "waiting_input", "waiting_takeover", "completed", "failed", "aborted", "cancelled"] {
-            let n = rows
-                .iter()
-                .find(|r| r.try_get::<String, _>("status").ok().as_deref() == Some(status))
-                .and_then(|r| r.try_get::<i64, _>("n").ok())
-                .unwrap_or(0);
-            let _ = writeln!(out, "leasehold_runs{{status=\"{status}\"}} {n}");
-        }
-        let rows = sqlx::query(sql!(store, "SELECT state, COUNT(*) AS n FROM effects GROUP BY state"))
-            .fetch_all(store.pool())
-            .await?;
-        let _ = writeln!(out, "# HELP leasehold_effects Ledger rows in the database, by state (in_doubt: outcome unknown).\n# TYPE leasehold_effects gauge");
-        for state in ["started", "committed", "failed", "in_doubt"] {
-            let n = rows
-                .iter()
-                .find(|r| r.try_get::<String, _>("state").ok().as_deref() == Some(state))
-                .and_then(|r| r.try_get::<i64, _>("n").ok())
-                .unwrap_or(0);
-            let _ = writeln!(out, "leasehold_effects{{state=\"{state}\"}} {n}");
-        }
-        Ok(out)
     }
 }

@@ -5,39 +5,16 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
-use sqlx::Row;
 
 use crate::runtime::{Limits, Plugin, PluginError, Runtime};
-use crate::store::{Store, StoreError, sql};
+use crate::store::{Store, StoreError};
 
-/// What an operator sets per plugin. Every field documents its default.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
-#[serde(deny_unknown_fields)]
-pub struct PluginSettings {
-    /// Hosts (`host` or `host:port`) the plugin's `http` effects may reach.
-    /// Default: none.
-    #[serde(default)]
-    pub http_allow: Vec<String>,
-}
+pub use crate::store::{PluginInfo, PluginSettings};
 
-impl PluginSettings {
-    /// The plugin's sandbox limits: the host's defaults plus these settings.
-    pub fn limits(&self, defaults: &Limits) -> Limits {
-        Limits { http_allow: self.http_allow.clone(), ..defaults.clone() }
-    }
-}
-
-/// A registered plugin, as listed.
-#[derive(Debug, Clone, Serialize)]
-pub struct PluginInfo {
-    pub name: String,
-    pub digest: String,
-    pub size: i64,
-    pub settings: PluginSettings,
-    pub created_at: i64,
-    pub updated_at: i64,
+/// The plugin's sandbox limits: the host's defaults plus its settings.
+pub fn sandbox_limits(settings: &PluginSettings, defaults: &Limits) -> Limits {
+    Limits { http_allow: settings.http_allow.clone(), ..defaults.clone() }
 }
 
 /// Why a plugin could not be registered.
@@ -75,7 +52,7 @@ pub async fn register(
     if !valid_name(name) {
         return Err(RegisterError::BadName(name.to_string()));
     }
-    let limits = settings.limits(runtime.default_limits());
+    let limits = sandbox_limits(&settings, runtime.default_limits());
     let digest = format!("sha256:{}", hex::encode(Sha256::digest(&bytes)));
     // Unchanged (a restart with the same plugins directory): no rewrite of
     // the component's bytes.
@@ -135,7 +112,7 @@ pub async fn resolve(
         let Some((bytes, settings)) = store.plugin_component(name).await? else {
             return Ok(None);
         };
-        let limits = settings.limits(runtime.default_limits());
+        let limits = sandbox_limits(&settings, runtime.default_limits());
         return Ok(Some(compile(runtime, name, bytes, limits).await?));
     }
     if let Some(p) = runtime.version(name, digest) {
@@ -145,115 +122,6 @@ pub async fn resolve(
         return Ok(None);
     };
     let settings = store.plugin_settings(name).await?.map(|(_, s)| s).unwrap_or_default();
-    let limits = settings.limits(runtime.default_limits());
+    let limits = sandbox_limits(&settings, runtime.default_limits());
     Ok(Some(runtime.load_async(name, bytes, limits, false).await?))
-}
-
-impl Store {
-    pub async fn put_plugin(
-        &self,
-        name: &str,
-        digest: &str,
-        component: &[u8],
-        settings: &PluginSettings,
-    ) -> Result<(), StoreError> {
-        let settings = serde_json::to_string(settings).map_err(|e| StoreError::Corrupt(e.to_string()))?;
-        self.retry(|| async {
-            // The version first: a run submitted with the new current
-            // digest must find its component.
-            let mut tx = self.writer().begin().await?;
-            sqlx::query(sql!(
-                self,
-                "INSERT INTO plugin_versions (name, digest, component, created_at) VALUES ($1, $2, $3, {now}) \
-                 ON CONFLICT (name, digest) DO NOTHING"
-            ))
-            .bind(name)
-            .bind(digest)
-            .bind(component.to_vec())
-            .execute(&mut *tx)
-            .await?;
-            sqlx::query(sql!(
-                self,
-                "INSERT INTO plugins (name, digest, component, settings, created_at, updated_at) \
-                 VALUES ($1, $2, $3, $4, {now}, {now}) \
-                 ON CONFLICT (name) DO UPDATE SET digest = excluded.digest, component = excluded.component, \
-                 settings = excluded.settings, updated_at = excluded.updated_at"
-            ))
-            .bind(name)
-            .bind(digest)
-            .bind(component.to_vec())
-            .bind(&settings)
-            .execute(&mut *tx)
-            .await?;
-            tx.commit().await?;
-            Ok(())
-        })
-        .await
-    }
-
-    /// The component of version `digest` of plugin `name`, if registered.
-    pub async fn plugin_version(&self, name: &str, digest: &str) -> Result<Option<Vec<u8>>, StoreError> {
-        Ok(sqlx::query_scalar(sql!(self, "SELECT component FROM plugin_versions WHERE name = $1 AND digest = $2"))
-            .bind(name)
-            .bind(digest)
-            .fetch_optional(self.pool())
-            .await?)
-    }
-
-    pub async fn list_plugins(&self) -> Result<Vec<PluginInfo>, StoreError> {
-        let rows = sqlx::query(sql!(
-            self,
-            "SELECT name, digest, LENGTH(component) AS size, settings, created_at, updated_at \
-             FROM plugins ORDER BY name"
-        ))
-        .fetch_all(self.pool())
-        .await?;
-        rows.iter()
-            .map(|r| {
-                Ok(PluginInfo {
-                    name: r.try_get("name")?,
-                    digest: r.try_get("digest")?,
-                    size: r.try_get::<i64, _>("size").or_else(|_| r.try_get::<i32, _>("size").map(i64::from))?,
-                    settings: parse_settings(&r.try_get::<String, _>("settings")?)?,
-                    created_at: r.try_get("created_at")?,
-                    updated_at: r.try_get("updated_at")?,
-                })
-            })
-            .collect()
-    }
-
-    /// The digest of plugin `name`, if registered.
-    pub async fn plugin_digest(&self, name: &str) -> Result<Option<String>, StoreError> {
-        Ok(sqlx::query_scalar(sql!(self, "SELECT digest FROM plugins WHERE name = $1"))
-            .bind(name)
-            .fetch_optional(self.pool())
-            .await?)
-    }
-
-    /// The digest and settings of plugin `name`, if registered.
-    pub async fn plugin_settings(&self, name: &str) -> Result<Option<(String, PluginSettings)>, StoreError> {
-        let row = sqlx::query(sql!(self, "SELECT digest, settings FROM plugins WHERE name = $1"))
-            .bind(name)
-            .fetch_optional(self.pool())
-            .await?;
-        match row {
-            None => Ok(None),
-            Some(r) => Ok(Some((r.try_get("digest")?, parse_settings(&r.try_get::<String, _>("settings")?)?))),
-        }
-    }
-
-    async fn plugin_component(&self, name: &str) -> Result<Option<(Vec<u8>, PluginSettings)>, StoreError> {
-        let row = sqlx::query(sql!(self, "SELECT component, settings FROM plugins WHERE name = $1"))
-            .bind(name)
-            .fetch_optional(self.pool())
-            .await?;
-        match row {
-            None => Ok(None),
-            Some(r) => Ok(Some((r.try_get("component")?, parse_settings(&r.try_get::<String, _>("settings")?)?))),
-        }
-    }
-}
-
-fn parse_settings(s: &str) -> Result<PluginSettings, StoreError> {
-    serde_json::from_str(s).map_err(|e| StoreError::Corrupt(format!("plugin settings {s:?}: {e}")))
 }

@@ -1,13 +1,16 @@
-//! The reaper: DESIGN.md §2, statement 7. Needs no leader: every write it
-//! makes is guarded by the fence it observed, so any number of hosts may run
-//! it at once, and a claim racing it either wins or loses atomically.
+//! The reaper. Needs no leader: every write it makes is guarded by the
+//! fence it observed, so any number of hosts may run it at once, and a
+//! claim racing it either wins or loses atomically. Its statements are in
+//! `store::reap`; this is the loop.
 
-use serde::Serialize;
-use serde_json::json;
-use sqlx::Row;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
 
-use crate::events::{self, kind};
-use crate::store::{RunStatus, Store, StoreError, sql};
+use tokio::sync::watch;
+
+use crate::store::{RunStatus, Store, StoreError};
+
+pub use crate::store::ReapReport;
 
 /// Reaper settings. Every field documents its default.
 #[derive(Debug, Clone)]
@@ -22,76 +25,12 @@ impl Default for ReaperConfig {
     }
 }
 
-/// What one tick did.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
-pub struct ReapReport {
-    /// Runs with an expired lease and attempts left: left `running` with the
-    /// expired lease for the next claim to resume (partial not promoted).
-    pub resumable: Vec<i64>,
-    /// Runs given up: `aborted`, with the partial salvaged as the output.
-    pub aborted: Vec<i64>,
-    /// Ledger rows moved from `started` to `in_doubt`.
-    pub in_doubt: u64,
-    /// Candidates that changed under the reaper (claimed, closed, cancelled)
-    /// before it could act; it left them alone.
-    pub raced: u64,
-    /// Candidates whose row another session held locked past the lock
-    /// timeout (PostgreSQL: a frozen host's statement); left for a later
-    /// tick, so one frozen host cannot stall the reaper.
-    pub locked: u64,
-}
-
-/// Why a run is given up, in an operator's words: how many segments in a
-/// row failed against `max_attempts`, and what the last one was doing.
-fn abort_error(attempt: i64, max_attempts: i64, last: Option<(&str, i64)>, in_flight: Option<(i64, &str)>) -> String {
-    let segments = if attempt == 1 { "segment" } else { "segments" };
-    let mut error = format!(
-        "aborted after {attempt} {segments} in a row ended without finishing (max_attempts is {max_attempts})"
-    );
-    if let Some((owner, fence)) = last {
-        error.push_str(&format!(
-            ": the last one, on {owner} with fence {fence}, stopped renewing its lease \
-             (its host died, froze or lost its database)"
-        ));
-    }
-    if let Some((seq, name)) = in_flight {
-        error.push_str(&format!("; call {seq} ({name}) was in flight and may or may not have happened"));
-    }
-    error
-}
-
-/// Runs one reaper pass over up to `config.batch` candidates.
-///
-/// Candidates are `running` runs whose lease expired, and claimable-looking
-/// open runs whose attempts are used up (a segment that never gets past its
-/// replay and suspends without progress would otherwise wait forever).
+/// Runs one reaper pass over up to `config.batch` candidates (see
+/// [`Store::reap_candidates`]).
 pub async fn tick(store: &Store, config: &ReaperConfig) -> Result<ReapReport, StoreError> {
-    // Two index paths (runs_lease, runs_claim) rather than one OR, so a
-    // tick never scans finished runs. The second half repeats runs_claim's
-    // predicate and order so both planners use it.
-    let candidates = sqlx::query(sql!(
-        store,
-        concat!(
-            "SELECT id, fence, status FROM (SELECT id, fence, status FROM runs ",
-            "WHERE status = 'running' AND lease_expires_at < {now} ORDER BY lease_expires_at LIMIT $1) AS expired ",
-            "UNION ALL ",
-            "SELECT id, fence, status FROM (SELECT id, fence, status FROM runs WHERE ",
-            crate::claimable!(),
-            " AND status <> 'running' AND attempt >= max_attempts ORDER BY ",
-            crate::eligible_at!(),
-            ", id LIMIT $1) AS exhausted"
-        )
-    ))
-    .bind(config.batch)
-    .fetch_all(store.pool())
-    .await?;
-
     let mut report = ReapReport::default();
-    for row in candidates {
-        let id: i64 = row.try_get("id")?;
-        let fence: i64 = row.try_get("fence")?;
-        let status: String = row.try_get("status")?;
-        match reap_run(store, id, fence, status.parse()?, &mut report).await {
+    for (id, fence, status) in store.reap_candidates(config.batch).await? {
+        match store.reap_run(id, fence, status, &mut report).await {
             Err(e) if crate::store::is_lock_timeout(&e) => {
                 tracing::warn!(run_id = id, "reaper: the run's row is locked by another session; trying it next tick");
                 report.locked += 1;
@@ -110,9 +49,7 @@ pub async fn tick(store: &Store, config: &ReaperConfig) -> Result<ReapReport, St
     Ok(report)
 }
 
-/// Reaps one run as observed at (`fence`, `status`): the second half of a
-/// tick, public so tests can interleave other writes between observing and
-/// reaping. Does nothing (counts `raced`) if the run changed meanwhile.
+/// Reaps one run as observed at (`fence`, `status`); see [`Store::reap_run`].
 #[doc(hidden)]
 pub async fn reap_run(
     store: &Store,
@@ -121,95 +58,28 @@ pub async fn reap_run(
     status: RunStatus,
     report: &mut ReapReport,
 ) -> Result<(), StoreError> {
-    let outcome = store
-        .retry(|| async move {
-            let mut tx = store.maint().begin().await?;
-            // Re-check the candidate under the write lock, at the fence we
-            // observed. A no-op write, so that it locks (PostgreSQL: the row;
-            // SQLite: the database) before anything else is read.
-            let row = sqlx::query(sql!(
-                store,
-                "UPDATE runs SET fence = fence WHERE id = $1 AND fence = $2 AND status = $3 \
-                 AND ((status = 'running' AND lease_expires_at < {now}) \
-                      OR (status <> 'running' AND attempt >= max_attempts)) \
-                 RETURNING attempt, max_attempts, partial, thread_id, lease_owner"
-            ))
-            .bind(id)
-            .bind(fence)
-            .bind(status.as_str())
-            .fetch_optional(&mut *tx)
-            .await?;
-            let Some(row) = row else {
-                return Ok(None);
-            };
-            let attempt: i64 = row.try_get("attempt")?;
-            let max_attempts: i64 = row.try_get("max_attempts")?;
-            let partial: String = row.try_get("partial")?;
-            let thread_id: String = row.try_get("thread_id")?;
-            let owner: Option<String> = row.try_get("lease_owner")?;
-            let aborted = attempt >= max_attempts;
-            // What the dead segment left in flight, for the abort's message.
-            let in_flight: Option<(i64, String)> = if aborted && status == RunStatus::Running {
-                sqlx::query_as(sql!(
-                    store,
-                    "SELECT seq, name FROM effects WHERE run_id = $1 AND state = 'started' ORDER BY seq DESC LIMIT 1"
-                ))
-                .bind(id)
-                .fetch_optional(&mut *tx)
-                .await?
-            } else {
-                None
-            };
+    store.reap_run(id, fence, status, report).await
+}
 
-            // Reconcile first: whatever the dead segment started is now in doubt.
-            let in_doubt = sqlx::query(sql!(
-                store,
-                "UPDATE effects SET state = 'in_doubt', updated_at = {now} \
-                 WHERE run_id = $1 AND state = 'started' AND fence_started <= $2"
-            ))
-            .bind(id)
-            .bind(fence)
-            .execute(&mut *tx)
-            .await?
-            .rows_affected();
-
-            if aborted {
-                let last = owner.as_deref().filter(|_| status == RunStatus::Running).map(|o| (o, fence));
-                let error = abort_error(attempt, max_attempts, last, in_flight.as_ref().map(|(s, n)| (*s, n.as_str())));
-                // An empty partial salvages nothing: no output.
-                let output = (!partial.is_empty()).then_some(partial.as_str());
-                sqlx::query(sql!(
-                    store,
-                    "UPDATE runs SET status = 'aborted', output = $4, error = $3, \
-                     lease_owner = NULL, lease_expires_at = NULL, finished_at = {now}, updated_at = {now} \
-                     WHERE id = $1 AND fence = $2"
-                ))
-                .bind(id)
-                .bind(fence)
-                .bind(&error)
-                .bind(output)
-                .execute(&mut *tx)
-                .await?;
-                let payload = json!({ "status": RunStatus::Aborted, "output": output, "error": error });
-                events::append(store, &mut tx, &thread_id, id, fence, kind::MESSAGE, &payload).await?;
-            }
-            tx.commit().await?;
-            Ok(Some((aborted, in_doubt, thread_id)))
-        })
-        .await?;
-    match outcome {
-        None => report.raced += 1,
-        Some((aborted, in_doubt, thread)) => {
-            if aborted {
-                store.hub().wake(&thread);
-            }
-            report.in_doubt += in_doubt;
-            if aborted {
-                report.aborted.push(id);
-            } else {
-                report.resumable.push(id);
-            }
+/// Ticks every `every` until `stop` turns true. A failed tick (a database
+/// hiccup) is logged; it must not take the service down.
+pub async fn run(store: Store, config: ReaperConfig, every: Duration, mut stop: watch::Receiver<bool>) {
+    let mut interval = tokio::time::interval(every.max(Duration::from_millis(10)));
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let metrics = crate::metrics::global();
+    loop {
+        tokio::select! {
+            _ = async { let _ = stop.wait_for(|s| *s).await; } => return,
+            _ = interval.tick() => match tick(&store, &config).await {
+                Ok(report) => {
+                    metrics.reaped_resumable.fetch_add(report.resumable.len() as u64, Ordering::Relaxed);
+                    metrics.reaped_aborted.fetch_add(report.aborted.len() as u64, Ordering::Relaxed);
+                    if !report.resumable.is_empty() || !report.aborted.is_empty() {
+                        tracing::info!(resumable = ?report.resumable, aborted = ?report.aborted, "reaped expired runs");
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "reaper tick failed"),
+            },
         }
     }
-    Ok(())
 }

@@ -1,4 +1,4 @@
-//! The HTTP API (DESIGN.md §7), on axum. JSON in and out; every error is
+//! The HTTP API (docs/api.md), on axum. JSON in and out; every error is
 //! `{"error": {"code", "message"}}`. See the README for the endpoint table.
 //!
 //! Every `/v1` route and `/metrics` need `Authorization: Bearer <token>`
@@ -16,6 +16,7 @@
 
 mod error;
 mod events;
+mod metrics;
 mod plugins;
 mod runs;
 
@@ -101,7 +102,7 @@ pub struct AppState {
     /// Plugin uploads compiling ([`ApiConfig::max_uploads`]).
     pub(crate) uploads: Arc<tokio::sync::Semaphore>,
     /// `/metrics`' gauges, read at most every [`ApiConfig::metrics_ttl`].
-    gauges: Arc<tokio::sync::Mutex<Option<(std::time::Instant, String)>>>,
+    pub(crate) gauges: Arc<tokio::sync::Mutex<Option<(std::time::Instant, String)>>>,
 }
 
 impl AppState {
@@ -138,7 +139,7 @@ pub fn router(state: AppState) -> Router {
     Router::new()
         .merge(timed)
         .route("/v1/threads/{id}/events", get(events::events))
-        .route("/metrics", get(metrics))
+        .route("/metrics", get(metrics::metrics))
         .layer(middleware::from_fn_with_state(state.clone(), auth))
         .route("/healthz", get(healthz))
         .fallback(|| async { ApiError::not_found("no such endpoint") })
@@ -239,24 +240,6 @@ async fn healthz(State(state): State<AppState>) -> Response {
         Ok(_) => (StatusCode::OK, axum::Json(serde_json::json!({ "status": "ok" }))).into_response(),
         Err(e) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "database_unavailable", e.to_string()).into_response(),
     }
-}
-
-/// Counters, live; the gauges the database holds, cached (see
-/// [`ApiConfig::metrics_ttl`]), so a scrape costs no table scan.
-async fn metrics(State(state): State<AppState>) -> Result<Response, ApiError> {
-    let metrics = crate::metrics::global();
-    let mut text = metrics.render_counters();
-    {
-        let mut gauges = state.gauges.lock().await;
-        let fresh = gauges.as_ref().is_some_and(|(at, _)| at.elapsed() < state.config.metrics_ttl);
-        if !fresh {
-            *gauges = Some((std::time::Instant::now(), metrics.render_gauges(&state.store).await?));
-        }
-        if let Some((_, g)) = gauges.as_ref() {
-            text.push_str(g);
-        }
-    }
-    Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response())
 }
 
 /// A 503 that says when to try again.

@@ -33,7 +33,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use super::{RemoteCtx, RemoteFailure, in_progress};
-use crate::runtime::host::EffectError;
+use super::EffectError;
 
 /// How long one request may take. Default: 30 s.
 pub const TIMEOUT: Duration = Duration::from_secs(30);

@@ -10,8 +10,8 @@
 
 use serde::Deserialize;
 
-use crate::ledger::LocalOp;
-use crate::runtime::host::EffectError;
+use crate::store::LocalOp;
+use super::EffectError;
 
 const MAX_KEY_BYTES: usize = 512;
 

@@ -1,7 +1,7 @@
 //! Effect providers, one file each. A provider turns a guest's
 //! `effect(name, request)` into either a *local* operation, applied in the
 //! host's database in the same transaction as its ledger row, or a *remote*
-//! one (keyed or unkeyed, DESIGN.md §3), performed between its `started`
+//! one (keyed or unkeyed, see docs/concepts.md), performed between its `started`
 //! and `committed` rows.
 //!
 //! Providers: `kv.get` / `kv.put` (local), `http` and `model.chat` (keyed)
@@ -11,9 +11,20 @@ pub mod http;
 pub mod kv;
 pub mod model;
 
-use crate::ledger::LocalOp;
-use crate::runtime::host::EffectError;
-use crate::store::EffectClass;
+use crate::store::{EffectClass, LocalOp};
+
+/// Why an effect produced no result: the WIT `effect-error` a turn sees
+/// (see `wit/turn.wit`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EffectError {
+    /// The provider ran and failed (an HTTP error status, a bad request).
+    Failed(String),
+    /// An unkeyed effect was started by a segment that died: it may or may
+    /// not have happened.
+    InDoubt(String),
+    /// Refused without being performed.
+    Denied(String),
+}
 
 /// What an effect call resolves to.
 #[derive(Debug)]
@@ -75,7 +86,7 @@ pub struct RemoteCtx {
     pub seq: i64,
     pub fence: i64,
     pub max_result_bytes: usize,
-    /// `<database id>:<run_id>:<seq>` (see [`crate::ledger::idempotency_key`]):
+    /// `<database id>:<run_id>:<seq>` (see [`crate::store::idempotency_key`]):
     /// sent as `Idempotency-Key`.
     pub idempotency_key: String,
     /// This call re-issues one a dead segment started: an "in progress"

@@ -14,7 +14,7 @@
 //! Class: keyed. A chat has no side effect beyond its cost, so a call whose
 //! segment died is re-issued (with the same `Idempotency-Key`, for gateways
 //! that deduplicate); the half-streamed text of the dead segment is
-//! retracted from the thread log first (DESIGN.md §4).
+//! retracted from the thread log first (docs/concepts.md, "Streams and retracts").
 
 use std::time::Duration;
 
@@ -22,7 +22,7 @@ use serde_json::{Map, Value};
 
 use super::{RemoteCtx, RemoteFailure, in_progress};
 use crate::redact::Secret;
-use crate::runtime::host::EffectError;
+use super::EffectError;
 
 /// Where `model.chat` goes. Every field documents its default.
 #[derive(Debug, Clone)]

@@ -1,5 +1,5 @@
 //! The Wasm runtime: one engine, a registry of compiled plugins, and the
-//! host side of the `leasehold:turn` world (DESIGN.md §5–6).
+//! host side of the `leasehold:turn` world (`wit/turn.wit`, docs/plugins.md).
 //!
 //! * Epoch interruption is always on, driven by one ticker thread; a
 //!   segment's deadline follows its lease and its slice budget.
@@ -9,7 +9,16 @@
 //!   engine compatibility, and reused across restarts.
 
 mod cache;
+mod calls;
 mod clocks;
+mod interrupt;
+mod limits;
+mod phase;
+mod random;
+mod text;
+mod wasi;
+
+pub use limits::{GuestErrorKind, Limits};
 
 pub use cache::default_dir as default_cache_dir;
 pub mod host;
@@ -29,86 +38,6 @@ use self::host::{SegmentState, TurnPre};
 
 /// How often the epoch ticker advances. Deadlines are counted in ticks.
 pub const EPOCH_TICK: Duration = Duration::from_millis(10);
-
-/// Per-plugin sandbox limits. Every field documents its default.
-#[derive(Debug, Clone)]
-pub struct Limits {
-    /// Linear memory per instance. Default: 256 MiB (a Python guest needs
-    /// about 40 MiB to start).
-    pub max_memory_bytes: usize,
-    /// Wasm stack. Default: 1 MiB.
-    pub max_wasm_stack: usize,
-    /// Host calls per segment (the host-call "fuel"). Default: 100,000.
-    pub max_host_calls: u64,
-    /// Bytes one turn may emit in total. Default: 4 MiB.
-    pub max_emit_bytes: usize,
-    /// Bytes of the final output (or error). Default: 1 MiB.
-    pub max_output_bytes: usize,
-    /// Bytes of one effect request or result. Default: 1 MiB.
-    pub max_effect_bytes: usize,
-    /// How long one segment may run before it is sliced (suspended as
-    /// `waiting_takeover` and resumed by replay). Enforced by a timer as
-    /// well as by epochs, so a guest blocked in a WASI or host call is
-    /// stopped like a computing one. Default: 30 s.
-    pub segment_budget: Duration,
-    /// How long past its budget a segment lets a host call in flight (an
-    /// `http` request, a model's answer) finish before it stops the guest
-    /// anyway; its lease is not renewed past the budget plus this.
-    /// Default: 5 s.
-    pub slice_grace: Duration,
-    /// Hosts the `http` providers may reach: `host` (its scheme's default
-    /// port only), `host:port` or `scheme://host:port`; any other is
-    /// `denied`. Default: none.
-    pub http_allow: Vec<String>,
-    /// Bytes the guest may pass to the host in one call (strings and lists
-    /// the host copies in): past it, the guest traps as a `limit` error
-    /// before anything is copied. Default: 2 MiB.
-    pub max_hostcall_bytes: usize,
-    /// Bytes of one `wait-input` prompt. Default: 4 KiB.
-    pub max_prompt_bytes: usize,
-    /// `log` lines per segment; later ones are dropped (and counted in
-    /// `leasehold_guest_log_lines_dropped_total`). Default: 1,000.
-    pub max_log_lines: u64,
-    /// Bytes of one `log` line; longer ones are cut. Default: 4 KiB.
-    pub max_log_bytes: usize,
-    /// Bytes of WASI random per call. Default: 1 MiB.
-    pub max_random_bytes: u64,
-    /// WASI resources (pollables, streams) alive at once. Default: 10,000.
-    pub max_resources: usize,
-    /// Bytes of one `kv.put` value (each `kv.get` of it is recorded in the
-    /// ledger). Default: 64 KiB.
-    pub max_kv_value_bytes: usize,
-    /// Rows in a run's ledger, over all its segments; past it the run fails
-    /// as `ledger-too-large`. Default: 50,000.
-    pub max_ledger_rows: u64,
-    /// Bytes of names and results in a run's ledger. Default: 64 MiB.
-    pub max_ledger_bytes: u64,
-}
-
-impl Default for Limits {
-    fn default() -> Self {
-        Limits {
-            max_memory_bytes: 256 << 20,
-            max_wasm_stack: 1 << 20,
-            max_host_calls: 100_000,
-            max_emit_bytes: 4 << 20,
-            max_output_bytes: 1 << 20,
-            max_effect_bytes: 1 << 20,
-            segment_budget: Duration::from_secs(30),
-            slice_grace: Duration::from_secs(5),
-            http_allow: Vec::new(),
-            max_hostcall_bytes: 2 << 20,
-            max_prompt_bytes: 4 << 10,
-            max_log_lines: 1_000,
-            max_log_bytes: 4 << 10,
-            max_random_bytes: 1 << 20,
-            max_resources: 10_000,
-            max_kv_value_bytes: 64 << 10,
-            max_ledger_rows: 50_000,
-            max_ledger_bytes: 64 << 20,
-        }
-    }
-}
 
 /// Runtime settings. Every field documents its default.
 #[derive(Debug, Clone)]

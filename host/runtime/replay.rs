@@ -4,8 +4,7 @@
 
 use std::collections::HashMap;
 
-use crate::ledger::LedgerSummary;
-use crate::store::{EffectRow, Store, StoreError};
+use crate::store::{EffectRow, LedgerSummary, Store, StoreError};
 
 /// Rows read per page.
 const PAGE: i64 = 256;

@@ -4,11 +4,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::host::{Interrupt, interrupt_for, storable};
+use super::interrupt::{Interrupt, interrupt_for};
+use super::text::storable;
 use crate::effects::model::DeltaSink;
-use crate::executor::GuestErrorKind;
-use crate::ledger::HeldPut;
-use crate::store::{Lease, Store};
+use crate::runtime::GuestErrorKind;
+use crate::store::{HeldPut, Lease, Store};
 
 /// How long a delta or a `kv.put` may wait in a segment's buffer before it
 /// is written. Either is written with the segment's next write (another

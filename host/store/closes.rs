@@ -21,9 +21,15 @@
 
 use std::time::Duration;
 
-use crate::ledger::HeldPut;
+use serde_json::json;
+use sqlx::Row;
+
+use crate::store::claims::claimed_rows;
+use crate::store::emits::sqlite_append_events;
+use crate::store::guard::{guarded, ms, rejected};
 use crate::store::group;
-use crate::store::{Claimed, Lease, Outcome, Store, StoreError};
+use crate::store::local::{HeldPut, held_put_json, insert_held_puts, pg_held_puts};
+use crate::store::{Backend, Claimed, Lease, Outcome, RunStatus, Store, StoreError, sql};
 
 /// Most closes written by one statement.
 pub(crate) const MAX_BATCH: usize = 32;
@@ -116,5 +122,248 @@ impl group::Batched for Close {
                 "a worker stopped before taking the run claimed with its close; it is claimable again when its lease expires"
             );
         }
+    }
+}
+
+/// A close's final status, output, error and `message` event payload.
+fn closing(outcome: &Outcome) -> (RunStatus, Option<&str>, Option<&str>, String) {
+    let (status, output, error) = match outcome {
+        Outcome::Completed { output } => (RunStatus::Completed, Some(output.as_str()), None),
+        Outcome::Failed { error } => (RunStatus::Failed, None, Some(error.as_str())),
+    };
+    let payload = json!({ "status": status, "output": output, "error": error }).to_string();
+    (status, output, error, payload)
+}
+
+impl Store {
+    /// Statement 4: finishes the turn. Sets the final status and output (or
+    /// error), appends the final `message` event and clears the lease, in one
+    /// transaction.
+    pub async fn close(&self, lease: &Lease, outcome: &Outcome) -> Result<(), StoreError> {
+        self.close_with_deltas(lease, &[], outcome).await
+    }
+
+    /// Statement 4 preceded by statement 3 for `deltas` (the segment's
+    /// last buffered deltas), in one transaction: the stream's tail and the
+    /// final message are written together.
+    pub async fn close_with_deltas(&self, lease: &Lease, deltas: &[&str], outcome: &Outcome) -> Result<(), StoreError> {
+        self.close_and_claim(lease, deltas, &[], outcome, None).await.map(drop)
+    }
+
+    /// [`Store::close_with_deltas`] with the segment's held puts (see
+    /// [`HeldPut`]), then, when `next` names an owner and a
+    /// lease length, statement 1 for one run in the same transaction: the
+    /// worker that finishes a turn takes the next claimable run without a
+    /// claim round trip of its own. Nothing is claimed when the close is
+    /// rejected. Returns the run claimed, if any; its lease is running.
+    pub async fn close_and_claim(
+        &self,
+        lease: &Lease,
+        deltas: &[&str],
+        puts: &[HeldPut],
+        outcome: &Outcome,
+        next: Option<(&str, Duration)>,
+    ) -> Result<Option<Claimed>, StoreError> {
+        if self.backend() == Backend::Postgres {
+            let close = Close {
+                lease: lease.clone(),
+                deltas: deltas.iter().map(|d| d.to_string()).collect(),
+                puts: puts.to_vec(),
+                outcome: outcome.clone(),
+                next: next.map(|(owner, ttl)| (owner.to_string(), ttl)),
+            };
+            return crate::store::closes::close(self, close).await;
+        }
+        let (status, output, error, payload) = closing(outcome);
+        let payload = payload.as_str();
+        let (next_owner, next_ttl, next_max) = match next {
+            Some((owner, ttl)) => (owner, ms(ttl), 1i64),
+            None => ("", 0, 0),
+        };
+        let joined: String = deltas.concat();
+        let joined = joined.as_str();
+        let (claimed, thread) = self.retry(|| async move {
+            let mut tx = self.writer().begin().await?;
+            // Statements 3 and 4 in one guarded write: the tail's deltas
+            // and the final status.
+            let row = sqlx::query(sql!(
+                self,
+                concat!(
+                    "UPDATE runs SET status = $4, output = $5, error = $6, lease_owner = NULL, \
+                     lease_expires_at = NULL, finished_at = {now}, updated_at = {now}, \
+                     partial = partial || $7, emit_pos = emit_pos + $8 WHERE ",
+                    guarded!(),
+                    " RETURNING thread_id, emit_pos - $8 AS first"
+                )
+            ))
+            .bind(lease.run_id)
+            .bind(&lease.owner)
+            .bind(lease.fence)
+            .bind(status.as_str())
+            .bind(output)
+            .bind(error)
+            .bind(joined)
+            .bind(deltas.len() as i64)
+            .fetch_optional(&mut *tx)
+            .await?
+            .ok_or_else(|| rejected(lease))?;
+            let thread_id: String = row.try_get("thread_id")?;
+            let first: i64 = row.try_get("first")?;
+            sqlite_append_events(self, &mut tx, &thread_id, lease, first, deltas, Some(payload)).await?;
+            insert_held_puts(self, &mut tx, lease, puts).await?;
+            let thread = Some(thread_id);
+            let mut claimed = Vec::new();
+            if next_max > 0 {
+                // The closed run is no longer claimable: this transaction
+                // has just finished it.
+                let rows = sqlx::query(crate::store::claim_sql(self, 1))
+                    .bind(next_owner)
+                    .bind(next_ttl)
+                    .bind(next_max)
+                    .fetch_all(&mut *tx)
+                    .await?;
+                claimed = claimed_rows(&rows, next_owner)?;
+            }
+            tx.commit().await?;
+            Ok((claimed.pop(), thread))
+        })
+        .await?;
+        if let Some(thread) = thread {
+            self.hub().wake(&thread);
+        }
+        Ok(claimed)
+    }
+
+    /// PostgreSQL: statement 4 for a batch of closes (see
+    /// [`crate::store::closes`]), each with its tail's deltas and held
+    /// puts, and statement 1 for as many runs as closes that held and want
+    /// a next run, in one statement. Returns each close's result in order:
+    /// the run it claimed, if any, or [`StoreError::LeaseLost`].
+    ///
+    /// Each close is guarded by its own (owner, fence); a close that fails
+    /// its guard writes nothing and does not stop the others. Closes on
+    /// one thread may share a batch: the thread's counter moves on once by
+    /// all of their events, and each close's events are numbered in batch
+    /// order. The wanting closes of a batch share one owner and lease
+    /// length.
+    pub(crate) async fn close_batch(&self, closes: &[Close]) -> Result<Vec<Result<Option<Claimed>, StoreError>>, StoreError> {
+        let database = self.database_id().await?;
+        let (mut list, mut held) = (Vec::with_capacity(closes.len()), Vec::new());
+        let mut next: Option<(&str, Duration)> = None;
+        for (i, c) in closes.iter().enumerate() {
+            let (status, output, error, payload) = closing(&c.outcome);
+            list.push(json!({
+                "i": i, "id": c.lease.run_id, "owner": c.lease.owner, "fence": c.lease.fence,
+                "status": status.as_str(), "output": output, "error": error, "payload": payload,
+                "deltas": c.deltas, "n": c.deltas.len(), "want": c.next.is_some(),
+            }));
+            held.extend(c.puts.iter().map(|p| held_put_json(i, &database, c.lease.run_id, p)));
+            if let Some((owner, ttl)) = &c.next {
+                match next {
+                    None => next = Some((owner, *ttl)),
+                    Some(n) if n == (owner.as_str(), *ttl) => {}
+                    Some(_) => {
+                        return Err(StoreError::Config("the closes of a batch want leases for different owners".into()));
+                    }
+                }
+            }
+        }
+        let (list, held) = (serde_json::Value::Array(list).to_string(), serde_json::Value::Array(held).to_string());
+        let (list, held) = (list.as_str(), held.as_str());
+        let (next_owner, next_ttl) = next.map_or(("", 0), |(o, t)| (o, ms(t)));
+        let rows = self
+            .retry(|| async move {
+                Ok(sqlx::query(sql!(
+                    self,
+                    concat!(
+                        "WITH b AS (SELECT * FROM jsonb_to_recordset($1::text::jsonb) AS b(i bigint, id bigint, \
+                         owner text, fence bigint, status text, output text, error text, payload text, deltas jsonb, \
+                         n bigint, want boolean)), \
+                         d AS (SELECT b.i, x.delta, x.ord FROM b, \
+                         jsonb_array_elements_text(b.deltas) WITH ORDINALITY AS x(delta, ord)), \
+                         r AS (UPDATE runs SET status = b.status, output = b.output, error = b.error, \
+                         lease_owner = NULL, lease_expires_at = NULL, finished_at = {now}, updated_at = {now}, \
+                         partial = runs.partial || COALESCE((SELECT string_agg(d.delta, '' ORDER BY d.ord) \
+                         FROM d WHERE d.i = b.i), ''), emit_pos = runs.emit_pos + b.n \
+                         FROM b WHERE runs.id = b.id AND runs.lease_owner = b.owner AND runs.fence = b.fence \
+                         AND runs.status = 'running' \
+                         RETURNING runs.id, runs.fence, runs.thread_id, runs.emit_pos - b.n AS first, b.i, b.n, \
+                         b.payload, b.want), ",
+                        // Each thread's counter moves on once, by all its
+                        // closes' events (a row may be updated only once per
+                        // statement), in thread order: two batches lock
+                        // the threads they share in one order.
+                        "t AS (INSERT INTO threads (id, last_seq) SELECT thread_id, SUM(n + 1)::bigint FROM r \
+                         GROUP BY thread_id ORDER BY thread_id \
+                         ON CONFLICT (id) DO UPDATE SET last_seq = threads.last_seq + excluded.last_seq \
+                         RETURNING id, last_seq), ",
+                        // A close's first event: the thread's new counter,
+                        // less the events of its closes from this one on.
+                        "s AS (SELECT r.*, t.last_seq - (SUM(r.n + 1) OVER (PARTITION BY r.thread_id ORDER BY r.i \
+                         ROWS BETWEEN CURRENT ROW AND UNBOUNDED FOLLOWING))::bigint AS base FROM r JOIN t ON t.id = r.thread_id), \
+                         e AS (INSERT INTO events (thread_id, seq, run_id, fence, kind, payload, created_at) \
+                         SELECT s.thread_id, s.base + d.ord, s.id, s.fence, 'delta', \
+                         jsonb_build_object('pos', s.first + d.ord - 1, 'delta', d.delta)::text, {now} \
+                         FROM s JOIN d ON d.i = s.i \
+                         UNION ALL SELECT s.thread_id, s.base + s.n + 1, s.id, s.fence, 'message', s.payload, {now} \
+                         FROM s)",
+                        pg_held_puts!("$2", "l.i = r.i"),
+                        // Never a run of this batch: a row updated twice in
+                        // one statement keeps one update, unpredictably.
+                        ", ",
+                        crate::store::postgres::claim_ctes!(
+                            "$3",
+                            "$4",
+                            "(SELECT COUNT(*) FROM r WHERE r.want)",
+                            "ARRAY(SELECT id FROM b)"
+                        ),
+                        " SELECT (SELECT string_agg(i::text, ',') FROM r) AS closed, \
+                         (SELECT json_agg(DISTINCT thread_id)::text FROM r) AS closed_threads, n.* \
+                         FROM (SELECT 1) o LEFT JOIN n ON true"
+                    )
+                ))
+                .bind(list)
+                .bind(held)
+                .bind(next_owner)
+                .bind(next_ttl)
+                .fetch_all(self.writer())
+                .await?)
+            })
+            .await?;
+        if let Some(row) = rows.first() {
+            let threads: Option<String> = row.try_get("closed_threads")?;
+            for thread in serde_json::from_str::<Vec<String>>(threads.as_deref().unwrap_or("[]")).unwrap_or_default() {
+                self.hub().wake(&thread);
+            }
+        }
+        let closed: std::collections::HashSet<usize> = match rows.first() {
+            Some(row) => row
+                .try_get::<Option<String>, _>("closed")?
+                .unwrap_or_default()
+                .split(',')
+                .filter(|s| !s.is_empty())
+                .map(|s| s.parse().map_err(|_| StoreError::Corrupt(format!("closed: {s:?}"))))
+                .collect::<Result<_, _>>()?,
+            None => Default::default(),
+        };
+        let mut claimed = Vec::new();
+        for row in &rows {
+            if row.try_get::<Option<i64>, _>("id")?.is_some() {
+                claimed.extend(claimed_rows(std::slice::from_ref(row), next_owner)?);
+            }
+        }
+        // The runs claimed go to the closes that held and wanted one, in
+        // batch order; there are never more of them than such closes.
+        let mut claimed = claimed.into_iter();
+        Ok(closes
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                if !closed.contains(&i) {
+                    return Err(rejected(&c.lease));
+                }
+                Ok(if c.next.is_some() { claimed.next() } else { None })
+            })
+            .collect())
     }
 }

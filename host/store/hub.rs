@@ -2,7 +2,7 @@
 //! write that appends events wakes the streams watching its thread, so an
 //! open stream costs no database reads while nothing happens. Events other
 //! hosts write are found by one poll per host for all watched threads
-//! ([`Store::thread_heads`]), not by each stream.
+//! (`Store::thread_heads`), not by each stream.
 
 use std::collections::HashMap;
 use std::sync::Mutex;

@@ -1,8 +1,8 @@
 //! The run store: one connection pool, one protocol, two SQL dialects.
 //!
-//! The lease protocol (`crate::lease`), the ledger (`crate::ledger`), the
-//! thread log (`crate::events`) and the reaper (`crate::reaper`) are written
-//! once against [`Store`]. Only the pieces of SQL that really differ between
+//! The lease protocol, the ledger, the thread log and the reaper's
+//! statements are written once against [`Store`], a file for what each
+//! part owns. Only the pieces of SQL that really differ between
 //! SQLite and PostgreSQL live in [`sqlite`] and [`postgres`]: the database
 //! clock expression, the claim statement and the bench loader.
 //!
@@ -10,22 +10,39 @@
 //! database* (`{now}` in a statement template). No statement takes a time
 //! from the worker.
 
+mod claims;
 pub(crate) mod closes;
+mod emits;
 pub(crate) mod group;
+mod guard;
 pub mod hub;
+pub mod ledger;
+mod local;
+pub mod log;
+mod notify;
+mod plugins;
 pub mod postgres;
+mod reap;
+mod runs;
 pub mod sqlite;
+mod stats;
 pub(crate) mod submits;
+mod suspend;
 mod types;
 
 use std::str::FromStr;
 use std::sync::OnceLock;
-use std::sync::atomic::Ordering::SeqCst;
 use std::time::Duration;
 
 use sqlx::any::{AnyConnectOptions, AnyPoolOptions};
 use sqlx::{AnyPool, Executor};
 
+pub use claims::{baseline_sql, claim_sql};
+pub use ledger::{Completion, EffectCall, LedgerSummary, Streamed, idempotency_key};
+pub use local::{HeldPut, LocalOp};
+pub use plugins::{PluginInfo, PluginSettings};
+pub use reap::ReapReport;
+pub use stats::Gauges;
 pub use types::*;
 
 /// Which database a [`Store`] talks to.
@@ -105,6 +122,7 @@ macro_rules! dialect_sql {
             [$store.backend() as usize]
     }};
 }
+pub(crate) use dialect_sql;
 
 #[doc(hidden)]
 pub fn render_dialects(field: impl Fn(&Dialect) -> &'static str) -> [&'static str; 2] {
@@ -213,37 +231,13 @@ pub struct Store {
     /// announcements: its workers were already woken in process.
     node: std::sync::Arc<str>,
     /// Coalesces `NOTIFY`s (see [`Store::signal_work`]).
-    announce: std::sync::Arc<Announce>,
+    announce: std::sync::Arc<notify::Announce>,
     /// Submits waiting to be group-committed (see [`submits`]).
     pub(crate) submits: std::sync::Arc<submits::Queue>,
     /// PostgreSQL closes waiting to be group-committed (see [`closes`]).
     pub(crate) closes: std::sync::Arc<closes::Queue>,
     /// The event streams of this process, woken by its writes (see [`hub`]).
     hub: std::sync::Arc<hub::Hub>,
-}
-
-/// PostgreSQL takes one database-wide lock for every committing transaction
-/// that has sent a `NOTIFY`, held through its commit's WAL flush, so
-/// notifying transactions commit one at a time. A `NOTIFY` inside every
-/// submit's statement made submits queue on that lock (under the e2e bench,
-/// the most sampled wait event). So a store has at most one notifying
-/// transaction in flight, and announcements made while one is in flight are
-/// folded into the next: under load one `NOTIFY` covers many submits. A
-/// woken host claims a batch, so it finds every run announced.
-///
-/// The notifying transaction is a submit batch's own statement when one is
-/// about to be written ([`Store::carry_announcement`]): a `NOTIFY` on its own
-/// is one more transaction, with its own WAL flush, and those were more
-/// than a third of the e2e bench's statements. A `NOTIFY` on its own is
-/// sent only for announcements that no submit carried before the batch
-/// writer went idle ([`Store::flush_announcements`]), and for other work
-/// (a delivered input).
-#[derive(Debug, Default)]
-struct Announce {
-    /// An announcement not yet covered by a sent `NOTIFY`.
-    owed: std::sync::atomic::AtomicBool,
-    /// A task is sending.
-    sending: std::sync::atomic::AtomicBool,
 }
 
 /// The PostgreSQL `LISTEN`/`NOTIFY` channel announcing new work.
@@ -429,13 +423,13 @@ impl Store {
 
     /// Submits this store (and its clones) has written, and the commits
     /// that wrote them: fewer commits when concurrent submits were
-    /// group-committed (see [`submits`]).
+    /// group-committed (see `submits`).
     pub fn submits_written(&self) -> (u64, u64) {
         self.submits.written()
     }
 
     /// Closes this store (and its clones) has written on PostgreSQL, and
-    /// the statements that wrote them (see [`closes`]).
+    /// the statements that wrote them (see `closes`).
     pub fn closes_written(&self) -> (u64, u64) {
         self.closes.written()
     }
@@ -443,88 +437,6 @@ impl Store {
     /// This handle's `NOTIFY` payload (see the `node` field).
     pub fn node(&self) -> &str {
         &self.node
-    }
-
-    /// Announces one new piece of claimable work: wakes one idle worker in
-    /// this process (or leaves a permit for the next one that looks), and
-    /// on PostgreSQL, when `other_hosts`, those of other hosts through
-    /// `NOTIFY`. One wake-up per item: waking every idle worker would have
-    /// them all run the claim statement for a single run. Best effort:
-    /// workers also poll.
-    pub async fn signal_work(&self, other_hosts: bool) {
-        self.work.notify_one();
-        if other_hosts && self.backend == Backend::Postgres {
-            self.announce.owed.store(true, SeqCst);
-            self.send_owed();
-        }
-    }
-
-    /// PostgreSQL, before a submit statement: whether it should carry this
-    /// store's `NOTIFY` (see [`Announce`]). Yes when no other notifying
-    /// transaction is in flight; the statement then covers every
-    /// announcement owed so far. Pair with [`Store::announcement_carried`].
-    pub(crate) fn carry_announcement(&self) -> bool {
-        let carry = !self.announce.sending.swap(true, SeqCst);
-        if carry {
-            self.announce.owed.store(false, SeqCst);
-        }
-        carry
-    }
-
-    /// PostgreSQL, after a submit statement that wrote new runs (`wrote`)
-    /// or failed: a statement that carried the `NOTIFY` lets the next one
-    /// carry it; new runs that another statement's `NOTIFY` may have missed
-    /// are owed, for the next submit statement or [`Store::flush_announcements`].
-    pub(crate) fn announcement_carried(&self, carried: bool, wrote: bool, failed: bool) {
-        if carried {
-            if failed {
-                // It may have covered announcements owed before it.
-                self.announce.owed.store(true, SeqCst);
-            }
-            self.announce.sending.store(false, SeqCst);
-        } else if wrote {
-            self.announce.owed.store(true, SeqCst);
-        }
-    }
-
-    /// Sends a `NOTIFY` on its own for announcements that no submit
-    /// statement carried. The submit batch writer calls it when it goes
-    /// idle.
-    pub(crate) fn flush_announcements(&self) {
-        if self.announce.owed.load(SeqCst) {
-            self.send_owed();
-        }
-    }
-
-    /// Sends `NOTIFY`s on their own until nothing is owed, unless another
-    /// notifying transaction is in flight (that one's sender, or the next
-    /// submit statement, sends for what is owed then).
-    fn send_owed(&self) {
-        if self.announce.sending.swap(true, SeqCst) {
-            return;
-        }
-        let store = self.clone();
-        // Its own task: the caller (a submit) does not wait for the NOTIFY.
-        tokio::spawn(async move {
-            loop {
-                while store.announce.owed.swap(false, SeqCst) {
-                    let sent = sqlx::query("SELECT pg_notify($1, $2)")
-                        .bind(WORK_CHANNEL)
-                        .bind(&*store.node)
-                        .execute(&store.pool)
-                        .await;
-                    if let Err(e) = sent {
-                        tracing::debug!(error = %e, "NOTIFY failed; other hosts will find the work by polling");
-                    }
-                }
-                store.announce.sending.store(false, SeqCst);
-                // An announcement made after the last check whose caller
-                // saw `sending` still set: take the sender's role back.
-                if !store.announce.owed.load(SeqCst) || store.announce.sending.swap(true, SeqCst) {
-                    return;
-                }
-            }
-        });
     }
 
     /// The database's clock, in epoch milliseconds.
@@ -590,47 +502,5 @@ fn is_transient(e: &sqlx::Error) -> bool {
             .parse::<i32>()
             .map(|c| matches!(c & 0xff, 5 | 6))
             .unwrap_or(false),
-    }
-}
-
-impl Store {
-    /// Inserts `n` queued runs of `plugin` in one statement. For benches and
-    /// tests that need a large queue quickly.
-    pub async fn bulk_load_queued(&self, n: i64, plugin: &str) -> Result<u64, StoreError> {
-        self.bulk_load(n, plugin, RunStatus::Queued).await
-    }
-
-    /// Inserts `n` runs of `plugin` with `status` in one statement (bench
-    /// and tests: e.g. a million finished runs under the claim path).
-    pub async fn bulk_load(&self, n: i64, plugin: &str, status: RunStatus) -> Result<u64, StoreError> {
-        let done = sqlx::query(dialect_sql!(self, bulk_load))
-            .bind(n)
-            .bind(plugin)
-            .bind(status.as_str())
-            .execute(&self.writer)
-            .await?;
-        Ok(done.rows_affected())
-    }
-}
-
-/// The bench baseline statement for `store`'s backend and a batch size (see
-/// [`Dialect::baseline_claim`]).
-#[doc(hidden)]
-pub fn baseline_sql(store: &Store, batch: i64) -> &'static str {
-    if batch == 1 {
-        dialect_sql!(store, baseline_claim_one)
-    } else {
-        dialect_sql!(store, baseline_claim)
-    }
-}
-
-/// The claim statement for `store`'s backend and a batch size, for plan
-/// tests and operators who want to `EXPLAIN` it.
-#[doc(hidden)]
-pub fn claim_sql(store: &Store, batch: i64) -> &'static str {
-    if batch == 1 {
-        dialect_sql!(store, claim_one)
-    } else {
-        dialect_sql!(store, claim)
     }
 }

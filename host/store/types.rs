@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 use sqlx::Row;
 use sqlx::any::AnyRow;
 
-/// The state of a run. See DESIGN.md §2.
+/// The state of a run. See docs/concepts.md.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum RunStatus {
@@ -238,7 +238,7 @@ impl Event {
     }
 }
 
-/// How a provider's effect survives a crash. See DESIGN.md §3.
+/// How a provider's effect survives a crash. See docs/concepts.md.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum EffectClass {
@@ -281,6 +281,8 @@ pub enum EffectState {
 }
 
 impl EffectState {
+    pub const ALL: [EffectState; 4] = [EffectState::Started, EffectState::Committed, EffectState::Failed, EffectState::InDoubt];
+
     pub fn as_str(self) -> &'static str {
         match self {
             EffectState::Started => "started",

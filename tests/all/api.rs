@@ -431,8 +431,8 @@ both! {
         let claimed = s.claim("w", Duration::from_secs(30)).await?.unwrap();
         for i in 0..12 {
             s.emit(&claimed.lease, &big).await?;
-            let call = leasehold::ledger::EffectCall { seq: i, name: "clock".into(), request_hash: "h".into(), emit_pos: 0 };
-            s.local_effect(&claimed.lease, &call, &leasehold::ledger::LocalOp::Record { value: big.clone() }).await?;
+            let call = leasehold::store::EffectCall { seq: i, name: "clock".into(), request_hash: "h".into(), emit_pos: 0 };
+            s.local_effect(&claimed.lease, &call, &leasehold::store::LocalOp::Record { value: big.clone() }).await?;
         }
         let cap = 2 << 20;
         let size = |v: &Value| v.to_string().len();

@@ -1,7 +1,7 @@
 //! `bench e2e` runs the whole lifecycle and cleans up after itself.
 
 use anyhow::ensure;
-use leasehold::bench_e2e::E2eBench;
+use leasehold::bench::e2e::E2eBench;
 
 use crate::harness::both;
 use crate::plugins;

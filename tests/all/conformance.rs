@@ -1,12 +1,9 @@
-//! The lease protocol conformance suite (DESIGN.md §2–3), one body per case,
+//! The lease protocol conformance suite (docs/concepts.md), one body per case,
 //! run on both backends.
 
 use anyhow::{Result, ensure};
-use leasehold::ledger::{Completion, EffectCall, HeldPut, LocalOp};
+use leasehold::store::{Claimed, Completion, EffectCall, EffectClass, EffectState, HeldPut, LocalOp, NewRun, Outcome, RunStatus, Store, StoreError, Suspend};
 use leasehold::reaper::{self, ReaperConfig};
-use leasehold::store::{
-    Claimed, EffectClass, EffectState, NewRun, Outcome, RunStatus, Store, StoreError, Suspend,
-};
 
 use crate::harness::{TTL, TestDb, both};
 
@@ -459,7 +456,7 @@ both! {
         ensure!(seqs == (1..=8).collect::<Vec<_>>(), "{seqs:?}");
         let kinds: Vec<&str> = events.iter().map(|e| e.kind.as_str()).collect();
         ensure!(kinds == ["submitted", "delta", "delta", "delta", "delta", "delta", "delta", "message"], "{kinds:?}");
-        let stream = leasehold::events::replay_stream(events.iter().map(|e| (e.kind.as_str(), e.payload.as_str())));
+        let stream = leasehold::store::log::replay_stream(events.iter().map(|e| (e.kind.as_str(), e.payload.as_str())));
         ensure!(stream.concat() == run.partial, "{stream:?}");
         for (i, e) in events.iter().filter(|e| e.kind == "delta").enumerate() {
             let v: serde_json::Value = serde_json::from_str(&e.payload)?;

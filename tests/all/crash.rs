@@ -1,4 +1,4 @@
-//! Crash points (DESIGN.md §3): a worker dies before an effect is
+//! Crash points (docs/concepts.md, "The ledger"): a worker dies before an effect is
 //! `started`, between `started` and `committed`, or after `committed` but
 //! before close; another worker resumes the run by replay. A counting HTTP
 //! sink shows what was applied. The worker "dies" by having its segment

@@ -6,9 +6,8 @@
 use std::time::Duration;
 
 use anyhow::{Result, ensure};
-use leasehold::ledger::{EffectCall, LocalOp};
+use leasehold::store::{EffectCall, EffectClass, LocalOp, NewRun, Outcome, RunStatus, Store, Suspend};
 use leasehold::reaper::{self, ReapReport, ReaperConfig};
-use leasehold::store::{EffectClass, NewRun, Outcome, RunStatus, Store, Suspend};
 
 use crate::harness::{TTL, TestDb, both, run_on};
 
@@ -141,14 +140,14 @@ both! {
         let payload: serde_json::Value = serde_json::from_str(&last.payload)?;
         ensure!(last.kind == "retract" && last.fence == b.lease.fence, "{last:?}");
         ensure!(payload == serde_json::json!({ "from": 1, "to": 3 }), "{payload}");
-        let stream = leasehold::events::replay_stream(events.iter().map(|e| (e.kind.as_str(), e.payload.as_str())));
+        let stream = leasehold::store::log::replay_stream(events.iter().map(|e| (e.kind.as_str(), e.payload.as_str())));
         ensure!(stream == vec!["kept ".to_string()], "{stream:?}");
         // Nothing past the cut: a no-op that writes no event.
         ensure!(s.retract(&b.lease, 1).await? == 1);
         ensure!(s.run_events(id).await?.len() == events.len());
         s.emit(&b.lease, "whole").await?;
         let events = s.run_events(id).await?;
-        let stream = leasehold::events::replay_stream(events.iter().map(|e| (e.kind.as_str(), e.payload.as_str())));
+        let stream = leasehold::store::log::replay_stream(events.iter().map(|e| (e.kind.as_str(), e.payload.as_str())));
         ensure!(stream.concat() == "kept whole" && s.get_run(id).await?.partial == "kept whole", "{stream:?}");
         Ok(())
     }

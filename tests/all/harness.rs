@@ -118,7 +118,7 @@ impl TestDb {
 
 /// The idempotency key of run `run_id`'s call `seq` in `store`'s database.
 pub async fn key(store: &Store, run_id: i64, seq: i64) -> Result<String> {
-    Ok(leasehold::ledger::idempotency_key(&store.database_id().await?, run_id, seq))
+    Ok(leasehold::store::idempotency_key(&store.database_id().await?, run_id, seq))
 }
 
 /// Runs `body` against a fresh database of `backend`, then drops it.

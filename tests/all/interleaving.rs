@@ -8,9 +8,8 @@
 use std::collections::HashMap;
 
 use anyhow::{Result, bail, ensure};
-use leasehold::ledger::{Completion, EffectCall, LocalOp};
+use leasehold::store::{Completion, EffectCall, EffectClass, Lease, LocalOp, NewRun, Outcome, Run, StoreError, Suspend};
 use leasehold::reaper::{self, ReaperConfig};
-use leasehold::store::{EffectClass, Lease, NewRun, Outcome, Run, StoreError, Suspend};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
 use leasehold::effects::model::ModelConfig;
-use leasehold::events::replay_stream;
+use leasehold::store::log::replay_stream;
 use leasehold::executor::{Executor, ExecutorConfig, SegmentOutcome};
 use leasehold::runtime::Runtime;
 use leasehold::store::{NewRun, RunStatus, Store};

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use anyhow::{Result, ensure};
 use leasehold::effects::model::ModelConfig;
-use leasehold::events::replay_stream;
+use leasehold::store::log::replay_stream;
 use leasehold::executor::{Executor, ExecutorConfig, SegmentOutcome};
 use leasehold::runtime::{Limits, Runtime};
 use leasehold::store::{EffectState, NewRun, RunStatus, Store};

@@ -1,4 +1,4 @@
-//! The executor: runs one *segment* of a run (DESIGN.md §2, §4).
+//! The executor: runs one *segment* of a run (docs/concepts.md).
 //!
 //! claim → reconcile the ledger → instantiate → call `run(input)` → close or
 //! suspend. During the segment a renewal task keeps the lease; if a renewal
@@ -11,14 +11,18 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::time::{Duration, Instant};
 
-use serde::Serialize;
 use wasmtime::UpdateDeadline;
 
 use crate::effects::model::ModelConfig;
 use crate::runtime::host::{Held, Interrupt, Phase, SegmentInit, SegmentState, storable};
 use crate::runtime::replay::Recorded;
+pub use crate::runtime::GuestErrorKind;
 use crate::runtime::{EPOCH_TICK, Plugin, Runtime};
 use crate::store::{Claimed, EffectState, Lease, Outcome, RunStatus, Store, StoreError, Suspend};
+
+mod renewer;
+
+use renewer::{AbortOnDrop, LAST_CHANCE, LeaseWatch, renew_loop};
 
 /// Executor settings. Every field documents its default.
 #[derive(Debug, Clone)]
@@ -50,48 +54,6 @@ impl Default for ExecutorConfig {
             renew_every: None,
             model: ModelConfig::from_env().map(Arc::new),
             reserved: Vec::new(),
-        }
-    }
-}
-
-/// How a guest failed, as recorded in the run's `error` (`"<kind>: …"`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum GuestErrorKind {
-    /// The turn returned `err`.
-    TurnError,
-    /// Ran out of time without making progress (an infinite loop).
-    Timeout,
-    OutOfMemory,
-    OutputTooLarge,
-    /// A trap: unreachable, a bad memory access, a stack overflow…
-    Trap,
-    /// A recorded call differs from the one the turn now makes.
-    NonDeterminism,
-    /// Too many host calls in one segment.
-    HostCalls,
-    /// The run names a plugin this host does not have.
-    UnknownPlugin,
-    /// A sandbox cap: data passed in one host call, a prompt, WASI random
-    /// or resources.
-    Limit,
-    /// The run's ledger grew past its cap in rows or bytes.
-    LedgerTooLarge,
-}
-
-impl GuestErrorKind {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            GuestErrorKind::TurnError => "turn-error",
-            GuestErrorKind::Timeout => "timeout",
-            GuestErrorKind::OutOfMemory => "out-of-memory",
-            GuestErrorKind::OutputTooLarge => "output-too-large",
-            GuestErrorKind::Trap => "trap",
-            GuestErrorKind::NonDeterminism => "non-determinism",
-            GuestErrorKind::HostCalls => "host-calls",
-            GuestErrorKind::UnknownPlugin => "unknown-plugin",
-            GuestErrorKind::Limit => "limit",
-            GuestErrorKind::LedgerTooLarge => "ledger-too-large",
         }
     }
 }
@@ -530,7 +492,7 @@ impl Executor {
         next: &mut Handoff,
     ) -> Result<SegmentOutcome, StoreError> {
         tracing::warn!(run_id = lease.run_id, kind = kind.as_str(), "run failed");
-        crate::metrics::global().guest_error(kind);
+        crate::metrics::global().guest_error(kind.as_str());
         self.close(lease, outcome, SegmentOutcome::Failed(kind), tail, next).await
     }
 
@@ -582,77 +544,9 @@ fn trap_detail(trap: &wasmtime::Error) -> String {
     }
 }
 
-/// How long a segment past its local lease deadline waits for one last
-/// renewal before it stops its guest. 2 s.
-const LAST_CHANCE: Duration = Duration::from_secs(2);
-
 /// Whether a closing segment should claim the next run in its close, and
 /// the run it claimed.
 struct Handoff {
     want: bool,
     got: Option<Claimed>,
-}
-
-/// Aborts the task when dropped (a `JoinHandle` dropped detaches it).
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
-
-/// What the renewer shares with the running segment.
-struct LeaseWatch {
-    /// Set when a renewal is refused; read by the epoch callback.
-    lost: Arc<AtomicBool>,
-    /// Wakes the segment's select at once when the lease is lost.
-    lost_now: Arc<tokio::sync::Notify>,
-    /// The lease deadline, in ms after `start`; moved on by each renewal.
-    deadline_ms: Arc<AtomicI64>,
-    start: Instant,
-    /// No renewal after this long (the segment's budget plus its grace).
-    until: Duration,
-}
-
-/// Renews `lease` every `every` until aborted, or until `until` after the
-/// segment started: a lease is never renewed without bound. A refused
-/// renewal sets `lost`; a lease that runs out before a renewal lands is
-/// caught by the epoch callback and the segment's timer through
-/// `deadline_ms`.
-async fn renew_loop(store: Store, lease: Lease, ttl: Duration, every: Duration, watch: LeaseWatch) {
-    let LeaseWatch { lost, lost_now, deadline_ms, start, until } = watch;
-    loop {
-        tokio::time::sleep(every).await;
-        if start.elapsed() >= until {
-            return;
-        }
-        let asked_at = start.elapsed().as_millis() as i64;
-        // Its own task: aborting the renewer (the segment ended) never drops
-        // a renewal half-way, and a refused one is always counted.
-        let (db, held) = (store.clone(), lease.clone());
-        let renewed = match tokio::spawn(async move { db.renew(&held, ttl).await }).await {
-            Ok(r) => r,
-            Err(e) => Err(StoreError::Config(format!("renewal task failed: {e}"))),
-        };
-        match renewed {
-            Ok(_) => {
-                // The new expiry is ttl after the database's now, which is
-                // no earlier than when we asked.
-                deadline_ms.store(asked_at + ttl.as_millis() as i64, Ordering::Relaxed);
-            }
-            Err(StoreError::LeaseLost(_)) => {
-                tracing::warn!(run_id = lease.run_id, fence = lease.fence, "lease lost; stopping the guest");
-                lost.store(true, Ordering::Relaxed);
-                // notify_one keeps a permit if the select is not waiting yet.
-                lost_now.notify_one();
-                return;
-            }
-            Err(e) => {
-                // Keep trying until the lease runs out; the epoch callback
-                // stops the guest at the deadline.
-                tracing::warn!(run_id = lease.run_id, error = %e, "lease renewal failed; retrying");
-            }
-        }
-    }
 }

@@ -13,10 +13,8 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
+use super::{BENCH_PLUGIN, BenchError, median, vacuum};
 use crate::store::{RunStatus, SqliteSync, Store, StoreError, StoreOptions};
-
-/// The plugin name of bench rows; the bench deletes only these.
-pub const BENCH_PLUGIN: &str = "__leasehold_bench__";
 
 /// Settings of `bench claim`. Every field documents its default.
 #[derive(Debug, Clone)]
@@ -32,7 +30,7 @@ pub struct ClaimBench {
     /// Finished runs loaded first, to show the claim path ignores them.
     /// Default: 0.
     pub finished: i64,
-    /// SQLite `synchronous`. Default: NORMAL.
+    /// SQLite `synchronous`. The CLI's default: FULL, as `serve`.
     pub sqlite_sync: SqliteSync,
     /// Rounds of (baseline, claim), alternating which goes first so drift on
     /// a shared machine does not favour either. Default: 3.
@@ -56,23 +54,6 @@ pub struct ClaimBenchResult {
     pub rounds: usize,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub synchronous: Option<SqliteSync>,
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum BenchError {
-    #[error(
-        "the database holds {0} runs that are not the bench's; point the bench at an empty \
-         database (it would claim real work)"
-    )]
-    NotEmpty(i64),
-    #[error("the bench claimed {got} runs, expected {want}")]
-    Miscount { got: u64, want: i64 },
-    #[error(transparent)]
-    Store(#[from] StoreError),
-    #[error("bench task failed: {0}")]
-    Join(#[from] tokio::task::JoinError),
-    #[error("{0}")]
-    Setup(String),
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -172,7 +153,7 @@ impl ClaimBench {
         }
         let progress = self
             .progress
-            .then(|| crate::progress::Progress::start(name.to_string(), self.runs as u64, done.clone()));
+            .then(|| super::progress::Progress::start(name.to_string(), self.runs as u64, done.clone()));
         while let Some(r) = tasks.join_next().await {
             r??;
         }
@@ -216,29 +197,4 @@ async fn baseline_claim(store: &Store, batch: i64) -> Result<u64, StoreError> {
                 .len() as u64)
         })
         .await
-}
-
-/// Before a measured phase: no dead row versions left by the phases before
-/// it, and fresh statistics. PostgreSQL runs `vacuums` (`VACUUM ANALYZE …`),
-/// one statement per call: VACUUM cannot run in a transaction block, which
-/// a multi-statement string would be. SQLite keeps no dead row versions; it
-/// runs `ANALYZE`.
-pub(crate) async fn vacuum(store: &Store, vacuums: &[&'static str]) -> Result<(), StoreError> {
-    match store.backend() {
-        crate::Backend::Postgres => {
-            for q in vacuums {
-                sqlx::raw_sql(*q).execute(store.writer()).await?;
-            }
-        }
-        crate::Backend::Sqlite => {
-            sqlx::raw_sql("ANALYZE").execute(store.writer()).await?;
-        }
-    }
-    Ok(())
-}
-
-pub(crate) fn median(xs: &mut [f64]) -> f64 {
-    xs.sort_by(f64::total_cmp);
-    let n = xs.len();
-    if n % 2 == 1 { xs[n / 2] } else { (xs[n / 2 - 1] + xs[n / 2]) / 2.0 }
 }

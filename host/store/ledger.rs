@@ -1,10 +1,8 @@
-//! The effect ledger: DESIGN.md §3. One row per effect, `(run_id, seq)`
+//! The effect ledger (docs/concepts.md). One row per effect, `(run_id, seq)`
 //! unique, written under the same (owner, fence) guard as every other
 //! corrupting write.
 
-use serde::{Deserialize, Serialize};
-
-use crate::lease::{guard, guarded, rejected};
+use crate::store::guard::{guard, guarded, rejected};
 use crate::store::{Backend, EffectClass, EffectRow, EffectState, Lease, Store, StoreError, sql};
 
 /// The identity of an effect at one position of a run.
@@ -46,115 +44,6 @@ pub struct LedgerSummary {
     pub last: Option<EffectRow>,
 }
 
-/// A local effect: applied in the host's database in the same transaction
-/// as its `committed` ledger row, so exactly once.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub enum LocalOp {
-    /// Reads a key; the result is the stored (JSON) value, or `null`.
-    KvGet { namespace: String, key: String },
-    /// Writes a key; the result is JSON `null`.
-    KvPut {
-        namespace: String,
-        key: String,
-        value: String,
-    },
-    /// Records an observation the guest must see again on replay (a timer's
-    /// wake time, a clock reading); the result is `value`.
-    Record { value: String },
-    /// Consumes delivered input: records it (the result is `value`) and
-    /// clears the run's `pending_input` in the same transaction, so a later
-    /// `wait-input` never sees it again.
-    TakeInput { value: String },
-}
-
-/// A `kv.put` a segment has made and not yet written: it is written, with
-/// its `committed` ledger row, by the segment's next write (see
-/// `runtime::host::EMIT_FLUSH`). The put and its row are one write, so a
-/// host that dies first loses both, and the replay makes the put again.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct HeldPut {
-    pub call: EffectCall,
-    pub namespace: String,
-    pub key: String,
-    pub value: String,
-}
-
-/// PostgreSQL: CTEs that write the held puts in the JSON list `$list`
-/// (see [`held_puts_json`]) after CTE `r` (the guarded write of the run,
-/// or of the runs of a batch of closes, returning `id` and `fence`): one
-/// `committed` local ledger row each (`w`) and the last value per key
-/// (`k`; one row may be updated only once per statement). `$on` pairs a
-/// put (`l`, with `i`, its close's place in a batch) with its run in `r`:
-/// `true` for one run. A run not in `r` writes nothing.
-macro_rules! pg_held_puts {
-    ($list:literal, $on:literal) => {
-        concat!(
-            ", l AS (SELECT * FROM jsonb_to_recordset(", $list, "::text::jsonb) AS \
-             l(i bigint, seq bigint, name text, hash text, emit_pos bigint, ns text, key text, value text, ikey text)), \
-             w AS (INSERT INTO effects (run_id, seq, name, request_hash, idempotency_key, class, state, \
-             result, emit_pos, fence_started, fence_completed, created_at, updated_at) \
-             SELECT r.id, l.seq, l.name, l.hash, l.ikey, 'local', 'committed', 'null', \
-             l.emit_pos, r.fence, r.fence, {now}, {now} FROM r JOIN l ON ", $on, " RETURNING run_id, seq), \
-             k AS (INSERT INTO kv (namespace, key, value, updated_at) \
-             SELECT DISTINCT ON (l.ns, l.key) l.ns, l.key, l.value, {now} \
-             FROM l JOIN r ON ", $on, " JOIN w ON w.run_id = r.id AND w.seq = l.seq \
-             ORDER BY l.ns, l.key, l.i DESC, l.seq DESC \
-             ON CONFLICT (namespace, key) DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at) "
-        )
-    };
-}
-pub(crate) use pg_held_puts;
-
-/// The JSON list `pg_held_puts!` reads, for one run's puts.
-pub(crate) fn held_puts_json(database: &str, run_id: i64, puts: &[HeldPut]) -> String {
-    serde_json::Value::Array(puts.iter().map(|p| held_put_json(0, database, run_id, p)).collect()).to_string()
-}
-
-/// One entry of the list `pg_held_puts!` reads: put `p` of run `run_id`,
-/// the close at place `i` in a batch (0 outside one).
-pub(crate) fn held_put_json(i: usize, database: &str, run_id: i64, p: &HeldPut) -> serde_json::Value {
-    serde_json::json!({
-        "i": i, "seq": p.call.seq, "name": p.call.name, "hash": p.call.request_hash,
-        "emit_pos": p.call.emit_pos, "ns": p.namespace, "key": p.key, "value": p.value,
-        "ikey": idempotency_key(database, run_id, p.call.seq),
-    })
-}
-
-/// SQLite: writes the held puts inside the caller's guarded transaction.
-pub(crate) async fn insert_held_puts(
-    store: &Store,
-    conn: &mut sqlx::AnyConnection,
-    lease: &Lease,
-    puts: &[HeldPut],
-) -> Result<(), StoreError> {
-    for put in puts {
-        insert_row(store, conn, lease, &put.call, EffectClass::Local, EffectState::Committed, Some("null")).await?;
-        kv_put(store, conn, &put.namespace, &put.key, &put.value).await?;
-    }
-    Ok(())
-}
-
-async fn kv_put(
-    store: &Store,
-    conn: &mut sqlx::AnyConnection,
-    namespace: &str,
-    key: &str,
-    value: &str,
-) -> Result<(), StoreError> {
-    sqlx::query(sql!(
-        store,
-        "INSERT INTO kv (namespace, key, value, updated_at) VALUES ($1, $2, $3, {now}) \
-         ON CONFLICT (namespace, key) DO UPDATE SET value = excluded.value, \
-         updated_at = excluded.updated_at"
-    ))
-    .bind(namespace)
-    .bind(key)
-    .bind(value)
-    .execute(&mut *conn)
-    .await?;
-    Ok(())
-}
-
 /// `<database id>:<run id>:<seq>`: stable across a run's attempts, so a
 /// re-issued request is deduplicated by the remote side, and unique across
 /// databases (the id is random, made by a migration), so two deployments,
@@ -166,7 +55,7 @@ pub fn idempotency_key(database: &str, run_id: i64, seq: i64) -> String {
 /// Inserts the ledger row for `call` inside the caller's transaction (after
 /// its guard). `EffectExists` if the position is already recorded; the
 /// caller's transaction is then dropped, rolling back anything it did.
-async fn insert_row(
+pub(super) async fn insert_row(
     store: &Store,
     conn: &mut sqlx::AnyConnection,
     lease: &Lease,
@@ -232,10 +121,11 @@ macro_rules! pg_ledger_row {
         )
     };
 }
+pub(super) use pg_ledger_row;
 
 /// Runs a `pg_ledger_row!` statement: binds `$1`..`$11` from the lease and
 /// the call, then `extra` in order.
-async fn pg_ledger_row(
+pub(super) async fn write_pg_ledger_row(
     store: &Store,
     statement: &'static str,
     lease: &Lease,
@@ -289,7 +179,7 @@ impl Store {
     ) -> Result<EffectRow, StoreError> {
         if self.backend() == Backend::Postgres {
             let statement = sql!(self, pg_ledger_row!("$12", ""));
-            return pg_ledger_row(self, statement, lease, call, class, EffectState::Started, &[None]).await;
+            return write_pg_ledger_row(self, statement, lease, call, class, EffectState::Started, &[None]).await;
         }
         self.retry(|| async move {
             let mut tx = self.writer().begin().await?;
@@ -418,99 +308,6 @@ impl Store {
         .await
     }
 
-    /// Performs a local effect and writes its `committed` ledger row in one
-    /// transaction, so it happens exactly once however often the run dies.
-    pub async fn local_effect(
-        &self,
-        lease: &Lease,
-        call: &EffectCall,
-        op: &LocalOp,
-    ) -> Result<EffectRow, StoreError> {
-        if self.backend() == Backend::Postgres {
-            let (local, committed) = (EffectClass::Local, EffectState::Committed);
-            match op {
-                LocalOp::KvGet { namespace, key } => {
-                    let statement = sql!(
-                        self,
-                        pg_ledger_row!(
-                            "COALESCE((SELECT value FROM kv WHERE namespace = $12 AND key = $13), 'null')",
-                            ""
-                        )
-                    );
-                    let extra = [Some(namespace.as_str()), Some(key.as_str())];
-                    return pg_ledger_row(self, statement, lease, call, local, committed, &extra).await;
-                }
-                LocalOp::KvPut { namespace, key, value } => {
-                    let statement = sql!(
-                        self,
-                        pg_ledger_row!(
-                            "'null'",
-                            ", k AS (INSERT INTO kv (namespace, key, value, updated_at) \
-                             SELECT $12, $13, $14, {now} FROM e \
-                             ON CONFLICT (namespace, key) DO UPDATE SET value = excluded.value, \
-                             updated_at = excluded.updated_at)"
-                        )
-                    );
-                    let extra = [Some(namespace.as_str()), Some(key.as_str()), Some(value.as_str())];
-                    return pg_ledger_row(self, statement, lease, call, local, committed, &extra).await;
-                }
-                LocalOp::Record { value } => {
-                    let statement = sql!(self, pg_ledger_row!("$12", ""));
-                    return pg_ledger_row(self, statement, lease, call, local, committed, &[Some(value.as_str())])
-                        .await;
-                }
-                // It writes the run row, which the guard CTE already updates
-                // (a row may be updated once per statement): a transaction.
-                LocalOp::TakeInput { .. } => {}
-            }
-        }
-        self.retry(|| async move {
-            let mut tx = self.writer().begin().await?;
-            guard(self, &mut tx, lease).await?;
-            let result = match op {
-                LocalOp::KvGet { namespace, key } => {
-                    let value: Option<String> = sqlx::query_scalar(sql!(
-                        self,
-                        "SELECT value FROM kv WHERE namespace = $1 AND key = $2"
-                    ))
-                    .bind(namespace)
-                    .bind(key)
-                    .fetch_optional(&mut *tx)
-                    .await?;
-                    value.unwrap_or_else(|| "null".to_string())
-                }
-                LocalOp::KvPut {
-                    namespace,
-                    key,
-                    value,
-                } => {
-                    kv_put(self, &mut tx, namespace, key, value).await?;
-                    "null".to_string()
-                }
-                LocalOp::Record { value } => value.clone(),
-                LocalOp::TakeInput { value } => {
-                    sqlx::query(sql!(
-                        self,
-                        "UPDATE runs SET pending_input = NULL, updated_at = {now} \
-                         WHERE id = $1 AND lease_owner = $2 AND fence = $3"
-                    ))
-                    .bind(lease.run_id)
-                    .bind(&lease.owner)
-                    .bind(lease.fence)
-                    .execute(&mut *tx)
-                    .await?;
-                    value.clone()
-                }
-            };
-            // On a duplicate position the transaction is dropped, which rolls
-            // the effect back with it: nothing is applied twice.
-            let row = insert_row(self, &mut tx, lease, call, EffectClass::Local, EffectState::Committed, Some(&result)).await?;
-            tx.commit().await?;
-            Ok(row)
-        })
-        .await
-    }
-
     /// Records a refusal (an effect the host declined without performing
     /// anything: unknown provider, not allowed, over a cap) as a `failed`
     /// row in one transaction, so replay returns the same refusal. Class
@@ -524,7 +321,7 @@ impl Store {
         if self.backend() == Backend::Postgres {
             let statement = sql!(self, pg_ledger_row!("$12", ""));
             let (local, failed) = (EffectClass::Local, EffectState::Failed);
-            return pg_ledger_row(self, statement, lease, call, local, failed, &[Some(result)]).await;
+            return write_pg_ledger_row(self, statement, lease, call, local, failed, &[Some(result)]).await;
         }
         self.retry(|| async move {
             let mut tx = self.writer().begin().await?;

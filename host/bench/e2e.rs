@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use crate::bench::{BENCH_PLUGIN, BenchError};
+use super::{BENCH_PLUGIN, BenchError};
 use crate::executor::{Executor, ExecutorConfig};
 use crate::plugins::{self, PluginSettings};
 use crate::pool::{PoolConfig, WorkerPool};
@@ -144,9 +144,9 @@ impl E2eBench {
             baselines.push(b);
             ratios.push(p / b);
         }
-        let peak = crate::bench::median(&mut peaks);
-        let baseline = crate::bench::median(&mut baselines);
-        let ratio = crate::bench::median(&mut ratios);
+        let peak = super::median(&mut peaks);
+        let baseline = super::median(&mut baselines);
+        let ratio = super::median(&mut ratios);
 
         // Latency at half the peak rate.
         vacuum(&store).await?;
@@ -271,7 +271,7 @@ impl E2eBench {
         let shown = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let _bar = self
             .progress
-            .then(|| crate::progress::Progress::start("completed", want as u64, shown.clone()));
+            .then(|| super::progress::Progress::start("completed", want as u64, shown.clone()));
         let mut asked = Instant::now();
         loop {
             let done = segments_finished() - segments_before;
@@ -377,12 +377,12 @@ fn input(key: &str) -> String {
 }
 
 /// Vacuums and analyzes the tables the phases write (see
-/// [`crate::bench::vacuum`]). Where autovacuum is off, as on some test
+/// [`super::vacuum`]). Where autovacuum is off, as on some test
 /// machines, dead row versions otherwise pile up at the head of the claim
 /// index and slow every later phase: the peak fell from 1235 to 1030 runs/s
 /// over three rounds without this.
 async fn vacuum(store: &Store) -> Result<(), StoreError> {
-    crate::bench::vacuum(
+    super::vacuum(
         store,
         &[
             "VACUUM ANALYZE runs",

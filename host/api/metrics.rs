@@ -1,0 +1,55 @@
+//! `GET /metrics`: Prometheus text. This host's counters (live), runs
+//! failed by guest error kind, and the gauges the database holds (runs by
+//! status, ledger rows by state), cached for [`super::ApiConfig::metrics_ttl`]
+//! so a scrape costs no table scan.
+
+use std::fmt::Write;
+
+use axum::extract::State;
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
+
+use super::{ApiError, AppState};
+use crate::runtime::GuestErrorKind;
+use crate::store::Store;
+
+pub async fn metrics(State(state): State<AppState>) -> Result<Response, ApiError> {
+    let metrics = crate::metrics::global();
+    let mut text = metrics.render_counters();
+    let _ = writeln!(
+        text,
+        "# HELP leasehold_guest_errors_total Runs failed by a guest error, by kind.\n# TYPE leasehold_guest_errors_total counter"
+    );
+    for kind in GuestErrorKind::ALL {
+        let _ = writeln!(text, "leasehold_guest_errors_total{{kind=\"{}\"}} {}", kind.as_str(), metrics.guest_errors(kind.as_str()));
+    }
+    {
+        let mut gauges = state.gauges.lock().await;
+        let fresh = gauges.as_ref().is_some_and(|(at, _)| at.elapsed() < state.config.metrics_ttl);
+        if !fresh {
+            *gauges = Some((std::time::Instant::now(), render_gauges(&state.store).await?));
+        }
+        if let Some((_, g)) = gauges.as_ref() {
+            text.push_str(g);
+        }
+    }
+    Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response())
+}
+
+/// The database's gauges, in the text format.
+async fn render_gauges(store: &Store) -> Result<String, ApiError> {
+    let gauges = store.gauges().await?;
+    let mut out = String::new();
+    let _ = writeln!(out, "# HELP leasehold_runs Runs in the database, by status.\n# TYPE leasehold_runs gauge");
+    for (status, n) in &gauges.runs {
+        let _ = writeln!(out, "leasehold_runs{{status=\"{status}\"}} {n}");
+    }
+    let _ = writeln!(
+        out,
+        "# HELP leasehold_effects Ledger rows in the database, by state (in_doubt: outcome unknown).\n# TYPE leasehold_effects gauge"
+    );
+    for (state, n) in &gauges.effects {
+        let _ = writeln!(out, "leasehold_effects{{state=\"{}\"}} {n}", state.as_str());
+    }
+    Ok(out)
+}

@@ -1,0 +1,176 @@
+//! `leasehold serve`: one host. Opens the database (waiting for it), loads
+//! the plugins directory, starts the worker pool, the reaper and the HTTP
+//! API, and on SIGTERM or Ctrl-C stops claiming, lets segments suspend
+//! within the grace period, and exits.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use leasehold::api::{self, ApiConfig, AppState};
+use leasehold::effects::model::ModelConfig;
+use leasehold::executor::{Executor, ExecutorConfig};
+use leasehold::plugins::{self, PluginSettings};
+use leasehold::pool::{PoolConfig, WorkerPool};
+use leasehold::reaper::{self, ReaperConfig};
+use leasehold::runtime::{Runtime, RuntimeConfig};
+use leasehold::store::{SqliteSync, Store, StoreError, StoreOptions};
+use tokio::sync::watch;
+
+use crate::config;
+
+pub async fn serve(cfg: config::Serve) -> Result<()> {
+    if cfg.test_clock_skew_ms != 0 {
+        leasehold::clock::set_skew_ms(cfg.test_clock_skew_ms);
+        tracing::warn!(skew_ms = cfg.test_clock_skew_ms, "test setting: this host's wall clock is skewed");
+    }
+    let options = StoreOptions { sqlite_sync: cfg.sqlite_sync, ..StoreOptions::default() };
+    let store = connect_with_retry(&cfg.database_url, options).await?;
+    if cfg.sqlite_sync == SqliteSync::Normal && store.backend() == leasehold::Backend::Sqlite {
+        tracing::warn!(
+            "--sqlite-synchronous normal: a power loss or OS crash may lose the last commits, \
+             and an unkeyed effect whose started record was lost would be made again"
+        );
+    }
+    let mut runtime_config = RuntimeConfig {
+        cache_dir: cfg.cache_dir.clone(),
+        max_instances: cfg.max_instances,
+        // Uploads compile in a child process, stopped with the request.
+        compiler: Some(std::env::current_exe().context("finding this program, to compile components with")?),
+        ..RuntimeConfig::default()
+    };
+    runtime_config.default_limits.segment_budget = cfg.segment_budget;
+    let runtime = Arc::new(Runtime::new(runtime_config)?);
+    if cfg.plugins_dir.is_dir() {
+        let settings = PluginSettings { http_allow: cfg.http_allow.clone() };
+        let loaded = plugins::load_dir(&store, &runtime, &cfg.plugins_dir, &settings)
+            .await
+            .with_context(|| format!("reading {}", cfg.plugins_dir.display()))?;
+        tracing::info!(dir = %cfg.plugins_dir.display(), plugins = ?loaded, "plugins directory loaded");
+    } else {
+        tracing::info!(dir = %cfg.plugins_dir.display(), "no plugins directory; register plugins with `leasehold plugins add`");
+    }
+    let model = cfg.model_base_url.clone().map(|url| {
+        let mut m = ModelConfig::new(url);
+        if let Some(name) = &cfg.model {
+            m.default_model = name.clone();
+        }
+        Arc::new(m)
+    });
+    if model.is_none() {
+        tracing::info!("no --model-base-url: model.chat is denied to plugins");
+    }
+    // Guests' http never reaches this API unless an allow-list entry names
+    // its port.
+    let mut exec_config =
+        ExecutorConfig { lease_ttl: cfg.lease_ttl, model, reserved: vec![cfg.listen], ..ExecutorConfig::default() };
+    if let Some(owner) = &cfg.owner {
+        exec_config.owner = owner.clone();
+    }
+    let owner = exec_config.owner.clone();
+    let executor = Arc::new(Executor::new(store.clone(), runtime.clone(), exec_config));
+    let pool = WorkerPool::start(store.clone(), executor, PoolConfig { workers: cfg.workers, poll: cfg.poll, claim_batch: cfg.claim_batch });
+
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let reaper = tokio::spawn(reaper::run(store.clone(), ReaperConfig::default(), cfg.reaper_interval, stop_rx.clone()));
+    let api_config = ApiConfig {
+        token: cfg.api_token.clone(),
+        allowed_hosts: cfg.allowed_hosts.clone(),
+        max_body_bytes: cfg.max_body_bytes,
+        max_component_bytes: cfg.max_component_bytes,
+        request_timeout: cfg.request_timeout,
+        ..ApiConfig::default()
+    };
+    let state = AppState::new(store.clone(), runtime, api_config, stop_rx.clone());
+    let listener = tokio::net::TcpListener::bind(cfg.listen)
+        .await
+        .with_context(|| format!("listening on {}", cfg.listen))?;
+    let mut server_stop = stop_rx.clone();
+    let server = tokio::spawn(
+        axum::serve(listener, api::router(state))
+            .with_graceful_shutdown(async move {
+                let _ = server_stop.wait_for(|s| *s).await;
+            })
+            .into_future(),
+    );
+    tracing::info!(
+        listen = %cfg.listen,
+        backend = store.backend().name(),
+        database = %store.url_redacted(),
+        workers = cfg.workers,
+        owner = %owner,
+        auth = cfg.api_token.is_some(),
+        "leasehold is up"
+    );
+    match (&cfg.api_token, &cfg.token_file) {
+        (Some(_), Some(file)) => tracing::info!(
+            token_file = %file.display(),
+            "clients send the API token in this file as Authorization: Bearer …; the CLI reads it from there"
+        ),
+        (Some(_), None) => {}
+        (None, _) => tracing::warn!(
+            listen = %cfg.listen,
+            "--insecure: the API needs no token; anyone who can reach it may submit runs and replace plugins"
+        ),
+    }
+    shutdown_signal().await;
+    tracing::info!(grace = ?cfg.shutdown_grace, "shutting down: no new claims");
+    let _ = stop_tx.send(true);
+    pool.shutdown(cfg.shutdown_grace).await;
+    let _ = reaper.await;
+    match server.await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::error!(error = %e, "HTTP server error"),
+        Err(e) => tracing::error!(error = %e, "HTTP server task failed"),
+    }
+    store.shutdown().await;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// Opens the database, retrying with backoff while it is unreachable (a
+/// host may start before its database). Says at once when it cannot be
+/// reached, and why; never logs its password. Ctrl-C gives up.
+async fn connect_with_retry(url: &str, options: StoreOptions) -> Result<Store> {
+    let shown = leasehold::redact::url(url);
+    let mut backoff = Duration::from_millis(500);
+    let give_up = shutdown_signal();
+    tokio::pin!(give_up);
+    loop {
+        // One connection first: a pool's connect retries quietly for its
+        // whole acquire timeout before it reports anything.
+        let opened = match Store::probe(url, Duration::from_secs(10)).await {
+            Ok(()) => Store::connect_with(url, options.clone()).await,
+            Err(e) => Err(e),
+        };
+        match opened {
+            Ok(store) => return Ok(store),
+            Err(e @ (StoreError::Config(_) | StoreError::Migrate(_))) => {
+                return Err(anyhow::Error::new(e).context(format!("opening the database {shown}")));
+            }
+            Err(e) => {
+                tracing::warn!(database = %shown, error = %e, ?backoff, "the database cannot be reached; retrying");
+                tokio::select! {
+                    _ = tokio::time::sleep(backoff) => {}
+                    _ = &mut give_up => anyhow::bail!("interrupted while waiting for the database {shown}"),
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(10));
+            }
+        }
+    }
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("installing the SIGTERM handler");
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}

@@ -1,0 +1,215 @@
+//! Local effects: applied in the host's own database in the same
+//! transaction (PostgreSQL: statement) as their `committed` ledger row, so
+//! exactly once: the `kv` table, recorded observations and consumed input.
+//! And the `kv.put`s a segment holds until its next write.
+
+use serde::{Deserialize, Serialize};
+
+use super::guard::guard;
+use super::guard::guarded;
+use super::ledger::{EffectCall, idempotency_key, insert_row, pg_ledger_row, write_pg_ledger_row};
+use crate::store::{Backend, EffectClass, EffectRow, EffectState, Lease, Store, StoreError, sql};
+
+/// A local effect: applied in the host's database in the same transaction
+/// as its `committed` ledger row, so exactly once.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum LocalOp {
+    /// Reads a key; the result is the stored (JSON) value, or `null`.
+    KvGet { namespace: String, key: String },
+    /// Writes a key; the result is JSON `null`.
+    KvPut {
+        namespace: String,
+        key: String,
+        value: String,
+    },
+    /// Records an observation the guest must see again on replay (a timer's
+    /// wake time, a clock reading); the result is `value`.
+    Record { value: String },
+    /// Consumes delivered input: records it (the result is `value`) and
+    /// clears the run's `pending_input` in the same transaction, so a later
+    /// `wait-input` never sees it again.
+    TakeInput { value: String },
+}
+
+/// A `kv.put` a segment has made and not yet written: it is written, with
+/// its `committed` ledger row, by the segment's next write (see
+/// `runtime::host::EMIT_FLUSH`). The put and its row are one write, so a
+/// host that dies first loses both, and the replay makes the put again.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeldPut {
+    pub call: EffectCall,
+    pub namespace: String,
+    pub key: String,
+    pub value: String,
+}
+
+/// PostgreSQL: CTEs that write the held puts in the JSON list `$list`
+/// (see [`held_puts_json`]) after CTE `r` (the guarded write of the run,
+/// or of the runs of a batch of closes, returning `id` and `fence`): one
+/// `committed` local ledger row each (`w`) and the last value per key
+/// (`k`; one row may be updated only once per statement). `$on` pairs a
+/// put (`l`, with `i`, its close's place in a batch) with its run in `r`:
+/// `true` for one run. A run not in `r` writes nothing.
+macro_rules! pg_held_puts {
+    ($list:literal, $on:literal) => {
+        concat!(
+            ", l AS (SELECT * FROM jsonb_to_recordset(", $list, "::text::jsonb) AS \
+             l(i bigint, seq bigint, name text, hash text, emit_pos bigint, ns text, key text, value text, ikey text)), \
+             w AS (INSERT INTO effects (run_id, seq, name, request_hash, idempotency_key, class, state, \
+             result, emit_pos, fence_started, fence_completed, created_at, updated_at) \
+             SELECT r.id, l.seq, l.name, l.hash, l.ikey, 'local', 'committed', 'null', \
+             l.emit_pos, r.fence, r.fence, {now}, {now} FROM r JOIN l ON ", $on, " RETURNING run_id, seq), \
+             k AS (INSERT INTO kv (namespace, key, value, updated_at) \
+             SELECT DISTINCT ON (l.ns, l.key) l.ns, l.key, l.value, {now} \
+             FROM l JOIN r ON ", $on, " JOIN w ON w.run_id = r.id AND w.seq = l.seq \
+             ORDER BY l.ns, l.key, l.i DESC, l.seq DESC \
+             ON CONFLICT (namespace, key) DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at) "
+        )
+    };
+}
+pub(crate) use pg_held_puts;
+
+/// The JSON list `pg_held_puts!` reads, for one run's puts.
+pub(crate) fn held_puts_json(database: &str, run_id: i64, puts: &[HeldPut]) -> String {
+    serde_json::Value::Array(puts.iter().map(|p| held_put_json(0, database, run_id, p)).collect()).to_string()
+}
+
+/// One entry of the list `pg_held_puts!` reads: put `p` of run `run_id`,
+/// the close at place `i` in a batch (0 outside one).
+pub(crate) fn held_put_json(i: usize, database: &str, run_id: i64, p: &HeldPut) -> serde_json::Value {
+    serde_json::json!({
+        "i": i, "seq": p.call.seq, "name": p.call.name, "hash": p.call.request_hash,
+        "emit_pos": p.call.emit_pos, "ns": p.namespace, "key": p.key, "value": p.value,
+        "ikey": idempotency_key(database, run_id, p.call.seq),
+    })
+}
+
+/// SQLite: writes the held puts inside the caller's guarded transaction.
+pub(crate) async fn insert_held_puts(
+    store: &Store,
+    conn: &mut sqlx::AnyConnection,
+    lease: &Lease,
+    puts: &[HeldPut],
+) -> Result<(), StoreError> {
+    for put in puts {
+        insert_row(store, conn, lease, &put.call, EffectClass::Local, EffectState::Committed, Some("null")).await?;
+        kv_put(store, conn, &put.namespace, &put.key, &put.value).await?;
+    }
+    Ok(())
+}
+
+async fn kv_put(
+    store: &Store,
+    conn: &mut sqlx::AnyConnection,
+    namespace: &str,
+    key: &str,
+    value: &str,
+) -> Result<(), StoreError> {
+    sqlx::query(sql!(
+        store,
+        "INSERT INTO kv (namespace, key, value, updated_at) VALUES ($1, $2, $3, {now}) \
+         ON CONFLICT (namespace, key) DO UPDATE SET value = excluded.value, \
+         updated_at = excluded.updated_at"
+    ))
+    .bind(namespace)
+    .bind(key)
+    .bind(value)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
+impl Store {
+    /// Performs a local effect and writes its `committed` ledger row in one
+    /// transaction, so it happens exactly once however often the run dies.
+    pub async fn local_effect(
+        &self,
+        lease: &Lease,
+        call: &EffectCall,
+        op: &LocalOp,
+    ) -> Result<EffectRow, StoreError> {
+        if self.backend() == Backend::Postgres {
+            let (local, committed) = (EffectClass::Local, EffectState::Committed);
+            match op {
+                LocalOp::KvGet { namespace, key } => {
+                    let statement = sql!(
+                        self,
+                        pg_ledger_row!(
+                            "COALESCE((SELECT value FROM kv WHERE namespace = $12 AND key = $13), 'null')",
+                            ""
+                        )
+                    );
+                    let extra = [Some(namespace.as_str()), Some(key.as_str())];
+                    return write_pg_ledger_row(self, statement, lease, call, local, committed, &extra).await;
+                }
+                LocalOp::KvPut { namespace, key, value } => {
+                    let statement = sql!(
+                        self,
+                        pg_ledger_row!(
+                            "'null'",
+                            ", k AS (INSERT INTO kv (namespace, key, value, updated_at) \
+                             SELECT $12, $13, $14, {now} FROM e \
+                             ON CONFLICT (namespace, key) DO UPDATE SET value = excluded.value, \
+                             updated_at = excluded.updated_at)"
+                        )
+                    );
+                    let extra = [Some(namespace.as_str()), Some(key.as_str()), Some(value.as_str())];
+                    return write_pg_ledger_row(self, statement, lease, call, local, committed, &extra).await;
+                }
+                LocalOp::Record { value } => {
+                    let statement = sql!(self, pg_ledger_row!("$12", ""));
+                    return write_pg_ledger_row(self, statement, lease, call, local, committed, &[Some(value.as_str())])
+                        .await;
+                }
+                // It writes the run row, which the guard CTE already updates
+                // (a row may be updated once per statement): a transaction.
+                LocalOp::TakeInput { .. } => {}
+            }
+        }
+        self.retry(|| async move {
+            let mut tx = self.writer().begin().await?;
+            guard(self, &mut tx, lease).await?;
+            let result = match op {
+                LocalOp::KvGet { namespace, key } => {
+                    let value: Option<String> = sqlx::query_scalar(sql!(
+                        self,
+                        "SELECT value FROM kv WHERE namespace = $1 AND key = $2"
+                    ))
+                    .bind(namespace)
+                    .bind(key)
+                    .fetch_optional(&mut *tx)
+                    .await?;
+                    value.unwrap_or_else(|| "null".to_string())
+                }
+                LocalOp::KvPut {
+                    namespace,
+                    key,
+                    value,
+                } => {
+                    kv_put(self, &mut tx, namespace, key, value).await?;
+                    "null".to_string()
+                }
+                LocalOp::Record { value } => value.clone(),
+                LocalOp::TakeInput { value } => {
+                    sqlx::query(sql!(
+                        self,
+                        "UPDATE runs SET pending_input = NULL, updated_at = {now} \
+                         WHERE id = $1 AND lease_owner = $2 AND fence = $3"
+                    ))
+                    .bind(lease.run_id)
+                    .bind(&lease.owner)
+                    .bind(lease.fence)
+                    .execute(&mut *tx)
+                    .await?;
+                    value.clone()
+                }
+            };
+            // On a duplicate position the transaction is dropped, which rolls
+            // the effect back with it: nothing is applied twice.
+            let row = insert_row(self, &mut tx, lease, call, EffectClass::Local, EffectState::Committed, Some(&result)).await?;
+            tx.commit().await?;
+            Ok(row)
+        })
+        .await
+    }
+}

@@ -1,0 +1,138 @@
+//! The plugin registry's table: each plugin's current component and
+//! settings, and every version a run may have been submitted with.
+
+use serde::{Deserialize, Serialize};
+use sqlx::Row;
+
+use crate::store::{Store, StoreError, sql};
+
+/// What an operator sets per plugin. Every field documents its default.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct PluginSettings {
+    /// Hosts (`host` or `host:port`) the plugin's `http` effects may reach.
+    /// Default: none.
+    #[serde(default)]
+    pub http_allow: Vec<String>,
+}
+
+/// A registered plugin, as listed.
+#[derive(Debug, Clone, Serialize)]
+pub struct PluginInfo {
+    pub name: String,
+    pub digest: String,
+    pub size: i64,
+    pub settings: PluginSettings,
+    pub created_at: i64,
+    pub updated_at: i64,
+}
+
+impl Store {
+    pub async fn put_plugin(
+        &self,
+        name: &str,
+        digest: &str,
+        component: &[u8],
+        settings: &PluginSettings,
+    ) -> Result<(), StoreError> {
+        let settings = serde_json::to_string(settings).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+        self.retry(|| async {
+            // The version first: a run submitted with the new current
+            // digest must find its component.
+            let mut tx = self.writer().begin().await?;
+            sqlx::query(sql!(
+                self,
+                "INSERT INTO plugin_versions (name, digest, component, created_at) VALUES ($1, $2, $3, {now}) \
+                 ON CONFLICT (name, digest) DO NOTHING"
+            ))
+            .bind(name)
+            .bind(digest)
+            .bind(component.to_vec())
+            .execute(&mut *tx)
+            .await?;
+            sqlx::query(sql!(
+                self,
+                "INSERT INTO plugins (name, digest, component, settings, created_at, updated_at) \
+                 VALUES ($1, $2, $3, $4, {now}, {now}) \
+                 ON CONFLICT (name) DO UPDATE SET digest = excluded.digest, component = excluded.component, \
+                 settings = excluded.settings, updated_at = excluded.updated_at"
+            ))
+            .bind(name)
+            .bind(digest)
+            .bind(component.to_vec())
+            .bind(&settings)
+            .execute(&mut *tx)
+            .await?;
+            tx.commit().await?;
+            Ok(())
+        })
+        .await
+    }
+
+    /// The component of version `digest` of plugin `name`, if registered.
+    pub async fn plugin_version(&self, name: &str, digest: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        Ok(sqlx::query_scalar(sql!(self, "SELECT component FROM plugin_versions WHERE name = $1 AND digest = $2"))
+            .bind(name)
+            .bind(digest)
+            .fetch_optional(self.pool())
+            .await?)
+    }
+
+    pub async fn list_plugins(&self) -> Result<Vec<PluginInfo>, StoreError> {
+        let rows = sqlx::query(sql!(
+            self,
+            "SELECT name, digest, LENGTH(component) AS size, settings, created_at, updated_at \
+             FROM plugins ORDER BY name"
+        ))
+        .fetch_all(self.pool())
+        .await?;
+        rows.iter()
+            .map(|r| {
+                Ok(PluginInfo {
+                    name: r.try_get("name")?,
+                    digest: r.try_get("digest")?,
+                    size: r.try_get::<i64, _>("size").or_else(|_| r.try_get::<i32, _>("size").map(i64::from))?,
+                    settings: parse_settings(&r.try_get::<String, _>("settings")?)?,
+                    created_at: r.try_get("created_at")?,
+                    updated_at: r.try_get("updated_at")?,
+                })
+            })
+            .collect()
+    }
+
+    /// The digest of plugin `name`, if registered.
+    pub async fn plugin_digest(&self, name: &str) -> Result<Option<String>, StoreError> {
+        Ok(sqlx::query_scalar(sql!(self, "SELECT digest FROM plugins WHERE name = $1"))
+            .bind(name)
+            .fetch_optional(self.pool())
+            .await?)
+    }
+
+    /// The digest and settings of plugin `name`, if registered.
+    pub async fn plugin_settings(&self, name: &str) -> Result<Option<(String, PluginSettings)>, StoreError> {
+        let row = sqlx::query(sql!(self, "SELECT digest, settings FROM plugins WHERE name = $1"))
+            .bind(name)
+            .fetch_optional(self.pool())
+            .await?;
+        match row {
+            None => Ok(None),
+            Some(r) => Ok(Some((r.try_get("digest")?, parse_settings(&r.try_get::<String, _>("settings")?)?))),
+        }
+    }
+
+    /// The current component and settings of plugin `name`, if registered.
+    pub async fn plugin_component(&self, name: &str) -> Result<Option<(Vec<u8>, PluginSettings)>, StoreError> {
+        let row = sqlx::query(sql!(self, "SELECT component, settings FROM plugins WHERE name = $1"))
+            .bind(name)
+            .fetch_optional(self.pool())
+            .await?;
+        match row {
+            None => Ok(None),
+            Some(r) => Ok(Some((r.try_get("component")?, parse_settings(&r.try_get::<String, _>("settings")?)?))),
+        }
+    }
+}
+
+fn parse_settings(s: &str) -> Result<PluginSettings, StoreError> {
+    serde_json::from_str(s).map_err(|e| StoreError::Corrupt(format!("plugin settings {s:?}: {e}")))
+}

@@ -1,0 +1,300 @@
+//! Runs: submitting them (group-committed, see [`super::submits`]),
+//! reading and listing them, and renewing their leases (statement 2).
+
+use std::time::Duration;
+
+use serde_json::json;
+use sqlx::{AnyConnection, Row};
+
+use crate::store::guard::{ms, rejected};
+use crate::store::log::{self, kind};
+use crate::store::submits::Submit;
+use crate::store::{Backend, Lease, NewRun, Run, RunStatus, Store, StoreError, dialect_sql, sql};
+
+/// The `submitted` event's payload for `new`.
+fn submitted_payload(new: &NewRun) -> serde_json::Value {
+    json!({ "plugin": new.plugin, "input": new.input })
+}
+
+/// SQLite: inserts one submit's run and its `submitted` event inside the
+/// caller's transaction; a taken idempotency key returns the run holding it.
+async fn insert_run(store: &Store, conn: &mut AnyConnection, submit: &Submit) -> Result<(Run, bool), StoreError> {
+    let new = &submit.new;
+    let inserted = sqlx::query(sql!(
+        store,
+        "INSERT INTO runs (thread_id, plugin, plugin_digest, input, idempotency_key, status, \
+         max_attempts, not_before, created_at, updated_at, secret) \
+         VALUES ($1, $2, $3, $4, $5, 'queued', $6, {now}, {now}, {now}, $7) \
+         ON CONFLICT (idempotency_key) DO NOTHING RETURNING *"
+    ))
+    .bind(&submit.thread_id)
+    .bind(&new.plugin)
+    .bind(&new.plugin_digest)
+    .bind(&new.input)
+    .bind(&new.idempotency_key)
+    .bind(submit.max_attempts)
+    .bind(&submit.secret)
+    .fetch_optional(&mut *conn)
+    .await?;
+    let Some(row) = inserted else {
+        // Only a taken key gets here (a NULL key never conflicts).
+        let row = sqlx::query(sql!(store, "SELECT * FROM runs WHERE idempotency_key = $1"))
+            .bind(&new.idempotency_key)
+            .fetch_one(&mut *conn)
+            .await?;
+        return Ok((Run::from_row(&row)?, false));
+    };
+    let run = Run::from_row(&row)?;
+    log::append(store, conn, &run.thread_id, run.id, 0, kind::SUBMITTED, &submitted_payload(new)).await?;
+    Ok((run, true))
+}
+
+impl Store {
+    /// Enqueues a run. With an `idempotency_key` that already exists, returns
+    /// the existing run and `false`; nothing new is written.
+    ///
+    /// Submits made while another is being written are group-committed
+    /// (see `store::submits`).
+    pub async fn create_run(&self, new: &NewRun) -> Result<(Run, bool), StoreError> {
+        let thread_id = new
+            .thread_id
+            .clone()
+            .unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
+        let max_attempts = new.max_attempts.unwrap_or(NewRun::DEFAULT_MAX_ATTEMPTS);
+        if max_attempts < 1 {
+            return Err(StoreError::Config(format!(
+                "max_attempts must be at least 1, got {max_attempts}"
+            )));
+        }
+        let secret = format!("{:032x}", rand::random::<u128>());
+        let submit = Submit { new: new.clone(), thread_id, max_attempts, secret };
+        crate::store::submits::submit(self, submit).await
+    }
+
+    /// Writes `submits` (distinct threads, distinct idempotency keys) as one
+    /// commit: each run and its `submitted` event. Returns, in order, each
+    /// run and whether it is new (`false`: its key was taken; the run that
+    /// holds it). Wakes workers for the new runs.
+    pub(crate) async fn insert_runs(&self, submits: &[Submit]) -> Result<Vec<(Run, bool)>, StoreError> {
+        let created = match (self.backend(), submits) {
+            (_, []) => Vec::new(),
+            (Backend::Postgres, _) => self.insert_runs_pg(submits).await?,
+            (Backend::Sqlite, _) => {
+                self.retry(|| async move {
+                    let mut tx = self.writer().begin().await?;
+                    let mut created = Vec::with_capacity(submits.len());
+                    for submit in submits {
+                        created.push(insert_run(self, &mut tx, submit).await?);
+                    }
+                    tx.commit().await?;
+                    Ok(created)
+                })
+                .await?
+            }
+        };
+        // Wakes this process's workers only: on PostgreSQL the statement
+        // itself announced the runs to other hosts, or left the
+        // announcement owed (see `carry_announcement`); SQLite hosts in
+        // other processes poll.
+        for (run, _) in created.iter().filter(|(_, new)| *new) {
+            self.hub().wake(&run.thread_id);
+            self.signal_work(false).await;
+        }
+        Ok(created)
+    }
+
+    /// PostgreSQL: the submits' runs and `submitted` events in one
+    /// statement, reading them from a JSON list (bind parameters are per
+    /// statement, not per row), one submit or many. Other hosts hear of new
+    /// runs by a `NOTIFY` that this statement carries, or that a later one
+    /// (or one sent on its own) does (see [`Store::carry_announcement`]).
+    /// Thread counters are locked in thread order, as a batch of closes
+    /// locks them, so two batches sharing threads wait rather than
+    /// deadlock.
+    async fn insert_runs_pg(&self, submits: &[Submit]) -> Result<Vec<(Run, bool)>, StoreError> {
+        let list: Vec<serde_json::Value> = submits
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                json!({
+                    "i": i, "thread_id": s.thread_id, "plugin": s.new.plugin,
+                    "digest": s.new.plugin_digest, "input": s.new.input,
+                    "key": s.new.idempotency_key, "max_attempts": s.max_attempts,
+                    "payload": submitted_payload(&s.new).to_string(), "secret": s.secret,
+                })
+            })
+            .collect();
+        let list = serde_json::Value::Array(list).to_string();
+        let list = list.as_str();
+        let carry = self.carry_announcement();
+        let rows = self
+            .retry(|| async move {
+                Ok(sqlx::query(sql!(
+                    self,
+                    "WITH l AS (SELECT * FROM jsonb_to_recordset($1::text::jsonb) AS l(i bigint, thread_id text, \
+                     plugin text, digest text, input text, key text, max_attempts bigint, payload text, secret text)), \
+                     r AS (INSERT INTO runs (thread_id, plugin, plugin_digest, input, idempotency_key, \
+                     status, max_attempts, not_before, created_at, updated_at, secret) \
+                     SELECT thread_id, plugin, digest, input, key, 'queued', max_attempts, {now}, {now}, {now}, secret \
+                     FROM l ORDER BY i ON CONFLICT (idempotency_key) DO NOTHING RETURNING *), \
+                     t AS (INSERT INTO threads (id, last_seq) SELECT thread_id, 1 FROM r ORDER BY thread_id \
+                     ON CONFLICT (id) DO UPDATE SET last_seq = threads.last_seq + 1 RETURNING id, last_seq), \
+                     e AS (INSERT INTO events (thread_id, seq, run_id, fence, kind, payload, created_at) \
+                     SELECT t.id, t.last_seq, r.id, r.fence, 'submitted', l.payload, {now} \
+                     FROM t JOIN r ON r.thread_id = t.id JOIN l ON l.thread_id = t.id RETURNING seq), \
+                     n AS MATERIALIZED (SELECT pg_notify($2, $3) WHERE $4 AND EXISTS (SELECT 1 FROM r)) \
+                     SELECT r.* FROM r LEFT JOIN n ON true"
+                ))
+                .bind(list)
+                .bind(crate::store::WORK_CHANNEL)
+                .bind(self.node())
+                .bind(carry)
+                .fetch_all(self.writer())
+                .await?)
+            })
+            .await;
+        self.announcement_carried(carry, rows.as_ref().is_ok_and(|r| !r.is_empty()), rows.is_err());
+        let rows = rows?;
+        // Threads are distinct within a batch, so a thread names its run.
+        let mut inserted = std::collections::HashMap::with_capacity(rows.len());
+        for row in &rows {
+            let run = Run::from_row(row)?;
+            inserted.insert(run.thread_id.clone(), run);
+        }
+        let mut created = Vec::with_capacity(submits.len());
+        for submit in submits {
+            created.push(match inserted.remove(&submit.thread_id) {
+                Some(run) => (run, true),
+                None => (self.run_with_key(submit).await?, false),
+            });
+        }
+        Ok(created)
+    }
+
+    /// The run holding `submit`'s idempotency key, for a submit that was not
+    /// inserted. Only a taken key gets here (a NULL key never conflicts), and
+    /// `ON CONFLICT` has waited for the other insert to commit.
+    async fn run_with_key(&self, submit: &Submit) -> Result<Run, StoreError> {
+        let Some(key) = &submit.new.idempotency_key else {
+            return Err(StoreError::Config("a submit without an idempotency key was not inserted".into()));
+        };
+        let row = sqlx::query(sql!(self, "SELECT * FROM runs WHERE idempotency_key = $1"))
+            .bind(key)
+            .fetch_one(self.pool())
+            .await?;
+        Run::from_row(&row)
+    }
+
+    /// The run with `id`.
+    pub async fn get_run(&self, id: i64) -> Result<Run, StoreError> {
+        let row = sqlx::query(sql!(self, "SELECT * FROM runs WHERE id = $1"))
+            .bind(id)
+            .fetch_optional(self.pool())
+            .await?
+            .ok_or(StoreError::RunNotFound(id))?;
+        Run::from_row(&row)
+    }
+
+    /// Runs, newest first, optionally filtered; `before` is a cursor (an id).
+    pub async fn list_runs(
+        &self,
+        status: Option<RunStatus>,
+        plugin: Option<&str>,
+        before: Option<i64>,
+        limit: i64,
+    ) -> Result<Vec<Run>, StoreError> {
+        Ok(self.runs_page(status, plugin, before, limit, i64::MAX).await?.0)
+    }
+
+    /// [`Store::list_runs`], with no more than about `max_bytes` of inputs,
+    /// outputs and partials (always at least one run). Also returns whether
+    /// the page was cut short by its size.
+    ///
+    /// One fixed statement per combination of filters, rather than
+    /// `($1 IS NULL OR status = $1)`, so each can use its index.
+    pub async fn runs_page(
+        &self,
+        status: Option<RunStatus>,
+        plugin: Option<&str>,
+        before: Option<i64>,
+        limit: i64,
+        max_bytes: i64,
+    ) -> Result<(Vec<Run>, bool), StoreError> {
+        macro_rules! page {
+            ($filter:literal) => {
+                concat!(
+                    "SELECT * FROM (SELECT r.*, SUM(LENGTH(r.input) + LENGTH(r.partial) + COALESCE(LENGTH(r.output), 0) \
+                     + COALESCE(LENGTH(r.error), 0)) OVER (ORDER BY r.id DESC) AS running FROM runs r \
+                     WHERE r.id < $1", $filter, " ORDER BY r.id DESC LIMIT $2) AS p WHERE p.running - \
+                     (LENGTH(p.input) + LENGTH(p.partial) + COALESCE(LENGTH(p.output), 0) + COALESCE(LENGTH(p.error), 0)) < $3 \
+                     ORDER BY p.id DESC"
+                )
+            };
+        }
+        let before = before.unwrap_or(i64::MAX);
+        let query = match (status, plugin) {
+            (None, None) => sqlx::query(sql!(self, page!(""))),
+            (Some(_), None) => sqlx::query(sql!(self, page!(" AND r.status = $4"))),
+            (None, Some(_)) => sqlx::query(sql!(self, page!(" AND r.plugin = $4"))),
+            (Some(_), Some(_)) => sqlx::query(sql!(self, page!(" AND r.status = $4 AND r.plugin = $5"))),
+        };
+        let mut query = query.bind(before).bind(limit).bind(max_bytes);
+        if let Some(s) = status {
+            query = query.bind(s.as_str());
+        }
+        if let Some(p) = plugin {
+            query = query.bind(p);
+        }
+        let rows = query.fetch_all(self.pool()).await?;
+        let cut = match rows.last() {
+            Some(last) => last.try_get::<i64, _>("running")? >= max_bytes,
+            None => false,
+        };
+        Ok((rows.iter().map(Run::from_row).collect::<Result<_, _>>()?, cut))
+    }
+
+    /// Statement 2: extends the lease to `ttl` from the database's now and
+    /// returns the new expiry. `LeaseLost` means: stop the guest, write nothing.
+    /// On PostgreSQL it gives up after the lock timeout rather than wait on
+    /// a row another (frozen) session holds: the caller retries, and its
+    /// lease deadline stops the guest if no renewal lands.
+    pub async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<i64, StoreError> {
+        let expires = self
+            .retry(|| async move {
+                Ok(sqlx::query_scalar::<_, i64>(sql!(
+                    self,
+                    "UPDATE runs SET lease_expires_at = {now} + $4, heartbeat_at = {now}, updated_at = {now} \
+                     WHERE id = $1 AND lease_owner = $2 AND fence = $3 AND status = 'running' \
+                     RETURNING lease_expires_at"
+                ))
+                .bind(lease.run_id)
+                .bind(&lease.owner)
+                .bind(lease.fence)
+                .bind(ms(ttl))
+                .fetch_optional(self.maint())
+                .await?)
+            })
+            .await?;
+        expires.ok_or_else(|| rejected(lease))
+    }
+}
+
+impl Store {
+    /// Inserts `n` queued runs of `plugin` in one statement. For benches and
+    /// tests that need a large queue quickly.
+    pub async fn bulk_load_queued(&self, n: i64, plugin: &str) -> Result<u64, StoreError> {
+        self.bulk_load(n, plugin, RunStatus::Queued).await
+    }
+
+    /// Inserts `n` runs of `plugin` with `status` in one statement (bench
+    /// and tests: e.g. a million finished runs under the claim path).
+    pub async fn bulk_load(&self, n: i64, plugin: &str, status: RunStatus) -> Result<u64, StoreError> {
+        let done = sqlx::query(dialect_sql!(self, bulk_load))
+            .bind(n)
+            .bind(plugin)
+            .bind(status.as_str())
+            .execute(self.writer())
+            .await?;
+        Ok(done.rows_affected())
+    }
+}

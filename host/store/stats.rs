@@ -1,0 +1,37 @@
+//! Counts the database holds, for `/metrics`: runs by status and ledger
+//! rows by state. Each is a `GROUP BY` over a whole table, so the API
+//! caches them.
+
+use sqlx::Row;
+
+use crate::store::{EffectState, RunStatus, Store, StoreError, sql};
+
+/// Runs by status and ledger rows by state, every status and state
+/// included (zero when there are none).
+#[derive(Debug, Clone, Default)]
+pub struct Gauges {
+    pub runs: Vec<(RunStatus, i64)>,
+    pub effects: Vec<(EffectState, i64)>,
+}
+
+impl Store {
+    /// See [`Gauges`].
+    pub async fn gauges(&self) -> Result<Gauges, StoreError> {
+        let runs = sqlx::query(sql!(self, "SELECT status, COUNT(*) AS n FROM runs GROUP BY status"))
+            .fetch_all(self.pool())
+            .await?;
+        let effects = sqlx::query(sql!(self, "SELECT state, COUNT(*) AS n FROM effects GROUP BY state"))
+            .fetch_all(self.pool())
+            .await?;
+        let count = |rows: &[sqlx::any::AnyRow], column: &str, value: &str| {
+            rows.iter()
+                .find(|r| r.try_get::<String, _>(column).ok().as_deref() == Some(value))
+                .and_then(|r| r.try_get::<i64, _>("n").ok())
+                .unwrap_or(0)
+        };
+        Ok(Gauges {
+            runs: RunStatus::ALL.iter().map(|s| (*s, count(&runs, "status", s.as_str()))).collect(),
+            effects: EffectState::ALL.iter().map(|s| (*s, count(&effects, "state", s.as_str()))).collect(),
+        })
+    }
+}

@@ -1,0 +1,141 @@
+//! Statements 5 and 6, and input: a segment's deliberate suspension
+//! (`wait-input`, `sleep`, a slice, a shutdown), the delivery of input to
+//! a waiting run, and a cancel.
+
+use serde_json::json;
+use sqlx::Row;
+
+use crate::store::guard::rejected;
+use crate::store::log::{self, kind};
+use crate::store::{Lease, Run, RunStatus, Store, StoreError, Suspend, sql};
+
+impl Store {
+    /// Statement 5: releases the lease without finishing the turn.
+    ///
+    /// `attempt` is reset to 0 in the same write: `max_attempts` bounds
+    /// consecutive *failed* segments (a death, a lost lease), and a segment
+    /// that suspends on purpose (`wait-input`, `sleep`, a slice that made
+    /// progress, a shutdown hand-over) did not fail, whether or not it
+    /// wrote a ledger row. (A slice that made no progress is not suspended:
+    /// the executor fails the run as a timeout.)
+    pub async fn suspend(&self, lease: &Lease, how: &Suspend) -> Result<RunStatus, StoreError> {
+        let (status, delay, prompt) = match how {
+            Suspend::WaitInput { prompt } => (RunStatus::WaitingInput, 0, Some(prompt.as_str())),
+            Suspend::Takeover => (RunStatus::WaitingTakeover, 0, None),
+            Suspend::Sleep { delay_ms } => (RunStatus::Queued, (*delay_ms).max(0), None),
+        };
+        let status = self.retry(|| async move {
+            let mut tx = self.writer().begin().await?;
+            let row = sqlx::query(sql!(
+                self,
+                "UPDATE runs SET status = $4, lease_owner = NULL, lease_expires_at = NULL, \
+                 not_before = {now} + $5, \
+                 pending_input = CASE WHEN $4 = 'waiting_input' THEN NULL ELSE pending_input END, \
+                 attempt = 0, updated_at = {now} \
+                 WHERE id = $1 AND lease_owner = $2 AND fence = $3 AND status = 'running' \
+                 RETURNING thread_id, not_before"
+            ))
+            .bind(lease.run_id)
+            .bind(&lease.owner)
+            .bind(lease.fence)
+            .bind(status.as_str())
+            .bind(delay)
+            .fetch_optional(&mut *tx)
+            .await?
+            .ok_or_else(|| rejected(lease))?;
+            let thread_id: String = row.try_get("thread_id")?;
+            let not_before: i64 = row.try_get("not_before")?;
+            let payload = json!({ "status": status, "prompt": prompt, "not_before": not_before });
+            log::append(self, &mut tx, &thread_id, lease.run_id, lease.fence, kind::SUSPENDED, &payload)
+                .await?;
+            tx.commit().await?;
+            Ok((status, thread_id))
+        })
+        .await?;
+        let (status, thread) = status;
+        self.hub().wake(&thread);
+        if status == RunStatus::WaitingTakeover {
+            self.signal_work(false).await;
+        }
+        Ok(status)
+    }
+
+    /// Delivers input to a `waiting_input` run, making it claimable.
+    ///
+    /// Not a lease-holder write: a waiting run has no lease. It is guarded by
+    /// state instead (`waiting_input`, no owner, no input yet), so a second
+    /// delivery is a `Conflict`, never an overwrite.
+    pub async fn deliver_input(&self, run_id: i64, input: &str) -> Result<Run, StoreError> {
+        let run = self.retry(|| async move {
+            let mut tx = self.writer().begin().await?;
+            let row = sqlx::query(sql!(
+                self,
+                "UPDATE runs SET pending_input = $2, updated_at = {now} \
+                 WHERE id = $1 AND status = 'waiting_input' AND pending_input IS NULL \
+                 AND lease_owner IS NULL RETURNING *"
+            ))
+            .bind(run_id)
+            .bind(input)
+            .fetch_optional(&mut *tx)
+            .await?;
+            let Some(row) = row else {
+                drop(tx);
+                let run = self.get_run(run_id).await?;
+                return Err(StoreError::Conflict {
+                    run_id,
+                    status: run.status,
+                    message: if run.status == RunStatus::WaitingInput {
+                        "input was already delivered"
+                    } else {
+                        "run is not waiting for input"
+                    },
+                });
+            };
+            let run = Run::from_row(&row)?;
+            let payload = json!({ "input": input });
+            log::append(self, &mut tx, &run.thread_id, run.id, run.fence, kind::INPUT, &payload)
+                .await?;
+            tx.commit().await?;
+            Ok(run)
+        })
+        .await?;
+        self.hub().wake(&run.thread_id);
+        self.signal_work(true).await;
+        Ok(run)
+    }
+
+    /// Statement 6: cancels a run that is not terminal. Bumps the fence, so
+    /// every later write of a segment still running fails its guard.
+    pub async fn cancel(&self, run_id: i64) -> Result<Run, StoreError> {
+        let run = self.retry(|| async move {
+            let mut tx = self.writer().begin().await?;
+            let row = sqlx::query(sql!(
+                self,
+                "UPDATE runs SET status = 'cancelled', fence = fence + 1, lease_owner = NULL, \
+                 lease_expires_at = NULL, finished_at = {now}, updated_at = {now} \
+                 WHERE id = $1 AND status NOT IN ('completed','failed','aborted','cancelled') \
+                 RETURNING *"
+            ))
+            .bind(run_id)
+            .fetch_optional(&mut *tx)
+            .await?;
+            let Some(row) = row else {
+                drop(tx);
+                let run = self.get_run(run_id).await?;
+                return Err(StoreError::Conflict {
+                    run_id,
+                    status: run.status,
+                    message: "run is already finished",
+                });
+            };
+            let run = Run::from_row(&row)?;
+            log::append(self, &mut tx, &run.thread_id, run.id, run.fence, kind::CANCELLED, &json!({}))
+                .await?;
+            tx.commit().await?;
+            Ok(run)
+        })
+        .await?;
+        self.hub().wake(&run.thread_id);
+        Ok(run)
+    }
+}
