@@ -489,14 +489,22 @@ both! {
 
     async fn uploads_past_the_cap_are_refused_with_retry_after(db) {
         let server = Server::start_with(db, None, false, |c| c.max_uploads = 1).await?;
-        // An upload whose body never ends holds the one slot.
-        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Vec<u8>, std::io::Error>>(1);
-        tx.send(Ok(b"\0asm".to_vec())).await?;
-        let stream = futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|c| (c, rx)) });
-        let slow = server.req(reqwest::Method::PUT, "/v1/plugins/slow").body(reqwest::Body::wrap_stream(stream)).send();
-        let slow = tokio::spawn(slow);
+        // An upload whose body never ends holds the one slot. It may itself
+        // be refused, if it reaches the host while one of the uploads below
+        // holds the slot: then it is started again.
+        let start_slow = || {
+            let (tx, rx) = tokio::sync::mpsc::channel::<Result<Vec<u8>, std::io::Error>>(1);
+            tx.try_send(Ok(b"\0asm".to_vec())).expect("an empty channel");
+            let stream = futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|c| (c, rx)) });
+            let slow = server.req(reqwest::Method::PUT, "/v1/plugins/slow").body(reqwest::Body::wrap_stream(stream)).send();
+            (tx, tokio::spawn(slow))
+        };
+        let (mut tx, mut slow) = start_slow();
         let deadline = std::time::Instant::now() + Duration::from_secs(20);
         loop {
+            if slow.is_finished() {
+                (tx, slow) = start_slow();
+            }
             let (status, body) = server.put_plugin("other", plugins::rust_plugin("testkit")?).await?;
             if status == 503 {
                 ensure!(body["error"]["code"] == "busy", "{body}");
