@@ -15,6 +15,7 @@ mod hosts;
 mod model;
 mod conformance;
 mod interleaving;
+mod layout;
 mod runtime;
 mod sandbox;
 mod service;
