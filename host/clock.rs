@@ -12,8 +12,9 @@
 //! honours the skew and the suite would catch a protocol decision made on
 //! the worker's clock.
 
-use std::sync::atomic::{AtomicI64, Ordering};
-use std::time::{Duration, SystemTime};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::time::{Duration, Instant, SystemTime};
 
 static SKEW_MS: AtomicI64 = AtomicI64::new(0);
 
@@ -33,6 +34,31 @@ pub fn wall() -> SystemTime {
     let skew = skew_ms();
     let shift = Duration::from_millis(skew.unsigned_abs());
     if skew >= 0 { now + shift } else { now.checked_sub(shift).unwrap_or(SystemTime::UNIX_EPOCH) }
+}
+
+/// The monotonic clock a segment measures its own lease and budget on
+/// (never a protocol decision: the database decides who holds a lease). A
+/// test moves it forward with [`Monotonic::advance`], as if the process had
+/// been paused. Cheap to clone; clones share the offset. Default: no offset.
+#[derive(Debug, Clone, Default)]
+pub struct Monotonic {
+    offset_ns: Arc<AtomicU64>,
+}
+
+impl Monotonic {
+    pub fn now(&self) -> Instant {
+        Instant::now() + Duration::from_nanos(self.offset_ns.load(Ordering::Relaxed))
+    }
+
+    /// Time since `earlier`, a reading of this clock.
+    pub fn since(&self, earlier: Instant) -> Duration {
+        self.now().saturating_duration_since(earlier)
+    }
+
+    /// Moves this clock (and its clones) forward by `by` (tests).
+    pub fn advance(&self, by: Duration) {
+        self.offset_ns.fetch_add(by.as_nanos() as u64, Ordering::Relaxed);
+    }
 }
 
 /// Log timestamps from [`wall`], as RFC 3339 UTC with microseconds.

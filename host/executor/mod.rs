@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use wasmtime::UpdateDeadline;
 
+use crate::clock::Monotonic;
 use crate::effects::model::ModelConfig;
 use crate::runtime::host::{Held, Interrupt, Phase, SegmentInit, SegmentState, storable};
 use crate::runtime::replay::Recorded;
@@ -43,6 +44,10 @@ pub struct ExecutorConfig {
     /// that names them with their port: the service's own listeners.
     /// Default: none.
     pub reserved: Vec<std::net::SocketAddr>,
+    /// The clock a segment measures its lease deadline and budget on.
+    /// Default: the process's monotonic clock; tests move it forward to
+    /// simulate a pause.
+    pub clock: Monotonic,
 }
 
 impl Default for ExecutorConfig {
@@ -54,6 +59,7 @@ impl Default for ExecutorConfig {
             renew_every: None,
             model: ModelConfig::from_env().map(Arc::new),
             reserved: Vec::new(),
+            clock: Monotonic::default(),
         }
     }
 }
@@ -273,7 +279,8 @@ impl Executor {
         // The lease deadline as an offset from segment start, in ms; moved on
         // by each renewal. Measured on this worker's monotonic clock only to
         // stop its own guest early: the database decides who holds the lease.
-        let start = Instant::now();
+        let clock = self.config.clock.clone();
+        let start = clock.now();
         let lease_deadline = Arc::new(AtomicI64::new(lease_left_ms.max(0)));
         let budget = plugin.limits.segment_budget;
         let hard_stop = budget + plugin.limits.slice_grace;
@@ -281,6 +288,7 @@ impl Executor {
             lost: lost.clone(),
             lost_now: lost_now.clone(),
             deadline_ms: lease_deadline.clone(),
+            clock: clock.clone(),
             start,
             until: hard_stop,
         };
@@ -297,16 +305,37 @@ impl Executor {
         let mut store = self.runtime.store(plugin, init);
         let phase = store.data().phase.clone();
         let (lost_cb, deadline_cb, stop_cb) = (lost.clone(), lease_deadline.clone(), self.stop.clone());
+        // Wakes the segment's timer when the epoch callback sees the lease
+        // deadline pass (after a pause both notice at once anyway).
+        let past_deadline = Arc::new(tokio::sync::Notify::new());
+        let (past_cb, clock_cb) = (past_deadline.clone(), clock.clone());
+        // The deadline the callback saw pass, and when it saw it.
+        let mut noticed: Option<(i64, Duration)> = None;
         store.set_epoch_deadline(1);
         store.epoch_deadline_callback(move |mut ctx| {
-            let elapsed = start.elapsed();
-            // Past the local deadline the guest waits (its epochs yield)
-            // while the segment's timer asks the database one last time.
-            let lease_gone = lost_cb.load(Ordering::Relaxed)
-                || elapsed.as_millis() as i64 >= deadline_cb.load(Ordering::Relaxed) + LAST_CHANCE.as_millis() as i64;
-            if lease_gone {
+            let elapsed = clock_cb.since(start);
+            if lost_cb.load(Ordering::Relaxed) {
                 ctx.data_mut().interrupt = Some(Interrupt::LeaseLost);
                 return Ok(UpdateDeadline::Interrupt);
+            }
+            // Past the local deadline the guest goes on for LAST_CHANCE from
+            // when this host noticed, while the segment's timer asks the
+            // database one last time: a host that was paused for longer
+            // than its lease asks before it gives the run up.
+            let deadline = deadline_cb.load(Ordering::Relaxed);
+            if elapsed.as_millis() as i64 >= deadline {
+                let at = match noticed {
+                    Some((d, at)) if d == deadline => at,
+                    _ => {
+                        noticed = Some((deadline, elapsed));
+                        past_cb.notify_one();
+                        elapsed
+                    }
+                };
+                if elapsed >= at + LAST_CHANCE {
+                    ctx.data_mut().interrupt = Some(Interrupt::LeaseLost);
+                    return Ok(UpdateDeadline::Interrupt);
+                }
             }
             if stop_cb.stopped.load(Ordering::Relaxed) {
                 ctx.data_mut().interrupt = Some(Interrupt::Shutdown);
@@ -343,7 +372,7 @@ impl Executor {
             tokio::time::sleep(budget).await;
             loop {
                 match phase.get() {
-                    Phase::REMOTE if start.elapsed() < hard_stop => {}
+                    Phase::REMOTE if clock.since(start) < hard_stop => {}
                     Phase::DATABASE => {}
                     _ => return,
                 }
@@ -353,11 +382,14 @@ impl Executor {
         // The lease deadline, as renewals move it.
         let expired = || async {
             loop {
-                let left = lease_deadline.load(Ordering::Relaxed) - start.elapsed().as_millis() as i64;
+                let left = lease_deadline.load(Ordering::Relaxed) - clock.since(start).as_millis() as i64;
                 if left <= 0 {
                     return;
                 }
-                tokio::time::sleep(Duration::from_millis(left as u64)).await;
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_millis(left as u64)) => {}
+                    _ = past_deadline.notified() => {}
+                }
             }
         };
         let interrupted = || Err(wasmtime::Error::new(crate::runtime::host::Interrupted));
@@ -376,12 +408,12 @@ impl Executor {
                         // this host was paused). One last renewal decides, with
                         // the guest held: a lease nobody took is kept; one that
                         // was taken is refused by its fence, and the guest stops.
-                        let asked_at = start.elapsed().as_millis() as i64;
+                        let asked_at = clock.since(start).as_millis() as i64;
                         let (db, lease, ttl) = (self.store.clone(), init_lease.clone(), self.config.lease_ttl);
                         // Its own task: a renewal is never dropped half-way.
                         let renewal = tokio::time::timeout(LAST_CHANCE, tokio::spawn(async move { db.renew(&lease, ttl).await })).await;
                         match renewal {
-                            Ok(Ok(Ok(_))) if start.elapsed() < hard_stop => {
+                            Ok(Ok(Ok(_))) if clock.since(start) < hard_stop => {
                                 lease_deadline.store(asked_at + self.config.lease_ttl.as_millis() as i64, Ordering::Relaxed);
                             }
                             _ => break (interrupted(), Some(Interrupt::LeaseLost)),

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::clock::Monotonic;
 use crate::store::{Lease, Store, StoreError};
 
 /// How long a segment past its local lease deadline waits for one last
@@ -28,6 +29,7 @@ pub(super) struct LeaseWatch {
     pub(super) lost_now: Arc<tokio::sync::Notify>,
     /// The lease deadline, in ms after `start`; moved on by each renewal.
     pub(super) deadline_ms: Arc<AtomicI64>,
+    pub(super) clock: Monotonic,
     pub(super) start: Instant,
     /// No renewal after this long (the segment's budget plus its grace).
     pub(super) until: Duration,
@@ -47,7 +49,7 @@ pub(super) enum Renewal {
 /// One renewal, the renewer's tick: asks the database for `ttl` more and
 /// moves `deadline_ms` on, or sets `lost` if it refuses.
 pub(super) async fn renew_once(store: &Store, lease: &Lease, ttl: Duration, watch: &LeaseWatch) -> Renewal {
-    let asked_at = watch.start.elapsed().as_millis() as i64;
+    let asked_at = watch.clock.since(watch.start).as_millis() as i64;
     // Its own task: aborting the renewer (the segment ended) never drops
     // a renewal half-way, and a refused one is always counted.
     let (db, held) = (store.clone(), lease.clone());
@@ -86,7 +88,7 @@ pub(super) async fn renew_once(store: &Store, lease: &Lease, ttl: Duration, watc
 pub(super) async fn renew_loop(store: Store, lease: Lease, ttl: Duration, every: Duration, watch: LeaseWatch) {
     loop {
         tokio::time::sleep(every).await;
-        if watch.start.elapsed() >= watch.until {
+        if watch.clock.since(watch.start) >= watch.until {
             return;
         }
         if renew_once(&store, &lease, ttl, &watch).await == Renewal::Lost {

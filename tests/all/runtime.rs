@@ -29,7 +29,7 @@ fn runtime_with_budget(budget: Duration) -> Result<Arc<Runtime>> {
 }
 
 fn worker(owner: &str) -> ExecutorConfig {
-    ExecutorConfig { owner: owner.into(), lease_ttl: Duration::from_secs(30), renew_every: None, model: None, reserved: vec![] }
+    ExecutorConfig { owner: owner.into(), lease_ttl: Duration::from_secs(30), renew_every: None, model: None, reserved: vec![], clock: Default::default() }
 }
 
 async fn submit(store: &Store, input: serde_json::Value) -> Result<i64> {
@@ -307,6 +307,7 @@ both! {
             renew_every: Some(Duration::from_secs(600)),
             model: None,
             reserved: vec![],
+            clock: Default::default(),
         };
         let exec = Executor::new(db.store.clone(), runtime, config);
         let id = submit(&db.store, serde_json::json!({ "mode": "spin-then-put", "spins": 1u64 << 33 })).await?;
@@ -315,6 +316,41 @@ both! {
         ensure!(out == Some((id, SegmentOutcome::Completed)), "{out:?} after {:?}", started.elapsed());
         ensure!(started.elapsed() > Duration::from_millis(500), "the turn ended before its first lease ran out");
         ensure!(kv_count(&db.store).await? == 1);
+        Ok(())
+    }
+
+    async fn a_host_paused_past_its_lease_asks_the_database_before_it_gives_up_the_run(db) {
+        // As if this process were stopped for two minutes mid-turn (SIGSTOP,
+        // a VM migration): by its own clock the lease ran out long ago, but
+        // nobody took the run, so the one renewal it asks for on waking
+        // keeps it.
+        let runtime = plugins::runtime()?;
+        let mut limits = plugins::test_limits();
+        limits.segment_budget = Duration::from_secs(600);
+        runtime.add_plugin("testkit", &plugins::rust_plugin("testkit")?, limits)?;
+        let clock = leasehold::clock::Monotonic::default();
+        let config = ExecutorConfig {
+            owner: "paused".into(),
+            lease_ttl: Duration::from_secs(30),
+            renew_every: Some(Duration::from_secs(600)),
+            model: None,
+            reserved: vec![],
+            clock: clock.clone(),
+        };
+        let exec = Executor::new(db.store.clone(), runtime, config);
+        let id = submit(&db.store, serde_json::json!({ "mode": "spin-then-put", "spins": 1u64 << 33 })).await?;
+        let task = tokio::spawn(async move { exec.run_once().await });
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while db.store.get_run(id).await?.status != RunStatus::Running {
+            ensure!(std::time::Instant::now() < deadline, "never started");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        ensure!(kv_count(&db.store).await? == 0, "the turn got past its spin before the pause");
+        clock.advance(Duration::from_secs(120));
+        let out = tokio::time::timeout(Duration::from_secs(60), task).await???;
+        ensure!(out == Some((id, SegmentOutcome::Completed)), "the paused host gave the run up: {out:?}");
+        let run = db.store.get_run(id).await?;
+        ensure!(run.fence == 1 && kv_count(&db.store).await? == 1, "{run:?}");
         Ok(())
     }
 
@@ -332,6 +368,7 @@ both! {
             renew_every: Some(Duration::from_secs(60)),
             model: None,
             reserved: vec![],
+            clock: Default::default(),
         };
         let exec = Executor::new(db.store.clone(), runtime, config);
         let id = submit(&db.store, serde_json::json!({ "mode": "spin-then-put", "spins": 1u64 << 40 })).await?;
