@@ -84,6 +84,11 @@ pub enum RunsCommand {
     Input { id: i64, input: String },
     /// Cancel a run.
     Cancel { id: i64 },
+    /// Submit many runs: FILE (or - for stdin) holds one JSON object per
+    /// line, as the body of `POST /v1/runs`, each with its own
+    /// `idempotency_key`. Sent 1000 to a request (`POST /v1/runs:batch`),
+    /// each request one commit; sending the file again submits nothing twice.
+    SubmitBatch { file: PathBuf },
 }
 
 #[derive(clap::Args)]
@@ -243,9 +248,56 @@ fn run_line(r: &Value) -> String {
     )
 }
 
+/// Runs per `POST /v1/runs:batch` of `runs submit-batch`: the API's limit.
+const SUBMIT_BATCH: usize = 1000;
+
+async fn submit_batch(api: &Api, file: &std::path::Path) -> Result<()> {
+    let text = if file.as_os_str() == "-" {
+        std::io::read_to_string(std::io::stdin()).context("reading stdin")?
+    } else {
+        std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?
+    };
+    let mut runs = Vec::new();
+    for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+        let v: Value = serde_json::from_str(line).with_context(|| format!("line {}: not JSON", i + 1))?;
+        if !v.is_object() {
+            bail!("line {}: expected a JSON object, as the body of POST /v1/runs", i + 1);
+        }
+        runs.push(v);
+    }
+    if runs.is_empty() {
+        bail!("{}: no runs (one JSON object per line)", file.display());
+    }
+    let (mut created, mut existing, mut refused) = (0, 0, 0);
+    for chunk in runs.chunks(SUBMIT_BATCH) {
+        let v = api.send(api.client().post(api.url("/v1/runs:batch")).json(&json!({ "runs": chunk }))).await?;
+        for r in v["results"].as_array().into_iter().flatten() {
+            if r["created"] == true {
+                created += 1;
+            } else if r["created"] == false {
+                existing += 1;
+            } else {
+                refused += 1;
+                eprintln!("{}", r["error"]["message"].as_str().unwrap_or("refused"));
+            }
+            if api.json {
+                println!("{r}");
+            }
+        }
+    }
+    if !api.json {
+        println!("{created} runs queued, {existing} already submitted, {refused} refused");
+    }
+    if refused > 0 {
+        bail!("{refused} runs were refused (above)");
+    }
+    Ok(())
+}
+
 pub async fn runs(api: &Api, command: RunsCommand) -> Result<()> {
     let c = api.client();
     match command {
+        RunsCommand::SubmitBatch { file } => submit_batch(api, &file).await?,
         RunsCommand::List { status, plugin, limit, cursor } => {
             let mut q = vec![("limit", limit.to_string())];
             q.extend(status.map(|s| ("status", s)));

@@ -26,6 +26,11 @@ impl ApiError {
     pub fn not_found(message: impl Into<String>) -> ApiError {
         ApiError::new(StatusCode::NOT_FOUND, "not_found", message)
     }
+    /// The same error, its message led by `prefix` (which item of a batch).
+    pub fn prefixed(mut self, prefix: &str) -> ApiError {
+        self.message.insert_str(0, prefix);
+        self
+    }
     /// 503 with `Retry-After`: the host is at a cap; try again shortly.
     pub fn busy(message: impl Into<String>) -> ApiError {
         ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "busy", message)

@@ -131,6 +131,7 @@ pub fn router(state: AppState) -> Router {
             put(plugins::put).layer(DefaultBodyLimit::max(config.max_component_bytes)),
         )
         .route("/v1/runs", post(runs::submit).get(runs::list))
+        .route("/v1/runs:batch", post(runs::submit_batch))
         .route("/v1/runs/{id}", get(runs::show))
         .route("/v1/runs/{id}/input", post(runs::input))
         .route("/v1/runs/{id}/cancel", post(runs::cancel))

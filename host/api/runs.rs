@@ -8,7 +8,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::{ApiError, AppState, JsonBody, Params, QueryParams};
-use crate::store::{NewRun, RunStatus};
+use crate::store::{MAX_SUBMIT_BATCH, NewRun, RunStatus};
 
 /// Longest thread id or idempotency key.
 const MAX_KEY_BYTES: usize = 256;
@@ -77,6 +77,81 @@ pub async fn submit(State(s): State<AppState>, JsonBody(req): JsonBody<Submit>) 
     }
     tracing::info!(run_id = run.id, plugin = %run.plugin, thread_id = %run.thread_id, "run submitted");
     Ok((StatusCode::CREATED, Json(run)).into_response())
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Batch {
+    runs: Vec<Submit>,
+}
+
+/// `POST /v1/runs:batch`: up to [`MAX_SUBMIT_BATCH`] runs in one commit,
+/// each with its own `idempotency_key` (so a batch whose answer was lost can
+/// be sent again) and its own thread. 200 with one result per run, in
+/// order: `{"created": true|false, "run": …}`, or `{"error": …}` for a run
+/// whose key was used before with a different request (it writes nothing).
+/// A batch with any invalid run writes nothing and gets 4xx naming the run.
+pub async fn submit_batch(State(s): State<AppState>, JsonBody(req): JsonBody<Batch>) -> Result<Response, ApiError> {
+    if req.runs.is_empty() || req.runs.len() > MAX_SUBMIT_BATCH {
+        return Err(ApiError::bad_request(format!(
+            "runs must hold 1 to {MAX_SUBMIT_BATCH} runs, not {}",
+            req.runs.len()
+        )));
+    }
+    let mut digests = std::collections::HashMap::new();
+    let mut news = Vec::with_capacity(req.runs.len());
+    for (i, r) in req.runs.iter().enumerate() {
+        let at = |e: ApiError| e.prefixed(&format!("runs[{i}]: "));
+        if r.idempotency_key.is_none() {
+            return Err(at(ApiError::bad_request(
+                "idempotency_key is required in a batch, so that sending it again cannot run anything twice",
+            )));
+        }
+        check_key("thread_id", &r.thread_id).map_err(at)?;
+        check_key("idempotency_key", &r.idempotency_key).map_err(at)?;
+        if let Some(n) = r.max_attempts
+            && !(1..=1000).contains(&n)
+        {
+            return Err(at(ApiError::bad_request("max_attempts must be between 1 and 1000")));
+        }
+        let digest = match digests.get(&r.plugin) {
+            Some(d) => d,
+            None => {
+                let d = if crate::plugins::valid_name(&r.plugin) { s.store.plugin_digest(&r.plugin).await? } else { None };
+                digests.entry(r.plugin.clone()).or_insert(d)
+            }
+        };
+        let Some(digest) = digest.clone() else {
+            return Err(at(ApiError::not_found(format!("no plugin named {:?}", r.plugin))));
+        };
+        news.push(NewRun {
+            plugin: r.plugin.clone(),
+            plugin_digest: digest,
+            input: r.input.to_string(),
+            thread_id: r.thread_id.clone(),
+            max_attempts: r.max_attempts,
+            idempotency_key: r.idempotency_key.clone(),
+        });
+    }
+    let written = s.store.create_runs(&news).await?;
+    let mut results = Vec::with_capacity(written.len());
+    for ((run, created), (new, r)) in written.into_iter().zip(news.iter().zip(&req.runs)) {
+        let same = created
+            || (run.plugin == new.plugin
+                && run.input == new.input
+                && r.thread_id.as_ref().is_none_or(|t| *t == run.thread_id));
+        results.push(if same {
+            json!({ "created": created, "run": run })
+        } else {
+            json!({ "error": {
+                "code": "idempotency_conflict",
+                "message": format!("idempotency_key was already used for run {} with a different request", run.id),
+            } })
+        });
+    }
+    let created = results.iter().filter(|r| r["created"] == true).count();
+    tracing::info!(runs = results.len(), created, "batch submitted");
+    Ok(Json(json!({ "results": results })).into_response())
 }
 
 #[derive(Deserialize)]

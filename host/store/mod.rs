@@ -42,6 +42,7 @@ pub use ledger::{Completion, EffectCall, LedgerSummary, Streamed, idempotency_ke
 pub use local::{HeldPut, LocalOp};
 pub use plugins::{PluginInfo, PluginSettings};
 pub use reap::ReapReport;
+pub use runs::MAX_SUBMIT_BATCH;
 pub use stats::Gauges;
 pub use types::*;
 
@@ -428,8 +429,8 @@ impl Store {
         self.submits.written()
     }
 
-    /// Closes this store (and its clones) has written on PostgreSQL, and
-    /// the statements that wrote them (see `closes`).
+    /// Closes this store (and its clones) has written, and the commits
+    /// that wrote them (see `closes`).
     pub fn closes_written(&self) -> (u64, u64) {
         self.closes.written()
     }

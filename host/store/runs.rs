@@ -11,6 +11,9 @@ use crate::store::log::{self, kind};
 use crate::store::submits::Submit;
 use crate::store::{Backend, Lease, NewRun, Run, RunStatus, Store, StoreError, dialect_sql, sql};
 
+/// Most runs [`Store::create_runs`] writes in one commit.
+pub const MAX_SUBMIT_BATCH: usize = 1000;
+
 /// The `submitted` event's payload for `new`.
 fn submitted_payload(new: &NewRun) -> serde_json::Value {
     json!({ "plugin": new.plugin, "input": new.input })
@@ -69,6 +72,41 @@ impl Store {
         let secret = format!("{:032x}", rand::random::<u128>());
         let submit = Submit { new: new.clone(), thread_id, max_attempts, secret };
         crate::store::submits::submit(self, submit).await
+    }
+
+    /// Enqueues `news` in one commit (PostgreSQL: one statement), in order:
+    /// each run and whether it is new, as [`Store::create_run`] returns. A
+    /// batch names each thread and each idempotency key at most once, and
+    /// holds at most [`MAX_SUBMIT_BATCH`] runs.
+    pub async fn create_runs(&self, news: &[NewRun]) -> Result<Vec<(Run, bool)>, StoreError> {
+        if news.len() > MAX_SUBMIT_BATCH {
+            return Err(StoreError::Config(format!(
+                "a batch holds at most {MAX_SUBMIT_BATCH} runs, not {}",
+                news.len()
+            )));
+        }
+        let (mut threads, mut keys) = (std::collections::HashSet::new(), std::collections::HashSet::new());
+        let mut submits = Vec::with_capacity(news.len());
+        for (i, new) in news.iter().enumerate() {
+            let max_attempts = new.max_attempts.unwrap_or(NewRun::DEFAULT_MAX_ATTEMPTS);
+            if max_attempts < 1 {
+                return Err(StoreError::Config(format!("run {i}: max_attempts must be at least 1, got {max_attempts}")));
+            }
+            if let Some(key) = &new.idempotency_key
+                && !keys.insert(key.as_str())
+            {
+                return Err(StoreError::Config(format!("run {i}: idempotency_key {key:?} is already used by this batch")));
+            }
+            let thread_id = new.thread_id.clone().unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
+            if !threads.insert(thread_id.clone()) {
+                return Err(StoreError::Config(format!(
+                    "run {i}: thread_id {thread_id:?} is already used by this batch (a batch names each thread once)"
+                )));
+            }
+            let secret = format!("{:032x}", rand::random::<u128>());
+            submits.push(Submit { new: new.clone(), thread_id, max_attempts, secret });
+        }
+        self.insert_runs(&submits).await
     }
 
     /// Writes `submits` (distinct threads, distinct idempotency keys) as one

@@ -218,6 +218,51 @@ both! {
         Ok(())
     }
 
+    async fn a_batch_submit_writes_its_runs_in_order_once_and_refuses_a_bad_run_whole(db) {
+        let server = with_testkit(db, None).await?;
+        let runs: Vec<Value> = (0..5).map(|i| json!({ "plugin": "testkit", "input": { "steps": i }, "idempotency_key": format!("b{i}") })).collect();
+        let (status, body) = server.post("/v1/runs:batch", json!({ "runs": runs })).await?;
+        ensure!(status == 200, "{status} {body}");
+        let results = body["results"].as_array().context("results")?;
+        ensure!(results.len() == 5 && results.iter().all(|r| r["created"] == true), "{body}");
+        let ids: Vec<i64> = results.iter().map(|r| r["run"]["id"].as_i64().unwrap()).collect();
+        ensure!(ids.windows(2).all(|w| w[0] < w[1]), "ids out of order: {ids:?}");
+        for (i, id) in ids.iter().enumerate() {
+            let run = server.wait_status(*id, "completed").await?;
+            ensure!(run["output"] == format!("did {i} steps"), "{run}");
+        }
+        // Sent again (its answer lost, say): nothing new; a changed request
+        // under a used key is refused on its own.
+        let mut again = runs.clone();
+        again[2]["input"] = json!({ "steps": 9 });
+        again.push(json!({ "plugin": "testkit", "input": {}, "idempotency_key": "b5" }));
+        let (status, body) = server.post("/v1/runs:batch", json!({ "runs": again })).await?;
+        ensure!(status == 200, "{status} {body}");
+        let r = body["results"].as_array().context("results")?;
+        ensure!(r[0]["created"] == false && r[0]["run"]["id"] == ids[0], "{body}");
+        ensure!(r[2]["error"]["code"] == "idempotency_conflict" && r[5]["created"] == true, "{body}");
+        let (_, list) = server.get("/v1/runs?limit=100").await?;
+        ensure!(list["runs"].as_array().map(Vec::len) == Some(6), "{list}");
+        // A bad run anywhere in a batch: 4xx naming it, and nothing written.
+        let bad = [
+            (json!({ "runs": [{ "plugin": "testkit", "idempotency_key": "c0" }, { "plugin": "testkit" }] }), 400, "runs[1]: idempotency_key is required"),
+            (json!({ "runs": [{ "plugin": "testkit", "idempotency_key": "c0" }, { "plugin": "nope", "idempotency_key": "c1" }] }), 404, "runs[1]: no plugin"),
+            (json!({ "runs": [{ "plugin": "testkit", "idempotency_key": "c0", "max_attempts": 0 }] }), 400, "runs[0]: max_attempts"),
+            (json!({ "runs": [{ "plugin": "testkit", "idempotency_key": "c0" }, { "plugin": "testkit", "idempotency_key": "c0" }] }), 400, "already used by this batch"),
+            (json!({ "runs": [{ "plugin": "testkit", "idempotency_key": "c0", "thread_id": "t" }, { "plugin": "testkit", "idempotency_key": "c1", "thread_id": "t" }] }), 400, "names each thread once"),
+            (json!({ "runs": [] }), 400, "1 to 1000 runs"),
+            (json!({ "runs": (0..1001).map(|i| json!({ "plugin": "testkit", "idempotency_key": format!("d{i}") })).collect::<Vec<_>>() }), 400, "not 1001"),
+        ];
+        for (req, want, says) in bad {
+            let (status, body) = server.post("/v1/runs:batch", req).await?;
+            ensure!(status == want && body["error"]["message"].as_str().is_some_and(|m| m.contains(says)), "{status} {body}");
+        }
+        let (_, list) = server.get("/v1/runs?limit=100").await?;
+        ensure!(list["runs"].as_array().map(Vec::len) == Some(6), "a refused batch wrote runs: {list}");
+        server.stop().await;
+        Ok(())
+    }
+
     async fn bad_requests_get_a_4xx_with_a_json_error(db) {
         let server = with_testkit(db, None).await?;
         let raw = |path: &str, body: &'static [u8]| server.req(reqwest::Method::POST, path).header("content-type", "application/json").body(body);
