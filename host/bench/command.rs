@@ -6,6 +6,7 @@ use anyhow::Result;
 use clap::Subcommand;
 
 use super::claim::ClaimBench;
+use super::drain::DrainBench;
 use super::e2e::E2eBench;
 use crate::store::SqliteSync;
 
@@ -47,6 +48,45 @@ pub enum BenchCommand {
         #[arg(long)]
         quiet: bool,
     },
+    /// How fast the worker pool drains a backlog of queued runs of the
+    /// test plugin, from first claim to last close on the database clock.
+    /// Ends with one JSON line; with --peers, one line that also holds the
+    /// peers' drains of the same backlog and the ratios.
+    Drain {
+        /// Database URL. It must hold no runs. Default: a temporary SQLite
+        /// file, removed afterwards.
+        #[arg(long)]
+        database_url: Option<String>,
+        /// Runs in the backlog.
+        #[arg(long, default_value_t = 20_000)]
+        runs: i64,
+        /// `kv.put`s per run; 0 is a no-op turn.
+        #[arg(long, default_value_t = 0)]
+        steps: u64,
+        /// Worker pool size, as `serve --workers`.
+        #[arg(long, default_value_t = 64)]
+        workers: usize,
+        /// Most runs per claim statement, as `serve --claim-batch`.
+        #[arg(long, default_value_t = 64)]
+        claim_batch: usize,
+        /// Rounds; medians are reported.
+        #[arg(long, default_value_t = 1)]
+        rounds: usize,
+        /// The test plugin.
+        #[arg(long, default_value = "target/plugins/testkit.wasm")]
+        plugin_file: PathBuf,
+        /// SQLite only: PRAGMA synchronous, as `serve --sqlite-synchronous`.
+        #[arg(long, default_value = "full")]
+        sqlite_synchronous: SqliteSync,
+        /// Then run this script (`../shared/peers/run`) on the same
+        /// PostgreSQL server with the same number of jobs and report
+        /// leasehold's rate over each peer's. PostgreSQL only.
+        #[arg(long)]
+        peers: Option<PathBuf>,
+        /// No progress lines on stderr.
+        #[arg(long)]
+        quiet: bool,
+    },
     /// Claim throughput against a raw UPDATE … RETURNING baseline, in one
     /// run. Ends with one JSON line on stdout.
     Claim {
@@ -82,7 +122,7 @@ impl BenchCommand {
     /// Runs the bench and prints its result as one JSON line on stdout.
     pub async fn run(self) -> Result<()> {
         match self {
-                BenchCommand::E2e { database_url, runs, concurrency, submitters, rounds, plugin_file, sqlite_synchronous, quiet } => {
+            BenchCommand::E2e { database_url, runs, concurrency, submitters, rounds, plugin_file, sqlite_synchronous, quiet } => {
                 let submitters = submitters.unwrap_or(concurrency);
                 anyhow::ensure!(
                     runs > 0 && concurrency > 0 && submitters > 0 && rounds > 0,
@@ -114,7 +154,51 @@ impl BenchCommand {
                 println!("{}", serde_json::to_string(&result?)?);
                 Ok(())
             }
-                BenchCommand::Claim { database_url, runs, concurrency, batch, finished, synchronous, rounds, quiet } => {
+            BenchCommand::Drain { database_url, runs, steps, workers, claim_batch, rounds, plugin_file, sqlite_synchronous, peers, quiet } => {
+                anyhow::ensure!(
+                    runs > 0 && workers > 0 && claim_batch > 0 && rounds > 0,
+                    "--runs, --workers, --claim-batch and --rounds must be positive"
+                );
+                if peers.is_some() && database_url.as_deref().is_none_or(|u| u.starts_with("sqlite:")) {
+                    anyhow::bail!("--peers needs a PostgreSQL --database-url: the peers run on PostgreSQL");
+                }
+                let temp = database_url.is_none().then(|| {
+                    std::env::temp_dir().join(format!("leasehold-bench-drain-{}.db", std::process::id()))
+                });
+                let url = match (&database_url, &temp) {
+                    (Some(u), _) => u.clone(),
+                    (None, Some(p)) => format!("sqlite://{}", p.display()),
+                    (None, None) => unreachable!(),
+                };
+                let bench = DrainBench {
+                    database_url: url.clone(),
+                    runs,
+                    steps,
+                    workers,
+                    claim_batch,
+                    rounds,
+                    plugin_file,
+                    cache_dir: crate::runtime::default_cache_dir(),
+                    progress: !quiet,
+                    sqlite_sync: sqlite_synchronous,
+                };
+                let result = bench.run().await;
+                if let Some(p) = temp {
+                    remove_sqlite(&p);
+                }
+                let result = result?;
+                match peers {
+                    None => println!("{}", serde_json::to_string(&result)?),
+                    Some(script) => {
+                        let lines = super::peers::run(&script, &url, runs)?;
+                        let ratios = super::peers::ratios(result.runs_per_sec, &lines);
+                        let out = serde_json::json!({ "drain": result, "peers": lines, "ratios": ratios });
+                        println!("{out}");
+                    }
+                }
+                Ok(())
+            }
+            BenchCommand::Claim { database_url, runs, concurrency, batch, finished, synchronous, rounds, quiet } => {
                 anyhow::ensure!(runs > 0 && concurrency > 0 && batch > 0 && rounds > 0, "--runs, --concurrency, --batch and --rounds must be positive");
                 let temp = database_url.is_none().then(|| {
                     std::env::temp_dir().join(format!("leasehold-bench-{}.db", std::process::id()))

@@ -1,11 +1,14 @@
 //! The benchmarks, apart from the host's core: `leasehold bench claim`
-//! ([`claim`]) and `leasehold bench e2e` ([`e2e`]). Each measures the host
+//! ([`claim`]), `leasehold bench e2e` ([`e2e`]) and `leasehold bench drain`
+//! ([`drain`], with [`peers`] beside it). Each measures the host
 //! against a baseline in the same run and reports the ratio, which stays
 //! meaningful on a noisy, shared machine.
 
 pub mod claim;
 mod command;
+pub mod drain;
 pub mod e2e;
+mod peers;
 pub mod progress;
 
 use crate::store::{Store, StoreError};

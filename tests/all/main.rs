@@ -5,6 +5,7 @@ mod harness;
 mod plugins;
 
 mod api;
+mod bench_drain;
 mod bench_e2e;
 mod chaos;
 mod concurrency;

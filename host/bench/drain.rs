@@ -1,0 +1,265 @@
+//! `leasehold bench drain`: how fast the real worker pool drains a backlog.
+//!
+//! Loads `runs` queued runs of the test plugin the way a user's backlog
+//! looks (each with its thread, its `submitted` event and its secret,
+//! written by the batch submit, [`Store::create_runs`]), then starts the
+//! worker pool that `serve` runs and times it to the last close. Each run
+//! is a no-op turn (`steps` 0) or makes `steps` `kv.put`s. The rate is
+//! measured on the database clock, from the first claim (the earliest
+//! `started_at`) to the last close (the latest `finished_at`), and over the
+//! first and the last tenth of the runs to finish, so a drain that slows
+//! as it goes shows it. It also reports this process's CPU time per run
+//! (on SQLite that includes the database's work, which runs in process).
+//!
+//! This is the workload of `../shared/peers/run` (graphile-worker and
+//! pg-boss draining pre-queued no-op jobs), so the two compare as a ratio
+//! measured in one sitting.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use sqlx::Row;
+
+use super::BenchError;
+use crate::executor::{Executor, ExecutorConfig};
+use crate::plugins::{self, PluginSettings};
+use crate::pool::{PoolConfig, WorkerPool};
+use crate::runtime::{Runtime, RuntimeConfig};
+use crate::store::{MAX_SUBMIT_BATCH, NewRun, RunStatus, SqliteSync, Store, StoreError, StoreOptions, sql};
+
+/// The plugin the bench registers: the Rust test plugin.
+const PLUGIN: &str = "bench-drain";
+
+/// Settings of `bench drain`. The CLI's defaults are in brackets.
+pub struct DrainBench {
+    pub database_url: String,
+    /// Runs loaded and drained per round. [20,000]
+    pub runs: i64,
+    /// `kv.put`s per run; 0 is a no-op turn. [0]
+    pub steps: u64,
+    /// The pool's workers. [64]
+    pub workers: usize,
+    /// Most runs per claim statement. [64]
+    pub claim_batch: usize,
+    /// Rounds; medians are reported. [1]
+    pub rounds: usize,
+    /// The test plugin's component (`scripts/build-plugins` builds it).
+    pub plugin_file: PathBuf,
+    pub cache_dir: PathBuf,
+    pub progress: bool,
+    /// SQLite's `synchronous`. [full]
+    pub sqlite_sync: SqliteSync,
+}
+
+/// The one JSON line the bench ends with.
+#[derive(Debug, Clone, Serialize)]
+pub struct DrainResult {
+    pub backend: &'static str,
+    pub runs: i64,
+    pub steps: u64,
+    pub workers: usize,
+    pub claim_batch: usize,
+    pub rounds: usize,
+    /// First claim to last close, on the database clock (median of rounds).
+    pub runs_per_sec: f64,
+    /// Over the first tenth of the runs to finish.
+    pub first_tenth_per_sec: f64,
+    /// Over the last tenth of the runs to finish.
+    pub last_tenth_per_sec: f64,
+    /// This process's CPU time (user and system, all threads) per run.
+    pub cpu_us_per_run: f64,
+    /// How long loading the backlog took, in seconds.
+    pub load_s: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sqlite_synchronous: Option<SqliteSync>,
+}
+
+/// One round's figures.
+struct Round {
+    rate: f64,
+    first: f64,
+    last: f64,
+    cpu_us: f64,
+    load_s: f64,
+}
+
+impl DrainBench {
+    pub async fn run(&self) -> Result<DrainResult, BenchError> {
+        let opts = StoreOptions {
+            max_connections: Some(self.workers as u32 + 8),
+            sqlite_sync: self.sqlite_sync,
+            ..Default::default()
+        };
+        let store = Store::connect_with(&self.database_url, opts).await?;
+        let existing: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM runs")
+            .fetch_one(store.pool())
+            .await
+            .map_err(StoreError::from)?;
+        if existing > 0 {
+            return Err(BenchError::NotEmpty(existing));
+        }
+        let bytes = std::fs::read(&self.plugin_file).map_err(|e| {
+            BenchError::Setup(format!("reading {}: {e} (build it with ./scripts/build-plugins)", self.plugin_file.display()))
+        })?;
+        let runtime = Arc::new(
+            Runtime::new(RuntimeConfig {
+                cache_dir: self.cache_dir.clone(),
+                max_instances: self.workers as u32 + 2,
+                ..RuntimeConfig::default()
+            })
+            .map_err(|e| BenchError::Setup(format!("{e:#}")))?,
+        );
+        plugins::register(&store, &runtime, PLUGIN, bytes, PluginSettings::default())
+            .await
+            .map_err(|e| BenchError::Setup(e.to_string()))?;
+        let exec = Arc::new(Executor::new(
+            store.clone(),
+            runtime,
+            ExecutorConfig { owner: "bench-drain".into(), model: None, ..ExecutorConfig::default() },
+        ));
+        let rounds = self.rounds.max(1);
+        let mut done = Vec::with_capacity(rounds);
+        for round in 0..rounds {
+            if round > 0 {
+                clear(&store, false).await?;
+            }
+            done.push(self.round(&store, &exec, round).await?);
+        }
+        clear(&store, true).await?;
+        store.shutdown().await;
+        let median = |f: fn(&Round) -> f64| super::median(&mut done.iter().map(f).collect::<Vec<_>>());
+        Ok(DrainResult {
+            backend: store.backend().name(),
+            runs: self.runs,
+            steps: self.steps,
+            workers: self.workers,
+            claim_batch: self.claim_batch,
+            rounds,
+            runs_per_sec: median(|r| r.rate).round(),
+            first_tenth_per_sec: median(|r| r.first).round(),
+            last_tenth_per_sec: median(|r| r.last).round(),
+            cpu_us_per_run: (median(|r| r.cpu_us) * 10.0).round() / 10.0,
+            load_s: (median(|r| r.load_s) * 100.0).round() / 100.0,
+            sqlite_synchronous: (store.backend() == crate::store::Backend::Sqlite).then_some(self.sqlite_sync),
+        })
+    }
+
+    async fn round(&self, store: &Store, exec: &Arc<Executor>, round: usize) -> Result<Round, BenchError> {
+        let loading = Instant::now();
+        let mut loaded = 0;
+        while loaded < self.runs {
+            let n = (self.runs - loaded).min(MAX_SUBMIT_BATCH as i64);
+            let batch: Vec<NewRun> = (loaded..loaded + n).map(|i| NewRun::new(PLUGIN, self.input(round, i))).collect();
+            store.create_runs(&batch).await?;
+            loaded += n;
+        }
+        let load_s = loading.elapsed().as_secs_f64();
+        self.say(format_args!("loaded {} runs in {load_s:.2} s", self.runs));
+        // The tables as a vacuumed, analyzed backlog: where autovacuum is
+        // off, the load's dead versions would otherwise be measured too.
+        super::vacuum(
+            store,
+            &["VACUUM ANALYZE runs", "VACUUM ANALYZE threads", "VACUUM ANALYZE events", "VACUUM ANALYZE effects", "VACUUM ANALYZE kv"],
+        )
+        .await?;
+
+        let cpu = cpu_time();
+        let started = Instant::now();
+        let pool = WorkerPool::start(
+            store.clone(),
+            exec.clone(),
+            PoolConfig { workers: self.workers, poll: Duration::from_millis(100), claim_batch: self.claim_batch },
+        );
+        self.wait_drained(store).await?;
+        let cpu_us = (cpu_time() - cpu).as_secs_f64() * 1e6 / self.runs as f64;
+        let wall = started.elapsed();
+        pool.shutdown(Duration::from_secs(10)).await;
+
+        let row = sqlx::query(sql!(
+            store,
+            "SELECT COUNT(*) AS n, MIN(started_at) AS first_claim, MAX(finished_at) AS last_close FROM runs WHERE status = $1"
+        ))
+        .bind(RunStatus::Completed.as_str())
+        .fetch_one(store.pool())
+        .await
+        .map_err(StoreError::from)?;
+        let completed: i64 = row.try_get("n").map_err(StoreError::from)?;
+        if completed != self.runs {
+            return Err(BenchError::Miscount { got: completed as u64, want: self.runs });
+        }
+        let (first_claim, last_close): (i64, i64) =
+            (row.try_get("first_claim").map_err(StoreError::from)?, row.try_get("last_close").map_err(StoreError::from)?);
+        let finished: Vec<i64> = sqlx::query_scalar("SELECT finished_at FROM runs ORDER BY finished_at")
+            .fetch_all(store.pool())
+            .await
+            .map_err(StoreError::from)?;
+        let tenth = (finished.len() / 10).max(1);
+        let per_sec = |n: usize, ms: i64| n as f64 * 1000.0 / (ms.max(1) as f64);
+        let rate = per_sec(finished.len(), last_close - first_claim);
+        let first = per_sec(tenth, finished[tenth - 1] - first_claim);
+        let last = per_sec(tenth, last_close - finished[finished.len() - tenth - 1]);
+        self.say(format_args!(
+            "drained {} runs in {wall:?}: {rate:.0}/s (first tenth {first:.0}/s, last tenth {last:.0}/s), {cpu_us:.1} µs CPU per run",
+            self.runs
+        ));
+        Ok(Round { rate, first, last, cpu_us, load_s })
+    }
+
+    fn input(&self, round: usize, i: i64) -> String {
+        // Keys of their own: runs that all wrote one key would queue on its
+        // row lock and measure that row.
+        serde_json::json!({ "steps": self.steps, "prefix": format!("d{round}-{i}") }).to_string()
+    }
+
+    /// Until no run is claimable or running; then every run must be done.
+    async fn wait_drained(&self, store: &Store) -> Result<(), BenchError> {
+        let shown = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let _bar = self.progress.then(|| super::progress::Progress::start("drained", self.runs as u64, shown.clone()));
+        loop {
+            // Through the claim index: a read of the runs left, never of the
+            // finished ones.
+            let open: i64 = sqlx::query_scalar(concat!("SELECT COUNT(*) FROM runs WHERE ", crate::claimable!()))
+                .fetch_one(store.pool())
+                .await
+                .map_err(StoreError::from)?;
+            shown.store((self.runs - open).max(0) as u64, std::sync::atomic::Ordering::Relaxed);
+            if open == 0 {
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    fn say(&self, msg: std::fmt::Arguments<'_>) {
+        if self.progress {
+            eprintln!("{msg}");
+        }
+    }
+}
+
+/// This process's CPU time so far, all threads.
+fn cpu_time() -> Duration {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ProcessCPUTime);
+    Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
+}
+
+/// Removes the runs the bench wrote and their rows (never another
+/// plugin's), and with `plugin` its plugin too.
+async fn clear(store: &Store, plugin: bool) -> Result<(), StoreError> {
+    for q in [
+        "DELETE FROM effects WHERE run_id IN (SELECT id FROM runs WHERE plugin = $1)",
+        "DELETE FROM events WHERE run_id IN (SELECT id FROM runs WHERE plugin = $1)",
+        "DELETE FROM threads WHERE id IN (SELECT thread_id FROM runs WHERE plugin = $1)",
+        "DELETE FROM runs WHERE plugin = $1",
+        "DELETE FROM kv WHERE namespace = $1",
+    ] {
+        sqlx::query(q).bind(PLUGIN).execute(store.writer()).await?;
+    }
+    if plugin {
+        sqlx::query("DELETE FROM plugins WHERE name = $1").bind(PLUGIN).execute(store.writer()).await?;
+        sqlx::query("DELETE FROM plugin_versions WHERE name = $1").bind(PLUGIN).execute(store.writer()).await?;
+    }
+    Ok(())
+}
