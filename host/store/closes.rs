@@ -1,4 +1,4 @@
-//! Group commit of closes (PostgreSQL).
+//! Group commit of closes, on both backends.
 //!
 //! A close is the one statement a short turn costs while there is a queue
 //! (its tail, its puts, its final status and the next claim; see
@@ -16,8 +16,11 @@
 //! fails as a whole, each of its closes is tried on its own, so every
 //! caller gets its own result and its own error.
 //!
-//! SQLite has one writer, and a close there is already one transaction of
-//! function calls, so its closes are not queued.
+//! PostgreSQL writes a batch as one data-modifying statement
+//! ([`Store::close_batch`]); SQLite, which has one writer, as one
+//! transaction of each close's statements ([`Store::close_batch_sqlite`]),
+//! so that under `synchronous=FULL` a batch costs one fsync, not one per
+//! close.
 
 use std::time::Duration;
 
@@ -104,7 +107,12 @@ impl group::Batched for Close {
         store: &'a Store,
         closes: &'a [Close],
     ) -> impl Future<Output = Result<Vec<Result<Option<Claimed>, StoreError>>, StoreError>> + Send + 'a {
-        store.close_batch(closes)
+        async move {
+            match store.backend() {
+                Backend::Postgres => store.close_batch(closes).await,
+                Backend::Sqlite => store.close_batch_sqlite(closes).await,
+            }
+        }
     }
 
     fn written(store: &Store, n: usize) {
@@ -164,74 +172,100 @@ impl Store {
         outcome: &Outcome,
         next: Option<(&str, Duration)>,
     ) -> Result<Option<Claimed>, StoreError> {
-        if self.backend() == Backend::Postgres {
-            let close = Close {
-                lease: lease.clone(),
-                deltas: deltas.iter().map(|d| d.to_string()).collect(),
-                puts: puts.to_vec(),
-                outcome: outcome.clone(),
-                next: next.map(|(owner, ttl)| (owner.to_string(), ttl)),
-            };
-            return crate::store::closes::close(self, close).await;
-        }
-        let (status, output, error, payload) = closing(outcome);
-        let payload = payload.as_str();
-        let (next_owner, next_ttl, next_max) = match next {
-            Some((owner, ttl)) => (owner, ms(ttl), 1i64),
-            None => ("", 0, 0),
+        let close = Close {
+            lease: lease.clone(),
+            deltas: deltas.iter().map(|d| d.to_string()).collect(),
+            puts: puts.to_vec(),
+            outcome: outcome.clone(),
+            next: next.map(|(owner, ttl)| (owner.to_string(), ttl)),
         };
-        let joined: String = deltas.concat();
-        let joined = joined.as_str();
-        let (claimed, thread) = self.retry(|| async move {
-            let mut tx = self.writer().begin().await?;
-            // Statements 3 and 4 in one guarded write: the tail's deltas
-            // and the final status.
-            let row = sqlx::query(sql!(
-                self,
-                concat!(
-                    "UPDATE runs SET status = $4, output = $5, error = $6, lease_owner = NULL, \
-                     lease_expires_at = NULL, finished_at = {now}, updated_at = {now}, \
-                     partial = partial || $7, emit_pos = emit_pos + $8 WHERE ",
-                    guarded!(),
-                    " RETURNING thread_id, emit_pos - $8 AS first"
-                )
-            ))
-            .bind(lease.run_id)
-            .bind(&lease.owner)
-            .bind(lease.fence)
-            .bind(status.as_str())
-            .bind(output)
-            .bind(error)
-            .bind(joined)
-            .bind(deltas.len() as i64)
-            .fetch_optional(&mut *tx)
-            .await?
-            .ok_or_else(|| rejected(lease))?;
-            let thread_id: String = row.try_get("thread_id")?;
-            let first: i64 = row.try_get("first")?;
-            sqlite_append_events(self, &mut tx, &thread_id, lease, first, deltas, Some(payload)).await?;
-            insert_held_puts(self, &mut tx, lease, puts).await?;
-            let thread = Some(thread_id);
-            let mut claimed = Vec::new();
-            if next_max > 0 {
-                // The closed run is no longer claimable: this transaction
-                // has just finished it.
-                let rows = sqlx::query(crate::store::claim_sql(self, 1))
-                    .bind(next_owner)
-                    .bind(next_ttl)
-                    .bind(next_max)
-                    .fetch_all(&mut *tx)
-                    .await?;
-                claimed = claimed_rows(&rows, next_owner)?;
-            }
-            tx.commit().await?;
-            Ok((claimed.pop(), thread))
-        })
-        .await?;
-        if let Some(thread) = thread {
+        crate::store::closes::close(self, close).await
+    }
+
+    /// SQLite: a batch of closes in one transaction and one commit (one
+    /// fsync under `synchronous=FULL`), each close its own guarded
+    /// statements. A close that fails its guard has written nothing (the
+    /// guarded update is its first statement) and gets
+    /// [`StoreError::LeaseLost`]; the others are written.
+    pub(crate) async fn close_batch_sqlite(
+        &self,
+        closes: &[Close],
+    ) -> Result<Vec<Result<Option<Claimed>, StoreError>>, StoreError> {
+        let (results, threads) = self
+            .retry(|| async move {
+                let mut tx = self.writer().begin().await?;
+                let (mut results, mut threads) = (Vec::with_capacity(closes.len()), Vec::new());
+                for c in closes {
+                    match self.sqlite_close_in(&mut tx, c).await {
+                        Ok((claimed, thread)) => {
+                            threads.push(thread);
+                            results.push(Ok(claimed));
+                        }
+                        Err(lost @ StoreError::LeaseLost(_)) => results.push(Err(lost)),
+                        Err(e) => return Err(e),
+                    }
+                }
+                tx.commit().await?;
+                Ok((results, threads))
+            })
+            .await?;
+        for thread in threads {
             self.hub().wake(&thread);
         }
-        Ok(claimed)
+        Ok(results)
+    }
+
+    /// SQLite: one close's statements on `conn`, inside the batch's
+    /// transaction. Returns the run it claimed, if any, and its thread.
+    async fn sqlite_close_in(
+        &self,
+        conn: &mut sqlx::AnyConnection,
+        close: &Close,
+    ) -> Result<(Option<Claimed>, String), StoreError> {
+        let lease = &close.lease;
+        let (status, output, error, payload) = closing(&close.outcome);
+        let joined: String = close.deltas.concat();
+        // Statements 3 and 4 in one guarded write: the tail's deltas and
+        // the final status.
+        let row = sqlx::query(sql!(
+            self,
+            concat!(
+                "UPDATE runs SET status = $4, output = $5, error = $6, lease_owner = NULL, \
+                 lease_expires_at = NULL, finished_at = {now}, updated_at = {now}, \
+                 partial = partial || $7, emit_pos = emit_pos + $8 WHERE ",
+                guarded!(),
+                " RETURNING thread_id, emit_pos - $8 AS first"
+            )
+        ))
+        .bind(lease.run_id)
+        .bind(&lease.owner)
+        .bind(lease.fence)
+        .bind(status.as_str())
+        .bind(output)
+        .bind(error)
+        .bind(joined.as_str())
+        .bind(close.deltas.len() as i64)
+        .fetch_optional(&mut *conn)
+        .await?
+        .ok_or_else(|| rejected(lease))?;
+        let thread_id: String = row.try_get("thread_id")?;
+        let first: i64 = row.try_get("first")?;
+        let deltas: Vec<&str> = close.deltas.iter().map(String::as_str).collect();
+        sqlite_append_events(self, conn, &thread_id, lease, first, &deltas, Some(payload.as_str())).await?;
+        insert_held_puts(self, conn, lease, &close.puts).await?;
+        let mut claimed = Vec::new();
+        if let Some((owner, ttl)) = &close.next {
+            // The closed run is no longer claimable: this transaction has
+            // just finished it.
+            let rows = sqlx::query(crate::store::claim_sql(self, 1))
+                .bind(owner.as_str())
+                .bind(ms(*ttl))
+                .bind(1i64)
+                .fetch_all(&mut *conn)
+                .await?;
+            claimed = claimed_rows(&rows, owner)?;
+        }
+        Ok((claimed.pop(), thread_id))
     }
 
     /// PostgreSQL: statement 4 for a batch of closes (see
