@@ -57,6 +57,12 @@ pub struct ServeOptions {
     /// [default: 16]
     #[arg(long, env = "LEASEHOLD_CLAIM_BATCH")]
     pub claim_batch: Option<usize>,
+    /// Runs claimed ahead of free workers and queued on this host, so a
+    /// worker that frees finds a run already leased. Queued runs hold
+    /// leases: one that waits a third of --lease-ttl-ms is given back, and
+    /// so are all at shutdown. 0 turns the queue off. [default: 0]
+    #[arg(long, env = "LEASEHOLD_PREFETCH")]
+    pub prefetch: Option<usize>,
     /// Lease length in ms: how long a dead host's runs wait before another
     /// host takes them. [default: 30000]
     #[arg(long, env = "LEASEHOLD_LEASE_TTL_MS")]
@@ -131,6 +137,7 @@ pub struct Serve {
     pub sqlite_sync: SqliteSync,
     pub workers: usize,
     pub claim_batch: usize,
+    pub prefetch: usize,
     pub lease_ttl: Duration,
     pub reaper_interval: Duration,
     pub poll: Duration,
@@ -178,6 +185,7 @@ impl ServeOptions {
             database_url,
             workers: self.workers.or(file.workers).unwrap_or(4),
             claim_batch: self.claim_batch.or(file.claim_batch).unwrap_or(16),
+            prefetch: self.prefetch.or(file.prefetch).unwrap_or(0),
             lease_ttl: ms(self.lease_ttl_ms.or(file.lease_ttl_ms).unwrap_or(30_000)),
             reaper_interval: ms(self.reaper_interval_ms.or(file.reaper_interval_ms).unwrap_or(5_000)),
             poll: ms(self.poll_ms.or(file.poll_ms).unwrap_or(1_000)),

@@ -70,6 +70,12 @@ pub struct Metrics {
     pub submit_commits: AtomicU64,
     /// Guest `log` lines dropped over a segment's cap.
     pub guest_log_lines_dropped: AtomicU64,
+    /// Runs claimed ahead of free workers and waiting in the pool's local
+    /// queue now (a gauge; see `pool`).
+    pub prefetched: AtomicU64,
+    /// Runs the local queue gave back unstarted: at shutdown, or after
+    /// waiting too long for a worker.
+    pub prefetch_given_back: AtomicU64,
 }
 
 
@@ -130,6 +136,18 @@ impl Metrics {
             "leasehold_guest_log_lines_dropped_total",
             "Guest log lines dropped over a segment's cap.",
             &self.guest_log_lines_dropped,
+        );
+        let _ = writeln!(
+            out,
+            "# HELP leasehold_prefetched_runs Runs claimed ahead of free workers, waiting in the local queue.\n\
+             # TYPE leasehold_prefetched_runs gauge\nleasehold_prefetched_runs {}",
+            self.prefetched.load(Relaxed)
+        );
+        counter(
+            &mut out,
+            "leasehold_prefetch_given_back_total",
+            "Prefetched runs given back unstarted (shutdown, or waited too long for a worker).",
+            &self.prefetch_given_back,
         );
         counter(&mut out, "leasehold_submits_total", "Submits written by this host.", &self.submits);
         counter(

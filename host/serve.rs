@@ -69,7 +69,7 @@ pub async fn serve(cfg: config::Serve) -> Result<()> {
     }
     let owner = exec_config.owner.clone();
     let executor = Arc::new(Executor::new(store.clone(), runtime.clone(), exec_config));
-    let pool = WorkerPool::start(store.clone(), executor, PoolConfig { workers: cfg.workers, poll: cfg.poll, claim_batch: cfg.claim_batch });
+    let pool = WorkerPool::start(store.clone(), executor, PoolConfig { workers: cfg.workers, poll: cfg.poll, claim_batch: cfg.claim_batch, prefetch: cfg.prefetch });
 
     let (stop_tx, stop_rx) = watch::channel(false);
     let reaper = tokio::spawn(reaper::run(store.clone(), ReaperConfig::default(), cfg.reaper_interval, stop_rx.clone()));
@@ -98,6 +98,7 @@ pub async fn serve(cfg: config::Serve) -> Result<()> {
         backend = store.backend().name(),
         database = %store.url_redacted(),
         workers = cfg.workers,
+        prefetch = cfg.prefetch,
         owner = %owner,
         auth = cfg.api_token.is_some(),
         "leasehold is up"

@@ -69,6 +69,9 @@ pub enum BenchCommand {
         /// Most runs per claim statement, as `serve --claim-batch`.
         #[arg(long, default_value_t = 64)]
         claim_batch: usize,
+        /// The pool's local queue, as `serve --prefetch`.
+        #[arg(long, default_value_t = 0)]
+        prefetch: usize,
         /// Rounds; medians are reported.
         #[arg(long, default_value_t = 1)]
         rounds: usize,
@@ -154,7 +157,7 @@ impl BenchCommand {
                 println!("{}", serde_json::to_string(&result?)?);
                 Ok(())
             }
-            BenchCommand::Drain { database_url, runs, steps, workers, claim_batch, rounds, plugin_file, sqlite_synchronous, peers, quiet } => {
+            BenchCommand::Drain { database_url, runs, steps, workers, claim_batch, prefetch, rounds, plugin_file, sqlite_synchronous, peers, quiet } => {
                 anyhow::ensure!(
                     runs > 0 && workers > 0 && claim_batch > 0 && rounds > 0,
                     "--runs, --workers, --claim-batch and --rounds must be positive"
@@ -176,6 +179,7 @@ impl BenchCommand {
                     steps,
                     workers,
                     claim_batch,
+                    prefetch,
                     rounds,
                     plugin_file,
                     cache_dir: crate::runtime::default_cache_dir(),

@@ -43,6 +43,8 @@ pub struct DrainBench {
     pub workers: usize,
     /// Most runs per claim statement. [64]
     pub claim_batch: usize,
+    /// The pool's local queue ([`PoolConfig::prefetch`]). [0]
+    pub prefetch: usize,
     /// Rounds; medians are reported. [1]
     pub rounds: usize,
     /// The test plugin's component (`scripts/build-plugins` builds it).
@@ -61,6 +63,7 @@ pub struct DrainResult {
     pub steps: u64,
     pub workers: usize,
     pub claim_batch: usize,
+    pub prefetch: usize,
     pub rounds: usize,
     /// First claim to last close, on the database clock (median of rounds).
     pub runs_per_sec: f64,
@@ -136,6 +139,7 @@ impl DrainBench {
             steps: self.steps,
             workers: self.workers,
             claim_batch: self.claim_batch,
+            prefetch: self.prefetch,
             rounds,
             runs_per_sec: median(|r| r.rate).round(),
             first_tenth_per_sec: median(|r| r.first).round(),
@@ -170,7 +174,7 @@ impl DrainBench {
         let pool = WorkerPool::start(
             store.clone(),
             exec.clone(),
-            PoolConfig { workers: self.workers, poll: Duration::from_millis(100), claim_batch: self.claim_batch },
+            PoolConfig { workers: self.workers, poll: Duration::from_millis(100), claim_batch: self.claim_batch, prefetch: self.prefetch },
         );
         self.wait_drained(store).await?;
         let cpu_us = (cpu_time() - cpu).as_secs_f64() * 1e6 / self.runs as f64;

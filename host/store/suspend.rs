@@ -60,6 +60,35 @@ impl Store {
         Ok(status)
     }
 
+    /// Gives back a run claimed but never started (a worker pool's local
+    /// queue at shutdown): `waiting_takeover`, claimable by any host at
+    /// once, and its claim's attempt returned, since nothing ran. No event:
+    /// a reader of the thread saw nothing of this claim. Guarded by (owner,
+    /// fence) like every lease-holder write.
+    pub async fn give_back(&self, lease: &Lease) -> Result<(), StoreError> {
+        let rows = self
+            .retry(|| async move {
+                Ok(sqlx::query(sql!(
+                    self,
+                    "UPDATE runs SET status = 'waiting_takeover', lease_owner = NULL, lease_expires_at = NULL, \
+                     attempt = CASE WHEN attempt > 0 THEN attempt - 1 ELSE 0 END, updated_at = {now} \
+                     WHERE id = $1 AND lease_owner = $2 AND fence = $3 AND status = 'running'"
+                ))
+                .bind(lease.run_id)
+                .bind(&lease.owner)
+                .bind(lease.fence)
+                .execute(self.writer())
+                .await?
+                .rows_affected())
+            })
+            .await?;
+        if rows == 0 {
+            return Err(rejected(lease));
+        }
+        self.signal_work(false).await;
+        Ok(())
+    }
+
     /// Delivers input to a `waiting_input` run, making it claimable.
     ///
     /// Not a lease-holder write: a waiting run has no lease. It is guarded by

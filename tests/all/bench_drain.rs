@@ -19,6 +19,7 @@ both! {
             steps: 1,
             workers: 4,
             claim_batch: 4,
+            prefetch: 4,
             rounds: 2,
             plugin_file,
             cache_dir: std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/component-cache"),

@@ -3,6 +3,7 @@
 
 mod harness;
 mod plugins;
+mod prefetch;
 
 mod api;
 mod bench_drain;

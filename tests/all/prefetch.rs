@@ -1,0 +1,116 @@
+//! The worker pool's local queue (`PoolConfig::prefetch`): runs claimed
+//! ahead of free workers hold leases, so they must never be left to
+//! expire: they are given back at shutdown, and given back rather than run
+//! once they have waited a third of their lease.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Result, ensure};
+use leasehold::executor::{Executor, ExecutorConfig};
+use leasehold::plugins::PluginSettings;
+use leasehold::pool::{PoolConfig, WorkerPool};
+use leasehold::store::{NewRun, RunStatus, Store};
+
+use crate::harness::{TestDb, both};
+use crate::plugins;
+
+/// One worker, a local queue of three, and `lease_ttl`.
+async fn pool(db: &TestDb, owner: &str, lease_ttl: Duration) -> Result<WorkerPool> {
+    let runtime = plugins::runtime()?;
+    leasehold::plugins::register(&db.store, &runtime, "testkit", plugins::rust_plugin("testkit")?, PluginSettings::default()).await?;
+    let config = ExecutorConfig { owner: owner.into(), model: None, lease_ttl, ..ExecutorConfig::default() };
+    let exec = Arc::new(Executor::new(db.store.clone(), runtime, config));
+    Ok(WorkerPool::start(db.store.clone(), exec, PoolConfig { workers: 1, poll: Duration::from_millis(50), claim_batch: 4, prefetch: 3 }))
+}
+
+/// Runs of a turn that waits `ms` in the language's own sleep (a short one
+/// just waits, holding its worker).
+async fn submit_sleepers(store: &Store, n: usize, ms: u64) -> Result<Vec<i64>> {
+    let mut ids = Vec::new();
+    for _ in 0..n {
+        let input = serde_json::json!({ "mode": "script", "ops": [{ "op": "wasi-sleep", "ms": ms }] }).to_string();
+        ids.push(store.create_run(&NewRun::new("testkit", input)).await?.0.id);
+    }
+    Ok(ids)
+}
+
+async fn held_by(store: &Store, owner: &str) -> Result<i64> {
+    Ok(sqlx::query_scalar("SELECT COUNT(*) FROM runs WHERE lease_owner = $1 AND status = 'running'")
+        .bind(owner)
+        .fetch_one(store.pool())
+        .await?)
+}
+
+both! {
+    async fn prefetched_runs_are_given_back_unstarted_at_shutdown(db) {
+        let ids = submit_sleepers(&db.store, 5, 2_000).await?;
+        let pool = pool(db, "prefetcher", Duration::from_secs(30)).await?;
+        // One run on the worker and three queued, all leased by this host.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while held_by(&db.store, "prefetcher").await? < 4 {
+            ensure!(Instant::now() < deadline, "the pool never held 4 runs: {}", held_by(&db.store, "prefetcher").await?);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        ensure!(held_by(&db.store, "prefetcher").await? == 4, "the queue held more than --prefetch");
+        pool.shutdown(Duration::from_millis(100)).await;
+        ensure!(held_by(&db.store, "prefetcher").await? == 0, "shutdown left leases behind");
+        // The running one was suspended by the shutdown (its `suspended`
+        // event says so); the three queued were given back unstarted, with
+        // nothing in their threads but their submits; one was never claimed.
+        let (mut given_back, mut suspended) = (0, 0);
+        for id in &ids {
+            let run = db.store.get_run(*id).await?;
+            ensure!(matches!(run.status, RunStatus::WaitingTakeover | RunStatus::Queued), "{run:?}");
+            if run.status == RunStatus::WaitingTakeover {
+                ensure!(run.fence == 1 && run.attempt == 0, "{run:?}");
+                let events = db.store.events_after(&run.thread_id, 0, 10).await?;
+                if events.iter().all(|e| e.kind == "submitted") {
+                    given_back += 1;
+                } else {
+                    suspended += 1;
+                }
+            }
+        }
+        ensure!(given_back == 3 && suspended == 1, "{given_back} runs given back unstarted, {suspended} suspended");
+        // Any host takes them at once.
+        let again = db.store.claim_batch("other", Duration::from_secs(30), 10).await?;
+        ensure!(again.len() == 5, "{} of 5 claimable after shutdown", again.len());
+        Ok(())
+    }
+
+    async fn a_prefetched_run_that_waited_a_third_of_its_lease_is_given_back_not_run(db) {
+        // A 1.5 s lease: a queued run may wait 0.5 s; each turn holds the
+        // one worker for 0.7 s.
+        let ids = submit_sleepers(&db.store, 4, 700).await?;
+        let pool = pool(db, "slow", Duration::from_millis(1_500)).await?;
+        let deadline = Instant::now() + Duration::from_secs(60);
+        for id in &ids {
+            loop {
+                let run = db.store.get_run(*id).await?;
+                if run.status == RunStatus::Completed {
+                    break;
+                }
+                ensure!(
+                    Instant::now() < deadline && !matches!(run.status, RunStatus::Failed | RunStatus::Aborted | RunStatus::Cancelled),
+                    "{run:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        pool.shutdown(Duration::from_secs(5)).await;
+        // Some runs were claimed, given back and claimed again (no reaper
+        // runs here), and none lost an attempt or a lease to the wait.
+        let mut refenced = 0;
+        for id in &ids {
+            let run = db.store.get_run(*id).await?;
+            ensure!(run.output.is_some() && run.error.is_none(), "{run:?}");
+            if run.fence > 1 {
+                refenced += 1;
+                ensure!(run.attempt == 1, "a give-back counted as an attempt: {run:?}");
+            }
+        }
+        ensure!(refenced > 0, "no queued run was given back after waiting");
+        Ok(())
+    }
+}
