@@ -103,15 +103,10 @@ impl group::Batched for Close {
         take(store)
     }
 
-    fn write<'a>(
-        store: &'a Store,
-        closes: &'a [Close],
-    ) -> impl Future<Output = Result<Vec<Result<Option<Claimed>, StoreError>>, StoreError>> + Send + 'a {
-        async move {
-            match store.backend() {
-                Backend::Postgres => store.close_batch(closes).await,
-                Backend::Sqlite => store.close_batch_sqlite(closes).await,
-            }
+    async fn write(store: &Store, closes: &[Close]) -> Result<Vec<Result<Option<Claimed>, StoreError>>, StoreError> {
+        match store.backend() {
+            Backend::Postgres => store.close_batch(closes).await,
+            Backend::Sqlite => store.close_batch_sqlite(closes).await,
         }
     }
 
