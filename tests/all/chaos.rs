@@ -1391,7 +1391,17 @@ async fn check(
     let max_delay = delays.last().copied().unwrap_or(0);
     let bound = 2 * (POLL_MS + REAPER_MS) as i64 + 1_000;
     if max_delay > bound {
-        failures.push(format!("a dead host's run was taken over {max_delay} ms after its lease ran out; bound {bound} ms"));
+        // Which run, whose, and when (database clock), to match with the
+        // faults' log lines and the hosts' logs.
+        let worst = taken
+            .iter()
+            .filter(|(_, o, left, _)| -left == max_delay && o.as_ref().is_some_and(|o| faulted.contains(o)))
+            .map(|(run, o, left, at)| format!("run {run} of {}, lease ran out at {}, taken at {at}", o.as_deref().unwrap_or("?"), at + left))
+            .next()
+            .unwrap_or_default();
+        failures.push(format!(
+            "a dead host's run was taken over {max_delay} ms after its lease ran out; bound {bound} ms ({worst}; database faults: {windows:?})"
+        ));
     }
     let unbitten = counters.unbitten.lock().unwrap().clone();
     for u in &unbitten {

@@ -84,6 +84,57 @@ async fn serve_requires_a_token_by_default_and_the_cli_finds_it() -> Result<()> 
 }
 
 #[tokio::test]
+async fn the_cli_submits_a_file_of_runs_once_however_often_it_is_sent() -> Result<()> {
+    leasehold::effects::http::install_tls();
+    let dir = tempfile::tempdir()?;
+    let port = free_port()?;
+    let base = format!("http://127.0.0.1:{port}");
+    let _serve = Child(
+        leasehold()
+            .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--plugins-dir", "none", "--workers", "1"])
+            .arg("--cache-dir")
+            .arg(cache_dir())
+            .current_dir(dir.path())
+            .env("LEASEHOLD_LOG", "warn")
+            .env_remove("LEASEHOLD_API_TOKEN")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()?,
+    );
+    wait_healthy(&reqwest::Client::new(), &base, Duration::from_secs(60)).await?;
+    let cli = |args: &[&str]| {
+        leasehold().args(args).args(["--server", &base]).current_dir(dir.path()).env_remove("LEASEHOLD_API_TOKEN").output()
+    };
+    let wasm = dir.path().join("testkit.wasm");
+    std::fs::write(&wasm, crate::plugins::rust_plugin("testkit")?)?;
+    let out = cli(&["plugins", "add", "testkit", wasm.to_str().context("path")?])?;
+    ensure!(out.status.success(), "plugins add: {}", String::from_utf8_lossy(&out.stderr));
+
+    let runs = dir.path().join("runs.jsonl");
+    let lines: Vec<String> = (0..1_500)
+        .map(|i| serde_json::json!({ "plugin": "testkit", "input": { "steps": 0 }, "idempotency_key": format!("k{i}") }).to_string())
+        .collect();
+    std::fs::write(&runs, lines.join("\n") + "\n")?;
+    let file = runs.to_str().context("path")?;
+    // 1,500 runs: two requests. Sent again, nothing new.
+    for want in ["1500 runs queued, 0 already submitted, 0 refused", "0 runs queued, 1500 already submitted, 0 refused"] {
+        let out = cli(&["runs", "submit-batch", file])?;
+        let said = String::from_utf8_lossy(&out.stdout);
+        ensure!(out.status.success() && said.contains(want), "{said} {}", String::from_utf8_lossy(&out.stderr));
+    }
+    // A bad line is named, and the command fails.
+    std::fs::write(&runs, "{\"plugin\": \"testkit\", \"idempotency_key\": \"x\"}\nnot json\n")?;
+    let out = cli(&["runs", "submit-batch", file])?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    ensure!(!out.status.success() && err.contains("line 2: not JSON"), "{err}");
+    std::fs::write(&runs, "{\"plugin\": \"testkit\"}\n")?;
+    let out = cli(&["runs", "submit-batch", file])?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    ensure!(!out.status.success() && err.contains("idempotency_key is required"), "{err}");
+    Ok(())
+}
+
+#[tokio::test]
 async fn an_unreachable_database_is_reported_at_once_without_its_password() -> Result<()> {
     let port = free_port()?; // nothing listens there
     let mut serve = Child(
