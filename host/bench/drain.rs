@@ -23,10 +23,8 @@ use serde::Serialize;
 use sqlx::Row;
 
 use super::BenchError;
-use crate::executor::{Executor, ExecutorConfig};
-use crate::plugins::{self, PluginSettings};
+use crate::executor::Executor;
 use crate::pool::{PoolConfig, WorkerPool};
-use crate::runtime::{Runtime, RuntimeConfig};
 use crate::store::{MAX_SUBMIT_BATCH, NewRun, RunStatus, SqliteSync, Store, StoreError, StoreOptions, sql};
 
 /// The plugin the bench registers: the Rust test plugin.
@@ -96,32 +94,7 @@ impl DrainBench {
             ..Default::default()
         };
         let store = Store::connect_with(&self.database_url, opts).await?;
-        let existing: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM runs")
-            .fetch_one(store.pool())
-            .await
-            .map_err(StoreError::from)?;
-        if existing > 0 {
-            return Err(BenchError::NotEmpty(existing));
-        }
-        let bytes = std::fs::read(&self.plugin_file).map_err(|e| {
-            BenchError::Setup(format!("reading {}: {e} (build it with ./scripts/build-plugins)", self.plugin_file.display()))
-        })?;
-        let runtime = Arc::new(
-            Runtime::new(RuntimeConfig {
-                cache_dir: self.cache_dir.clone(),
-                max_instances: self.workers as u32 + 2,
-                ..RuntimeConfig::default()
-            })
-            .map_err(|e| BenchError::Setup(format!("{e:#}")))?,
-        );
-        plugins::register(&store, &runtime, PLUGIN, bytes, PluginSettings::default())
-            .await
-            .map_err(|e| BenchError::Setup(e.to_string()))?;
-        let exec = Arc::new(Executor::new(
-            store.clone(),
-            runtime,
-            ExecutorConfig { owner: "bench-drain".into(), model: None, ..ExecutorConfig::default() },
-        ));
+        let exec = super::executor_with_plugin(&store, &self.plugin_file, &self.cache_dir, PLUGIN, self.workers, "bench-drain").await?;
         let rounds = self.rounds.max(1);
         let mut done = Vec::with_capacity(rounds);
         for round in 0..rounds {

@@ -25,10 +25,8 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use super::{BENCH_PLUGIN, BenchError};
-use crate::executor::{Executor, ExecutorConfig};
-use crate::plugins::{self, PluginSettings};
+use crate::executor::Executor;
 use crate::pool::{PoolConfig, WorkerPool};
-use crate::runtime::{Runtime, RuntimeConfig};
 use crate::store::{NewRun, RunStatus, Store, StoreError, StoreOptions, sql};
 
 /// The plugin the bench registers: the Rust test plugin, one `kv.put`.
@@ -92,35 +90,7 @@ impl E2eBench {
             ..Default::default()
         };
         let store = Store::connect_with(&self.database_url, opts).await?;
-        let existing: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM runs")
-            .fetch_one(store.pool())
-            .await
-            .map_err(StoreError::from)?;
-        if existing > 0 {
-            return Err(BenchError::NotEmpty(existing));
-        }
-        let bytes = std::fs::read(&self.plugin_file).map_err(|e| {
-            BenchError::Setup(format!(
-                "reading {}: {e} (build it with ./scripts/build-plugins)",
-                self.plugin_file.display()
-            ))
-        })?;
-        let runtime = Arc::new(
-            Runtime::new(RuntimeConfig {
-                cache_dir: self.cache_dir.clone(),
-                max_instances: self.concurrency as u32 + 2,
-                ..RuntimeConfig::default()
-            })
-            .map_err(|e| BenchError::Setup(format!("{e:#}")))?,
-        );
-        plugins::register(&store, &runtime, PLUGIN, bytes, PluginSettings::default())
-            .await
-            .map_err(|e| BenchError::Setup(e.to_string()))?;
-        let exec = Arc::new(Executor::new(
-            store.clone(),
-            runtime,
-            ExecutorConfig { owner: "bench-e2e".into(), model: None, ..ExecutorConfig::default() },
-        ));
+        let exec = super::executor_with_plugin(&store, &self.plugin_file, &self.cache_dir, PLUGIN, self.concurrency, "bench-e2e").await?;
         let rounds = self.rounds.max(1);
         let (mut peaks, mut baselines, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
         for round in 0..rounds {

@@ -35,6 +35,36 @@ pub enum BenchError {
     Setup(String),
 }
 
+/// The setup of the benches that run turns: refuses a database holding
+/// runs, registers the test plugin at `plugin_file` as `plugin`, and
+/// returns an executor for `workers` segments at once, owned by `owner`.
+async fn executor_with_plugin(
+    store: &Store,
+    plugin_file: &std::path::Path,
+    cache_dir: &std::path::Path,
+    plugin: &str,
+    workers: usize,
+    owner: &str,
+) -> Result<std::sync::Arc<crate::executor::Executor>, BenchError> {
+    use crate::runtime::{Runtime, RuntimeConfig};
+    let existing: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM runs").fetch_one(store.pool()).await.map_err(StoreError::from)?;
+    if existing > 0 {
+        return Err(BenchError::NotEmpty(existing));
+    }
+    let bytes = std::fs::read(plugin_file).map_err(|e| {
+        BenchError::Setup(format!("reading {}: {e} (build it with ./scripts/build-plugins)", plugin_file.display()))
+    })?;
+    let runtime = std::sync::Arc::new(
+        Runtime::new(RuntimeConfig { cache_dir: cache_dir.to_path_buf(), max_instances: workers as u32 + 2, ..RuntimeConfig::default() })
+            .map_err(|e| BenchError::Setup(format!("{e:#}")))?,
+    );
+    crate::plugins::register(store, &runtime, plugin, bytes, crate::plugins::PluginSettings::default())
+        .await
+        .map_err(|e| BenchError::Setup(e.to_string()))?;
+    let config = crate::executor::ExecutorConfig { owner: owner.into(), model: None, ..Default::default() };
+    Ok(std::sync::Arc::new(crate::executor::Executor::new(store.clone(), runtime, config)))
+}
+
 /// Before a measured phase: no dead row versions left by the phases before
 /// it, and fresh statistics. PostgreSQL runs `vacuums` (`VACUUM ANALYZE …`),
 /// one statement per call: VACUUM cannot run in a transaction block, which
