@@ -131,14 +131,8 @@ impl BenchCommand {
                     runs > 0 && concurrency > 0 && submitters > 0 && rounds > 0,
                     "--runs, --concurrency, --submitters and --rounds must be positive"
                 );
-                let temp = database_url.is_none().then(|| {
-                    std::env::temp_dir().join(format!("leasehold-bench-e2e-{}.db", std::process::id()))
-                });
-                let url = match (&database_url, &temp) {
-                    (Some(u), _) => u.clone(),
-                    (_, Some(p)) => format!("sqlite://{}", p.display()),
-                    (None, None) => unreachable!(),
-                };
+                let db = BenchDb::new(database_url.clone(), "leasehold-bench-e2e");
+                let url = db.url.clone();
                 let bench = E2eBench {
                     database_url: url,
                     runs,
@@ -151,9 +145,7 @@ impl BenchCommand {
                     sqlite_sync: sqlite_synchronous,
                 };
                 let result = bench.run().await;
-                if let Some(p) = temp {
-                    remove_sqlite(&p);
-                }
+                drop(db);
                 println!("{}", serde_json::to_string(&result?)?);
                 Ok(())
             }
@@ -165,14 +157,8 @@ impl BenchCommand {
                 if peers.is_some() && database_url.as_deref().is_none_or(|u| u.starts_with("sqlite:")) {
                     anyhow::bail!("--peers needs a PostgreSQL --database-url: the peers run on PostgreSQL");
                 }
-                let temp = database_url.is_none().then(|| {
-                    std::env::temp_dir().join(format!("leasehold-bench-drain-{}.db", std::process::id()))
-                });
-                let url = match (&database_url, &temp) {
-                    (Some(u), _) => u.clone(),
-                    (None, Some(p)) => format!("sqlite://{}", p.display()),
-                    (None, None) => unreachable!(),
-                };
+                let db = BenchDb::new(database_url.clone(), "leasehold-bench-drain");
+                let url = db.url.clone();
                 let bench = DrainBench {
                     database_url: url.clone(),
                     runs,
@@ -187,9 +173,7 @@ impl BenchCommand {
                     sqlite_sync: sqlite_synchronous,
                 };
                 let result = bench.run().await;
-                if let Some(p) = temp {
-                    remove_sqlite(&p);
-                }
+                drop(db);
                 let result = result?;
                 match peers {
                     None => println!("{}", serde_json::to_string(&result)?),
@@ -204,19 +188,11 @@ impl BenchCommand {
             }
             BenchCommand::Claim { database_url, runs, concurrency, batch, finished, synchronous, rounds, quiet } => {
                 anyhow::ensure!(runs > 0 && concurrency > 0 && batch > 0 && rounds > 0, "--runs, --concurrency, --batch and --rounds must be positive");
-                let temp = database_url.is_none().then(|| {
-                    std::env::temp_dir().join(format!("leasehold-bench-{}.db", std::process::id()))
-                });
-                let url = match (&database_url, &temp) {
-                    (Some(u), _) => u.clone(),
-                    (None, Some(p)) => format!("sqlite://{}", p.display()),
-                    (None, None) => unreachable!(),
-                };
+                let db = BenchDb::new(database_url.clone(), "leasehold-bench");
+                let url = db.url.clone();
                 let bench = ClaimBench { database_url: url, runs, concurrency, batch, finished, sqlite_sync: synchronous, rounds, progress: !quiet };
                 let result = bench.run().await;
-                if let Some(p) = temp {
-                    remove_sqlite(&p);
-                }
+                drop(db);
                 println!("{}", serde_json::to_string(&result?)?);
                 Ok(())
             }
@@ -224,11 +200,32 @@ impl BenchCommand {
     }
 }
 
-fn remove_sqlite(path: &std::path::Path) {
-    for suffix in ["", "-wal", "-shm"] {
-        let mut p = PathBuf::from(path).into_os_string();
-        p.push(suffix);
-        let _ = std::fs::remove_file(p);
+/// The bench's database: the given URL, or a temporary SQLite file that is
+/// removed (with its WAL files) when this is dropped.
+struct BenchDb {
+    url: String,
+    temp: Option<PathBuf>,
+}
+
+impl BenchDb {
+    fn new(url: Option<String>, name: &str) -> BenchDb {
+        match url {
+            Some(url) => BenchDb { url, temp: None },
+            None => {
+                let path = std::env::temp_dir().join(format!("{name}-{}.db", std::process::id()));
+                BenchDb { url: format!("sqlite://{}", path.display()), temp: Some(path) }
+            }
+        }
     }
 }
 
+impl Drop for BenchDb {
+    fn drop(&mut self) {
+        let Some(path) = &self.temp else { return };
+        for suffix in ["", "-wal", "-shm"] {
+            let mut p = path.clone().into_os_string();
+            p.push(suffix);
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}

@@ -29,6 +29,24 @@ impl Drop for Child {
     }
 }
 
+/// `serve` on the embedded default in `dir`, as in the quick start, with no
+/// plugins loaded at start and `extra` flags.
+fn serve_in(dir: &Path, port: u16, extra: &[&str]) -> Result<Child> {
+    Ok(Child(
+        leasehold()
+            .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--plugins-dir", "none"])
+            .args(extra)
+            .arg("--cache-dir")
+            .arg(cache_dir())
+            .current_dir(dir)
+            .env("LEASEHOLD_LOG", "warn")
+            .env_remove("LEASEHOLD_API_TOKEN")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()?,
+    ))
+}
+
 #[tokio::test]
 async fn serve_requires_a_token_by_default_and_the_cli_finds_it() -> Result<()> {
     leasehold::effects::http::install_tls();
@@ -36,18 +54,7 @@ async fn serve_requires_a_token_by_default_and_the_cli_finds_it() -> Result<()> 
     let port = free_port()?;
     let base = format!("http://127.0.0.1:{port}");
     // As in the quick start: the embedded default, in the current directory.
-    let _serve = Child(
-        leasehold()
-            .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--plugins-dir", "none"])
-            .arg("--cache-dir")
-            .arg(cache_dir())
-            .current_dir(dir.path())
-            .env("LEASEHOLD_LOG", "warn")
-            .env_remove("LEASEHOLD_API_TOKEN")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()?,
-    );
+    let _serve = serve_in(dir.path(), port, &[])?;
     let http = reqwest::Client::new();
     wait_healthy(&http, &base, Duration::from_secs(60)).await?;
     let anonymous = http.get(format!("{base}/v1/runs")).send().await?;
@@ -89,18 +96,7 @@ async fn the_cli_submits_a_file_of_runs_once_however_often_it_is_sent() -> Resul
     let dir = tempfile::tempdir()?;
     let port = free_port()?;
     let base = format!("http://127.0.0.1:{port}");
-    let _serve = Child(
-        leasehold()
-            .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--plugins-dir", "none", "--workers", "1"])
-            .arg("--cache-dir")
-            .arg(cache_dir())
-            .current_dir(dir.path())
-            .env("LEASEHOLD_LOG", "warn")
-            .env_remove("LEASEHOLD_API_TOKEN")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()?,
-    );
+    let _serve = serve_in(dir.path(), port, &["--workers", "1"])?;
     wait_healthy(&reqwest::Client::new(), &base, Duration::from_secs(60)).await?;
     let cli = |args: &[&str]| {
         leasehold().args(args).args(["--server", &base]).current_dir(dir.path()).env_remove("LEASEHOLD_API_TOKEN").output()
