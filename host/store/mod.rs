@@ -23,6 +23,7 @@ mod notify;
 mod plugins;
 pub mod postgres;
 mod reap;
+pub(crate) mod renewals;
 mod runs;
 pub mod sqlite;
 mod stats;
@@ -237,6 +238,8 @@ pub struct Store {
     pub(crate) submits: std::sync::Arc<submits::Queue>,
     /// PostgreSQL closes waiting to be group-committed (see [`closes`]).
     pub(crate) closes: std::sync::Arc<closes::Queue>,
+    /// Renewals waiting to be group-committed (see [`renewals`]).
+    pub(crate) renewals: std::sync::Arc<renewals::Queue>,
     /// The event streams of this process, woken by its writes (see [`hub`]).
     hub: std::sync::Arc<hub::Hub>,
 }
@@ -330,6 +333,7 @@ impl Store {
             announce: Default::default(),
             submits: Default::default(),
             closes: Default::default(),
+            renewals: Default::default(),
             hub: Default::default(),
         };
         if opts.migrate {
@@ -433,6 +437,13 @@ impl Store {
     /// that wrote them (see `closes`).
     pub fn closes_written(&self) -> (u64, u64) {
         self.closes.written()
+    }
+
+    /// Renewals this store has written, and the statements that wrote
+    /// them: fewer statements when concurrent renewals were batched (see
+    /// `renewals`).
+    pub fn renewals_written(&self) -> (u64, u64) {
+        self.renewals.written()
     }
 
     /// This handle's `NOTIFY` payload (see the `node` field).

@@ -6,7 +6,6 @@ use std::time::Duration;
 use serde_json::json;
 use sqlx::{AnyConnection, Row};
 
-use crate::store::guard::{ms, rejected};
 use crate::store::log::{self, kind};
 use crate::store::submits::Submit;
 use crate::store::{Backend, Lease, NewRun, Run, RunStatus, Store, StoreError, dialect_sql, sql};
@@ -297,23 +296,7 @@ impl Store {
     /// a row another (frozen) session holds: the caller retries, and its
     /// lease deadline stops the guest if no renewal lands.
     pub async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<i64, StoreError> {
-        let expires = self
-            .retry(|| async move {
-                Ok(sqlx::query_scalar::<_, i64>(sql!(
-                    self,
-                    "UPDATE runs SET lease_expires_at = {now} + $4, heartbeat_at = {now}, updated_at = {now} \
-                     WHERE id = $1 AND lease_owner = $2 AND fence = $3 AND status = 'running' \
-                     RETURNING lease_expires_at"
-                ))
-                .bind(lease.run_id)
-                .bind(&lease.owner)
-                .bind(lease.fence)
-                .bind(ms(ttl))
-                .fetch_optional(self.maint())
-                .await?)
-            })
-            .await?;
-        expires.ok_or_else(|| rejected(lease))
+        crate::store::renewals::renew(self, crate::store::renewals::Renewal { lease: lease.clone(), ttl }).await
     }
 }
 

@@ -770,6 +770,54 @@ both! {
         ensure!(expires >= now + 599_000 && expires <= now + 601_000 + 5_000, "now {now}, expires {expires}");
         Ok(())
     }
+
+    async fn concurrent_renewals_share_statements_and_each_keeps_its_guard(db) {
+        // Renewals made at once, some with a stale fence or owner, go to
+        // the database together: each good lease is extended, each stale
+        // one is refused and leaves its row as it was.
+        let s = &db.store;
+        let mut leases = Vec::new();
+        for _ in 0..40 {
+            submit(s, 3).await?;
+            leases.push(claim(s, "w").await?.lease);
+        }
+        let stale = |i: usize| i % 5 == 2;
+        let before: Vec<Option<i64>> = {
+            let mut v = Vec::new();
+            for l in &leases {
+                v.push(s.get_run(l.run_id).await?.lease_expires_at);
+            }
+            v
+        };
+        let now = s.now_ms().await?;
+        let mut tasks = tokio::task::JoinSet::new();
+        for (i, lease) in leases.iter().enumerate() {
+            let (s, mut lease) = (s.clone(), lease.clone());
+            if stale(i) {
+                if i % 2 == 0 {
+                    lease.fence += 1;
+                } else {
+                    lease.owner = "zombie".into();
+                }
+            }
+            tasks.spawn(async move { (i, s.renew(&lease, std::time::Duration::from_secs(600)).await) });
+        }
+        while let Some(joined) = tasks.join_next().await {
+            let (i, got) = joined?;
+            let run = s.get_run(leases[i].run_id).await?;
+            if stale(i) {
+                ensure!(got.as_ref().is_err_and(|e| e.is_lease_lost()), "{i}: {got:?}");
+                ensure!(run.lease_expires_at == before[i] && run.lease_owner.as_deref() == Some("w"), "{i}: {run:?}");
+            } else {
+                let expires = got?;
+                ensure!(expires >= now + 599_000 && expires <= now + 601_000 + 5_000, "{i}: now {now}, expires {expires}");
+                ensure!(run.lease_expires_at == Some(expires), "{i}: {run:?}");
+            }
+        }
+        let (written, commits) = s.renewals_written();
+        ensure!(written >= 40 && commits < written, "{written} renewals in {commits} statements");
+        Ok(())
+    }
 }
 
 #[tokio::test]

@@ -1,0 +1,123 @@
+//! Group commit of renewals, on both backends (statement 2).
+//!
+//! A host with many long segments renews each lease every `ttl / 3`. Each
+//! renewal is a statement and a commit of its own, so a renewal made
+//! while another batch is in flight waits, and the waiting ones go to the
+//! database together as one `UPDATE … FROM` over a JSON list. A renewal
+//! on a quiet host goes at once.
+//!
+//! Each lease keeps its own (owner, fence) guard in the join: one that
+//! fails it matches no row, is renewed by nothing and gets
+//! [`StoreError::LeaseLost`], and the others are renewed. On PostgreSQL
+//! the statement runs with the lock timeout of the maintenance pool: one
+//! row a frozen session holds fails the batch, which is then written
+//! lease by lease, so only that lease waits (see [`group::write_batches`]).
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use serde_json::json;
+use sqlx::Row;
+
+use crate::store::guard::{ms, rejected};
+use crate::store::group;
+use crate::store::{Lease, Store, StoreError, sql};
+
+/// Most leases renewed by one statement.
+pub(crate) const MAX_BATCH: usize = 256;
+
+/// Batches in flight at once: one. A renewal is not urgent to within a
+/// round trip (it has a third of a lease to land), so renewals wait for
+/// the batch in flight and grow the next one.
+pub(crate) const WRITERS: usize = 1;
+
+/// One renewal: a lease and the length to extend it to.
+#[derive(Debug, Clone)]
+pub(crate) struct Renewal {
+    pub lease: Lease,
+    pub ttl: Duration,
+}
+
+/// Renewals waiting to be group-committed. Each gets the lease's new
+/// expiry (epoch ms on the database clock).
+pub(crate) type Queue = group::Queue<Renewal, i64>;
+
+/// Queues `renewal` and returns the new expiry once its batch is written.
+pub(crate) async fn renew(store: &Store, renewal: Renewal) -> Result<i64, StoreError> {
+    store
+        .renewals
+        .push(renewal, WRITERS, || {
+            tokio::spawn(group::write_batches::<Renewal>(store.clone()));
+        })
+        .await
+}
+
+impl group::Batched for Renewal {
+    type Out = i64;
+    const WHAT: &'static str = "renewals";
+
+    fn queue(store: &Store) -> &std::sync::Arc<Queue> {
+        &store.renewals
+    }
+
+    fn take(store: &Store) -> Vec<(Renewal, group::Reply<i64>)> {
+        store.renewals.take(MAX_BATCH, |_| true)
+    }
+
+    async fn write(store: &Store, renewals: &[Renewal]) -> Result<Vec<Result<i64, StoreError>>, StoreError> {
+        store.renew_batch(renewals).await
+    }
+
+    fn written(store: &Store, n: usize) {
+        store.renewals.count(n);
+    }
+}
+
+impl Store {
+    /// Statement 2 for many leases in one statement: extends each to its
+    /// `ttl` from the database's now. Each renewal's result, in order: the
+    /// new expiry, or [`StoreError::LeaseLost`] for a lease its guard
+    /// refused (that lease is left as it was).
+    pub(crate) async fn renew_batch(&self, renewals: &[Renewal]) -> Result<Vec<Result<i64, StoreError>>, StoreError> {
+        let list = json!(
+            renewals
+                .iter()
+                .map(|r| json!({ "id": r.lease.run_id, "owner": r.lease.owner, "fence": r.lease.fence, "ttl": ms(r.ttl) }))
+                .collect::<Vec<_>>()
+        )
+        .to_string();
+        let statement = match self.backend() {
+            crate::store::Backend::Postgres => sql!(
+                self,
+                "UPDATE runs SET lease_expires_at = {now} + r.ttl, heartbeat_at = {now}, updated_at = {now} \
+                 FROM jsonb_to_recordset($1::text::jsonb) AS r(id bigint, owner text, fence bigint, ttl bigint) \
+                 WHERE runs.id = r.id AND runs.lease_owner = r.owner AND runs.fence = r.fence \
+                 AND runs.status = 'running' \
+                 RETURNING runs.id, runs.lease_owner, runs.fence, runs.lease_expires_at"
+            ),
+            crate::store::Backend::Sqlite => sql!(
+                self,
+                "UPDATE runs SET lease_expires_at = {now} + r.ttl, heartbeat_at = {now}, updated_at = {now} \
+                 FROM (SELECT json_extract(value, '$.id') AS id, json_extract(value, '$.owner') AS owner, \
+                 json_extract(value, '$.fence') AS fence, json_extract(value, '$.ttl') AS ttl FROM json_each($1)) AS r \
+                 WHERE runs.id = r.id AND runs.lease_owner = r.owner AND runs.fence = r.fence \
+                 AND runs.status = 'running' \
+                 RETURNING runs.id, runs.lease_owner, runs.fence, runs.lease_expires_at"
+            ),
+        };
+        let list = list.as_str();
+        let rows = self.retry(|| async move { Ok(sqlx::query(statement).bind(list).fetch_all(self.maint()).await?) }).await?;
+        let mut renewed: HashMap<(i64, String, i64), i64> = HashMap::with_capacity(rows.len());
+        for row in &rows {
+            let key = (row.try_get("id")?, row.try_get("lease_owner")?, row.try_get("fence")?);
+            renewed.insert(key, row.try_get("lease_expires_at")?);
+        }
+        Ok(renewals
+            .iter()
+            .map(|r| {
+                let key = (r.lease.run_id, r.lease.owner.clone(), r.lease.fence);
+                renewed.get(&key).copied().ok_or_else(|| rejected(&r.lease))
+            })
+            .collect())
+    }
+}
