@@ -1008,20 +1008,24 @@ async fn inject(
             // runs may instead all be finished by writes it sent just
             // before it stopped: then it is tried again.
             let mut rounds = 0;
-            let (held, taken, rejected) = loop {
+            let stopped = loop {
                 rounds += 1;
-                let (held, taken, rejected) = zombie_round(cluster, store, counters, backend, host, pid, &owner).await?;
-                if taken > 0 || rounds == 3 {
-                    break (held, taken, rejected);
+                let round = zombie_round(cluster, store, counters, backend, host, pid, &owner).await?;
+                if round.as_ref().is_some_and(|(_, taken, _, _)| *taken > 0) || rounds == 3 {
+                    break round;
                 }
             };
             let mut unbitten = counters.unbitten.lock().unwrap();
+            let Some((held, taken, rejected, after)) = stopped else {
+                unbitten.push(format!("zombie {owner}: never stopped between SQLite write transactions in {rounds} rounds"));
+                return Ok(());
+            };
             if held == 0 {
                 unbitten.push(format!("zombie {owner} held no run"));
             } else if taken == 0 {
                 unbitten.push(format!("zombie {owner}: none of its runs was taken over in {rounds} rounds"));
             } else if rejected == 0 {
-                unbitten.push(format!("zombie {owner}: none of its writes was refused after SIGCONT"));
+                unbitten.push(format!("zombie {owner}: none of its writes was refused after SIGCONT ({after})"));
             }
             counters.zombie_writes_rejected.fetch_add(rejected, Relaxed);
             eprintln!("chaos: zombie {owner} held {held} runs, {taken} taken over; {rejected} of its writes refused after SIGCONT");
@@ -1074,7 +1078,9 @@ async fn inject_db(f: DbFault, cluster: &Cluster<'_>, store: &Store, pg: Option<
 
 /// One try of a zombie fault on `host`: SIGSTOP it while it holds runs,
 /// until they are taken over (or finished), then SIGCONT and count its
-/// writes refused by the fence. Returns (runs held, taken over, refused).
+/// writes refused by the fence. Returns (runs held, taken over, refused,
+/// what its segments did after it woke), or `None` if every stop on
+/// SQLite caught it inside a write transaction.
 async fn zombie_round(
     cluster: &Cluster<'_>,
     store: &Store,
@@ -1083,27 +1089,42 @@ async fn zombie_round(
     host: usize,
     pid: u32,
     owner: &str,
-) -> Result<(usize, usize, u64)> {
+) -> Result<Option<(usize, usize, u64, String)>> {
     let base = cluster.base(host);
     // Stop it while it holds runs: wait until it holds some, stop it, and
     // start over if they finished in between.
     let mut tries = 0;
+    let mut segments_before = std::collections::HashMap::new();
     let (before, held) = loop {
         until_busy(store, counters, owner, Duration::from_secs(5)).await?;
         let before = scrape(&cluster.http, &base, "leasehold_fenced_writes_rejected_total").await.unwrap_or(0);
+        segments_before.clear();
+        for outcome in ["completed", "failed", "suspended", "lease_lost", "abandoned"] {
+            let name = format!("leasehold_segments_total{{outcome=\"{outcome}\"}}");
+            segments_before.insert(outcome, scrape(&cluster.http, &base, &name).await);
+        }
         signal(pid, "STOP")?;
         let held = held_by(store, owner).await?;
         tries += 1;
         // On SQLite a host stopped inside a transaction holds the one write
         // lock, and no host can take anything over until it wakes (which
         // is why several hosts need PostgreSQL): stop it between
-        // transactions.
+        // transactions, and never go on with it holding the lock.
         let locked = backend == Backend::Sqlite && sqlite_write_locked(cluster.db_url).await;
-        if (!held.is_empty() && !locked) || tries == 10 {
+        if !held.is_empty() && !locked {
             break (before, held);
         }
         signal(pid, "CONT")?;
+        if locked && tries >= 20 {
+            return Ok(None);
+        }
+        if tries >= 20 {
+            break (before, Vec::new());
+        }
     };
+    if held.is_empty() {
+        return Ok(Some((0, 0, 0, String::new())));
+    }
     cluster.slots[host].lock().unwrap().stopped = true;
     // Until every run it held is taken over, or finished by a write it sent
     // before it stopped.
@@ -1142,7 +1163,23 @@ async fn zombie_round(
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    Ok((held.len(), taken, rejected))
+    // What its segments did once it woke, for a round with no refusal.
+    let mut after = Vec::new();
+    if rejected == 0 {
+        for outcome in ["completed", "failed", "suspended", "lease_lost", "abandoned"] {
+            let name = format!("leasehold_segments_total{{outcome=\"{outcome}\"}}");
+            let now = scrape(&cluster.http, &base, &name).await;
+            after.push(format!("{outcome} {:?}", now.zip(segments_before.get(outcome).copied().flatten()).map(|(n, b)| n.saturating_sub(b))));
+        }
+        for (id, fence) in &held {
+            let (f, status, owner): (i64, String, Option<String>) = patiently(async || {
+                sqlx::query_as("SELECT fence, status, lease_owner FROM runs WHERE id = $1").bind(id).fetch_one(store.pool()).await
+            })
+            .await?;
+            after.push(format!("run {id} fence {fence}->{f} {status} {owner:?}"));
+        }
+    }
+    Ok(Some((held.len(), taken, rejected, after.join(", "))))
 }
 
 /// Whether some process holds SQLite's write lock for more than a moment.
