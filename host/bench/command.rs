@@ -63,6 +63,10 @@ pub enum BenchCommand {
         /// `kv.put`s per run; 0 is a no-op turn.
         #[arg(long, default_value_t = 0)]
         steps: u64,
+        /// `kv.get`s per run instead (each a ledger write of its own, where
+        /// puts are held for the close). Not with `--steps`.
+        #[arg(long, default_value_t = 0)]
+        gets: u64,
         /// Worker pool size, as `serve --workers`.
         #[arg(long, default_value_t = 64)]
         workers: usize,
@@ -149,11 +153,12 @@ impl BenchCommand {
                 println!("{}", serde_json::to_string(&result?)?);
                 Ok(())
             }
-            BenchCommand::Drain { database_url, runs, steps, workers, claim_batch, prefetch, rounds, plugin_file, sqlite_synchronous, peers, quiet } => {
+            BenchCommand::Drain { database_url, runs, steps, gets, workers, claim_batch, prefetch, rounds, plugin_file, sqlite_synchronous, peers, quiet } => {
                 anyhow::ensure!(
                     runs > 0 && workers > 0 && claim_batch > 0 && rounds > 0,
                     "--runs, --workers, --claim-batch and --rounds must be positive"
                 );
+                anyhow::ensure!(steps == 0 || gets == 0, "--steps and --gets are two workloads: give one");
                 if peers.is_some() && database_url.as_deref().is_none_or(|u| u.starts_with("sqlite:")) {
                     anyhow::bail!("--peers needs a PostgreSQL --database-url: the peers run on PostgreSQL");
                 }
@@ -163,6 +168,7 @@ impl BenchCommand {
                     database_url: url.clone(),
                     runs,
                     steps,
+                    gets,
                     workers,
                     claim_batch,
                     prefetch,

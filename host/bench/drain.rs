@@ -4,7 +4,8 @@
 //! looks (each with its thread, its `submitted` event and its secret,
 //! written by the batch submit, [`Store::create_runs`]), then starts the
 //! worker pool that `serve` runs and times it to the last close. Each run
-//! is a no-op turn (`steps` 0) or makes `steps` `kv.put`s. The rate is
+//! is a no-op turn (`steps` 0), makes `steps` `kv.put`s, or `gets`
+//! `kv.get`s. The rate is
 //! measured on the database clock, from the first claim (the earliest
 //! `started_at`) to the last close (the latest `finished_at`), and over the
 //! first and the last tenth of the runs to finish, so a drain that slows
@@ -37,6 +38,9 @@ pub struct DrainBench {
     pub runs: i64,
     /// `kv.put`s per run; 0 is a no-op turn. [0]
     pub steps: u64,
+    /// `kv.get`s per run instead of puts: each is a ledger write of its
+    /// own (puts are held for the close). [0]
+    pub gets: u64,
     /// The pool's workers. [64]
     pub workers: usize,
     /// Most runs per claim statement. [64]
@@ -59,6 +63,7 @@ pub struct DrainResult {
     pub backend: &'static str,
     pub runs: i64,
     pub steps: u64,
+    pub gets: u64,
     pub workers: usize,
     pub claim_batch: usize,
     pub prefetch: usize,
@@ -110,6 +115,7 @@ impl DrainBench {
             backend: store.backend().name(),
             runs: self.runs,
             steps: self.steps,
+            gets: self.gets,
             workers: self.workers,
             claim_batch: self.claim_batch,
             prefetch: self.prefetch,
@@ -187,6 +193,9 @@ impl DrainBench {
     fn input(&self, round: usize, i: i64) -> String {
         // Keys of their own: runs that all wrote one key would queue on its
         // row lock and measure that row.
+        if self.gets > 0 {
+            return serde_json::json!({ "mode": "gets", "n": self.gets }).to_string();
+        }
         serde_json::json!({ "steps": self.steps, "prefix": format!("d{round}-{i}") }).to_string()
     }
 

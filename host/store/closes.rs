@@ -297,6 +297,10 @@ impl Store {
                 }
             }
         }
+        // In run order (each close keeps its place `i`): PostgreSQL locks
+        // the rows as it meets them, so batches that share runs (a
+        // zombie's and its successor's, renewals) lock them in one order.
+        list.sort_by_key(|c| c["id"].as_i64());
         let (list, held) = (serde_json::Value::Array(list).to_string(), serde_json::Value::Array(held).to_string());
         let (list, held) = (list.as_str(), held.as_str());
         let (next_owner, next_ttl) = next.map_or(("", 0), |(o, t)| (o, ms(t)));

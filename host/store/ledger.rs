@@ -123,8 +123,8 @@ macro_rules! pg_ledger_row {
 }
 pub(super) use pg_ledger_row;
 
-/// Runs a `pg_ledger_row!` statement: binds `$1`..`$11` from the lease and
-/// the call, then `extra` in order.
+/// Runs a `pg_ledger_row!` statement on a pooled connection, with retries:
+/// binds `$1`..`$11` from the lease and the call, then `extra` in order.
 pub(super) async fn write_pg_ledger_row(
     store: &Store,
     statement: &'static str,
@@ -134,30 +134,44 @@ pub(super) async fn write_pg_ledger_row(
     state: EffectState,
     extra: &[Option<&str>],
 ) -> Result<EffectRow, StoreError> {
+    store
+        .retry(|| async move {
+            let mut conn = store.writer().acquire().await?;
+            pg_ledger_row_on(store, &mut conn, statement, lease, call, class, state, extra).await
+        })
+        .await
+}
+
+/// Runs a `pg_ledger_row!` statement on `conn` (see [`write_pg_ledger_row`]).
+#[allow(clippy::too_many_arguments)]
+pub(super) async fn pg_ledger_row_on(
+    store: &Store,
+    conn: &mut sqlx::AnyConnection,
+    statement: &'static str,
+    lease: &Lease,
+    call: &EffectCall,
+    class: EffectClass,
+    state: EffectState,
+    extra: &[Option<&str>],
+) -> Result<EffectRow, StoreError> {
     let completed = (state != EffectState::Started).then_some(lease.fence);
     let key = idempotency_key(&store.database_id().await?, lease.run_id, call.seq);
-    let key = key.as_str();
-    let row = store
-        .retry(|| async move {
-            let mut q = sqlx::query(statement)
-                .bind(lease.run_id)
-                .bind(&lease.owner)
-                .bind(lease.fence)
-                .bind(call.seq)
-                .bind(&call.name)
-                .bind(&call.request_hash)
-                .bind(key)
-                .bind(class.as_str())
-                .bind(state.as_str())
-                .bind(call.emit_pos)
-                .bind(completed);
-            for value in extra {
-                q = q.bind(*value);
-            }
-            Ok(q.fetch_optional(store.writer()).await?)
-        })
-        .await?;
-    let Some(row) = row else {
+    let mut q = sqlx::query(statement)
+        .bind(lease.run_id)
+        .bind(&lease.owner)
+        .bind(lease.fence)
+        .bind(call.seq)
+        .bind(&call.name)
+        .bind(&call.request_hash)
+        .bind(key)
+        .bind(class.as_str())
+        .bind(state.as_str())
+        .bind(call.emit_pos)
+        .bind(completed);
+    for value in extra {
+        q = q.bind(*value);
+    }
+    let Some(row) = q.fetch_optional(&mut *conn).await? else {
         return Err(rejected(lease));
     };
     use sqlx::Row;
@@ -168,27 +182,21 @@ pub(super) async fn write_pg_ledger_row(
 }
 
 impl Store {
-    /// Writes a `started` row for a keyed or unkeyed effect, before it is
-    /// performed. `EffectExists` means the position is already recorded and
-    /// must be replayed, not performed.
-    pub async fn begin_effect(
+    /// [`Store::begin_effect`]'s statements on `conn` (SQLite: inside a
+    /// transaction).
+    pub(super) async fn begin_in(
         &self,
+        conn: &mut sqlx::AnyConnection,
         lease: &Lease,
         call: &EffectCall,
         class: EffectClass,
     ) -> Result<EffectRow, StoreError> {
         if self.backend() == Backend::Postgres {
             let statement = sql!(self, pg_ledger_row!("$12", ""));
-            return write_pg_ledger_row(self, statement, lease, call, class, EffectState::Started, &[None]).await;
+            return pg_ledger_row_on(self, conn, statement, lease, call, class, EffectState::Started, &[None]).await;
         }
-        self.retry(|| async move {
-            let mut tx = self.writer().begin().await?;
-            guard(self, &mut tx, lease).await?;
-            let row = insert_row(self, &mut tx, lease, call, class, EffectState::Started, None).await?;
-            tx.commit().await?;
-            Ok(row)
-        })
-        .await
+        guard(self, conn, lease).await?;
+        insert_row(self, conn, lease, call, class, EffectState::Started, None).await
     }
 
     /// Moves a `started` (or `in_doubt`, when this segment re-issued it) row
@@ -202,11 +210,11 @@ impl Store {
         self.complete_streamed(lease, seq, completion, Streamed::default()).await
     }
 
-    /// [`Store::complete_effect`] for a call that streamed `streamed` into
-    /// the turn's output (`model.chat`), failed or not: replay moves the
-    /// stream position on by as many.
-    pub async fn complete_streamed(
+    /// [`Store::complete_streamed`]'s statements on `conn` (SQLite: inside
+    /// a transaction).
+    pub(super) async fn complete_in(
         &self,
+        conn: &mut sqlx::AnyConnection,
         lease: &Lease,
         seq: i64,
         completion: &Completion,
@@ -218,33 +226,29 @@ impl Store {
             Completion::Failed(r) => (EffectState::Failed, r),
         };
         if self.backend() == Backend::Postgres {
-            let row = self
-                .retry(|| async move {
-                    Ok(sqlx::query(sql!(
-                        self,
-                        concat!(
-                            "WITH g AS (UPDATE runs SET heartbeat_at = {now} WHERE ",
-                            guarded!(),
-                            " RETURNING id), \
-                             u AS (UPDATE effects SET state = $5, result = $6, fence_completed = $3, \
-                             deltas = $7, delta_bytes = $8, \
-                             updated_at = {now} WHERE run_id IN (SELECT id FROM g) AND seq = $4 \
-                             AND state IN ('started','in_doubt') RETURNING *) \
-                             SELECT g.id AS guard_run_id, u.* FROM g LEFT JOIN u ON true"
-                        )
-                    ))
-                    .bind(lease.run_id)
-                    .bind(&lease.owner)
-                    .bind(lease.fence)
-                    .bind(seq)
-                    .bind(state.as_str())
-                    .bind(result)
-                    .bind(deltas)
-                    .bind(bytes)
-                    .fetch_optional(self.writer())
-                    .await?)
-                })
-                .await?;
+            let row = sqlx::query(sql!(
+                self,
+                concat!(
+                    "WITH g AS (UPDATE runs SET heartbeat_at = {now} WHERE ",
+                    guarded!(),
+                    " RETURNING id), \
+                     u AS (UPDATE effects SET state = $5, result = $6, fence_completed = $3, \
+                     deltas = $7, delta_bytes = $8, \
+                     updated_at = {now} WHERE run_id IN (SELECT id FROM g) AND seq = $4 \
+                     AND state IN ('started','in_doubt') RETURNING *) \
+                     SELECT g.id AS guard_run_id, u.* FROM g LEFT JOIN u ON true"
+                )
+            ))
+            .bind(lease.run_id)
+            .bind(&lease.owner)
+            .bind(lease.fence)
+            .bind(seq)
+            .bind(state.as_str())
+            .bind(result)
+            .bind(deltas)
+            .bind(bytes)
+            .fetch_optional(&mut *conn)
+            .await?;
             let row = row.ok_or_else(|| rejected(lease))?;
             use sqlx::Row;
             if row.try_get::<Option<i64>, _>("seq")?.is_none() {
@@ -252,33 +256,24 @@ impl Store {
             }
             return EffectRow::from_row(&row);
         }
-        self.retry(|| async move {
-            let mut tx = self.writer().begin().await?;
-            guard(self, &mut tx, lease).await?;
-            let row = sqlx::query(sql!(
-                self,
-                "UPDATE effects SET state = $3, result = $4, fence_completed = $5, deltas = $6, \
-                 delta_bytes = $7, updated_at = {now} \
-                 WHERE run_id = $1 AND seq = $2 AND state IN ('started','in_doubt') RETURNING *"
-            ))
-            .bind(lease.run_id)
-            .bind(seq)
-            .bind(state.as_str())
-            .bind(result)
-            .bind(lease.fence)
-            .bind(deltas)
-            .bind(bytes)
-            .fetch_optional(&mut *tx)
-            .await?
-            .ok_or(StoreError::EffectNotOpen {
-                run_id: lease.run_id,
-                seq,
-            })?;
-            let row = EffectRow::from_row(&row)?;
-            tx.commit().await?;
-            Ok(row)
-        })
-        .await
+        guard(self, conn, lease).await?;
+        let row = sqlx::query(sql!(
+            self,
+            "UPDATE effects SET state = $3, result = $4, fence_completed = $5, deltas = $6, \
+             delta_bytes = $7, updated_at = {now} \
+             WHERE run_id = $1 AND seq = $2 AND state IN ('started','in_doubt') RETURNING *"
+        ))
+        .bind(lease.run_id)
+        .bind(seq)
+        .bind(state.as_str())
+        .bind(result)
+        .bind(lease.fence)
+        .bind(deltas)
+        .bind(bytes)
+        .fetch_optional(&mut *conn)
+        .await?
+        .ok_or(StoreError::EffectNotOpen { run_id: lease.run_id, seq })?;
+        EffectRow::from_row(&row)
     }
 
     /// Re-opens an `in_doubt` keyed effect for re-issue by this segment, with

@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 
 use super::guard::guard;
 use super::guard::guarded;
-use super::ledger::{EffectCall, idempotency_key, insert_row, pg_ledger_row, write_pg_ledger_row};
+use super::ledger::{EffectCall, idempotency_key, insert_row, pg_ledger_row, pg_ledger_row_on};
 use crate::store::{Backend, EffectClass, EffectRow, EffectState, Lease, Store, StoreError, sql};
 
 /// A local effect: applied in the host's database in the same transaction
@@ -120,10 +120,13 @@ async fn kv_put(
 }
 
 impl Store {
-    /// Performs a local effect and writes its `committed` ledger row in one
-    /// transaction, so it happens exactly once however often the run dies.
-    pub async fn local_effect(
+    /// [`Store::local_effect`]'s statements on `conn`: one statement on
+    /// PostgreSQL (but for `TakeInput`); otherwise inside a transaction,
+    /// which must be rolled back on an error (a duplicate position), so
+    /// nothing is applied twice.
+    pub(super) async fn local_in(
         &self,
+        conn: &mut sqlx::AnyConnection,
         lease: &Lease,
         call: &EffectCall,
         op: &LocalOp,
@@ -140,7 +143,7 @@ impl Store {
                         )
                     );
                     let extra = [Some(namespace.as_str()), Some(key.as_str())];
-                    return write_pg_ledger_row(self, statement, lease, call, local, committed, &extra).await;
+                    return pg_ledger_row_on(self, conn, statement, lease, call, local, committed, &extra).await;
                 }
                 LocalOp::KvPut { namespace, key, value } => {
                     let statement = sql!(
@@ -154,11 +157,11 @@ impl Store {
                         )
                     );
                     let extra = [Some(namespace.as_str()), Some(key.as_str()), Some(value.as_str())];
-                    return write_pg_ledger_row(self, statement, lease, call, local, committed, &extra).await;
+                    return pg_ledger_row_on(self, conn, statement, lease, call, local, committed, &extra).await;
                 }
                 LocalOp::Record { value } => {
                     let statement = sql!(self, pg_ledger_row!("$12", ""));
-                    return write_pg_ledger_row(self, statement, lease, call, local, committed, &[Some(value.as_str())])
+                    return pg_ledger_row_on(self, conn, statement, lease, call, local, committed, &[Some(value.as_str())])
                         .await;
                 }
                 // It writes the run row, which the guard CTE already updates
@@ -166,50 +169,38 @@ impl Store {
                 LocalOp::TakeInput { .. } => {}
             }
         }
-        self.retry(|| async move {
-            let mut tx = self.writer().begin().await?;
-            guard(self, &mut tx, lease).await?;
-            let result = match op {
-                LocalOp::KvGet { namespace, key } => {
-                    let value: Option<String> = sqlx::query_scalar(sql!(
-                        self,
-                        "SELECT value FROM kv WHERE namespace = $1 AND key = $2"
-                    ))
-                    .bind(namespace)
-                    .bind(key)
-                    .fetch_optional(&mut *tx)
-                    .await?;
-                    value.unwrap_or_else(|| "null".to_string())
-                }
-                LocalOp::KvPut {
-                    namespace,
-                    key,
-                    value,
-                } => {
-                    kv_put(self, &mut tx, namespace, key, value).await?;
-                    "null".to_string()
-                }
-                LocalOp::Record { value } => value.clone(),
-                LocalOp::TakeInput { value } => {
-                    sqlx::query(sql!(
-                        self,
-                        "UPDATE runs SET pending_input = NULL, updated_at = {now} \
-                         WHERE id = $1 AND lease_owner = $2 AND fence = $3"
-                    ))
-                    .bind(lease.run_id)
-                    .bind(&lease.owner)
-                    .bind(lease.fence)
-                    .execute(&mut *tx)
-                    .await?;
-                    value.clone()
-                }
-            };
-            // On a duplicate position the transaction is dropped, which rolls
-            // the effect back with it: nothing is applied twice.
-            let row = insert_row(self, &mut tx, lease, call, EffectClass::Local, EffectState::Committed, Some(&result)).await?;
-            tx.commit().await?;
-            Ok(row)
-        })
-        .await
+        guard(self, conn, lease).await?;
+        let result = match op {
+            LocalOp::KvGet { namespace, key } => {
+                let value: Option<String> =
+                    sqlx::query_scalar(sql!(self, "SELECT value FROM kv WHERE namespace = $1 AND key = $2"))
+                        .bind(namespace)
+                        .bind(key)
+                        .fetch_optional(&mut *conn)
+                        .await?;
+                value.unwrap_or_else(|| "null".to_string())
+            }
+            LocalOp::KvPut { namespace, key, value } => {
+                kv_put(self, conn, namespace, key, value).await?;
+                "null".to_string()
+            }
+            LocalOp::Record { value } => value.clone(),
+            LocalOp::TakeInput { value } => {
+                sqlx::query(sql!(
+                    self,
+                    "UPDATE runs SET pending_input = NULL, updated_at = {now} \
+                     WHERE id = $1 AND lease_owner = $2 AND fence = $3"
+                ))
+                .bind(lease.run_id)
+                .bind(&lease.owner)
+                .bind(lease.fence)
+                .execute(&mut *conn)
+                .await?;
+                value.clone()
+            }
+        };
+        // On a duplicate position the caller rolls the transaction back,
+        // and the effect with it: nothing is applied twice.
+        insert_row(self, conn, lease, call, EffectClass::Local, EffectState::Committed, Some(&result)).await
     }
 }

@@ -17,6 +17,7 @@ pub(crate) mod group;
 mod guard;
 pub mod hub;
 pub mod ledger;
+pub(crate) mod ledger_writes;
 mod local;
 pub mod log;
 mod notify;
@@ -240,6 +241,8 @@ pub struct Store {
     pub(crate) closes: std::sync::Arc<closes::Queue>,
     /// Renewals waiting to be group-committed (see [`renewals`]).
     pub(crate) renewals: std::sync::Arc<renewals::Queue>,
+    /// Ledger writes waiting to be group-committed (see [`ledger_writes`]).
+    pub(crate) ledger_writes: std::sync::Arc<ledger_writes::Queue>,
     /// The event streams of this process, woken by its writes (see [`hub`]).
     hub: std::sync::Arc<hub::Hub>,
 }
@@ -334,6 +337,7 @@ impl Store {
             submits: Default::default(),
             closes: Default::default(),
             renewals: Default::default(),
+            ledger_writes: Default::default(),
             hub: Default::default(),
         };
         if opts.migrate {

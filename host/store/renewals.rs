@@ -79,8 +79,12 @@ impl Store {
     /// new expiry, or [`StoreError::LeaseLost`] for a lease its guard
     /// refused (that lease is left as it was).
     pub(crate) async fn renew_batch(&self, renewals: &[Renewal]) -> Result<Vec<Result<i64, StoreError>>, StoreError> {
+        // In run order: PostgreSQL locks the rows as it meets them, so
+        // batches that share runs lock them in one order.
+        let mut sorted: Vec<&Renewal> = renewals.iter().collect();
+        sorted.sort_by_key(|r| r.lease.run_id);
         let list = json!(
-            renewals
+            sorted
                 .iter()
                 .map(|r| json!({ "id": r.lease.run_id, "owner": r.lease.owner, "fence": r.lease.fence, "ttl": ms(r.ttl) }))
                 .collect::<Vec<_>>()

@@ -17,6 +17,7 @@ both! {
             // More than one batch submit, so loading takes two commits.
             runs: 1_200,
             steps: 1,
+            gets: 0,
             workers: 4,
             claim_batch: 4,
             prefetch: 4,

@@ -818,6 +818,96 @@ both! {
         ensure!(written >= 40 && commits < written, "{written} renewals in {commits} statements");
         Ok(())
     }
+
+    async fn concurrent_ledger_writes_of_different_runs_share_commits_and_each_keeps_its_guard(db) {
+        // Ledger writes of 30 runs made at once go to the database in
+        // batches: each stale one writes nothing, and of two writes racing
+        // for one position exactly one is applied, its effect with it.
+        let s = &db.store;
+        let mut leases = Vec::new();
+        for _ in 0..30 {
+            submit(s, 3).await?;
+            leases.push(claim(s, "w").await?.lease);
+        }
+        let stale = |i: usize| i % 7 == 3;
+        let put = |i: usize, side: &str| LocalOp::KvPut { namespace: "batch".into(), key: format!("k{i}-{side}"), value: format!("{i}") };
+        let mut tasks = tokio::task::JoinSet::new();
+        for (i, lease) in leases.iter().enumerate() {
+            let (s, mut lease) = (s.clone(), lease.clone());
+            if stale(i) {
+                lease.fence += 1;
+            }
+            match i % 3 {
+                0 => {
+                    tasks.spawn(async move { (i, "begin", s.begin_effect(&lease, &call(0, "http"), EffectClass::Keyed).await) });
+                }
+                1 => {
+                    let record = LocalOp::Record { value: format!("r{i}") };
+                    tasks.spawn(async move { (i, "record", s.local_effect(&lease, &call(0, "clock"), &record).await) });
+                }
+                _ => {
+                    let (s2, lease2) = (s.clone(), lease.clone());
+                    tasks.spawn(async move { (i, "put", s.local_effect(&lease, &call(0, "kv.put"), &put(i, "a")).await) });
+                    tasks.spawn(async move { (i, "put", s2.local_effect(&lease2, &call(0, "kv.put"), &put(i, "b")).await) });
+                }
+            }
+        }
+        let mut puts_won = std::collections::HashMap::<usize, usize>::new();
+        while let Some(joined) = tasks.join_next().await {
+            let (i, what, got) = joined?;
+            if stale(i) {
+                ensure!(got.as_ref().is_err_and(|e| e.is_lease_lost()), "{i} {what}: {got:?}");
+                continue;
+            }
+            match (what, got) {
+                ("put", Err(StoreError::EffectExists { .. })) => {}
+                ("put", Ok(row)) => {
+                    ensure!(row.state == EffectState::Committed, "{i}: {row:?}");
+                    *puts_won.entry(i).or_default() += 1;
+                }
+                ("begin", Ok(row)) => ensure!(row.state == EffectState::Started && row.fence_started == leases[i].fence, "{i}: {row:?}"),
+                ("record", Ok(row)) => ensure!(row.result.as_deref() == Some(format!("r{i}").as_str()), "{i}: {row:?}"),
+                (what, got) => anyhow::bail!("{i} {what}: {got:?}"),
+            }
+        }
+        // Completions of the started rows, racing with completions of
+        // positions that were never started.
+        let mut tasks = tokio::task::JoinSet::new();
+        for (i, lease) in leases.iter().enumerate().filter(|(i, _)| !stale(*i)) {
+            let (s, lease) = (s.clone(), lease.clone());
+            let seq = if i % 3 == 0 { 0 } else { 5 };
+            tasks.spawn(async move { (i, s.complete_effect(&lease, seq, &Completion::Committed(format!("c{i}"))).await) });
+        }
+        while let Some(joined) = tasks.join_next().await {
+            let (i, got) = joined?;
+            if i % 3 == 0 {
+                let row = got?;
+                ensure!(row.state == EffectState::Committed && row.result.as_deref() == Some(format!("c{i}").as_str()), "{i}: {row:?}");
+            } else {
+                ensure!(matches!(got, Err(StoreError::EffectNotOpen { .. })), "{i}: {got:?}");
+            }
+        }
+        for (i, lease) in leases.iter().enumerate() {
+            let effects = s.effects(lease.run_id).await?;
+            if stale(i) {
+                ensure!(effects.is_empty(), "{i}: {effects:?}");
+                continue;
+            }
+            ensure!(effects.len() == 1, "{i}: {effects:?}");
+            if i % 3 == 2 {
+                // One put won the position; only its key was written.
+                ensure!(puts_won.get(&i) == Some(&1), "{i}: {puts_won:?}");
+                let keys: Vec<String> = sqlx::query_scalar("SELECT key FROM kv WHERE namespace = 'batch' AND key LIKE $1")
+                    .bind(format!("k{i}-%"))
+                    .fetch_all(s.pool())
+                    .await?;
+                ensure!(keys.len() == 1, "{i}: {keys:?}");
+            }
+        }
+        let (written, commits) = s.ledger_writes_written();
+        ensure!(written >= 40 && commits < written, "{written} ledger writes in {commits} commits");
+        Ok(())
+    }
 }
 
 #[tokio::test]
