@@ -10,11 +10,9 @@
 //! Each write keeps its own (owner, fence) guard inside the batch: one that
 //! fails it writes nothing and gets [`StoreError::LeaseLost`]; one whose
 //! position is already recorded gets [`StoreError::EffectExists`] and
-//! applies nothing (a write of several statements is rolled back to its
-//! own savepoint); the others are written. When a batch fails as a whole,
+//! applies nothing (a local effect writes its ledger row before the
+//! effect); the others are written. When a batch fails as a whole,
 //! each write is tried on its own (see [`group::write_batches`]).
-
-use sqlx::Connection;
 
 use crate::store::ledger::{Completion, EffectCall, Streamed};
 use crate::store::local::LocalOp;
@@ -52,8 +50,7 @@ impl LedgerWrite {
     }
 
     /// Written as several statements behind one guard (every write on
-    /// SQLite; consuming input on PostgreSQL), which a failure must roll
-    /// back: in a batch it gets a savepoint of its own.
+    /// SQLite; consuming input on PostgreSQL): on its own, a transaction.
     fn several_statements(&self, backend: Backend) -> bool {
         backend == Backend::Sqlite || matches!(self, LedgerWrite::Local { op: LocalOp::TakeInput { .. }, .. })
     }
@@ -174,17 +171,9 @@ impl Store {
             let mut tx = self.writer().begin().await?;
             let mut results = Vec::with_capacity(writes.len());
             for write in order.iter().map(|&i| &writes[i]) {
-                let result = if write.several_statements(self.backend()) {
-                    let mut own = tx.begin().await?;
-                    let result = self.ledger_write_in(&mut own, write).await;
-                    match &result {
-                        Ok(_) => own.commit().await?,
-                        Err(_) => own.rollback().await?,
-                    }
-                    result
-                } else {
-                    self.ledger_write_in(&mut tx, write).await
-                };
+                // A refused write has applied nothing (each writes its
+                // ledger row before its effect), so it needs no savepoint.
+                let result = self.ledger_write_in(&mut tx, write).await;
                 match result {
                     Err(e) if !refused(&e) => return Err(e),
                     result => results.push(result),
@@ -202,8 +191,7 @@ impl Store {
     }
 
     /// One ledger write's statements on `conn`. A write of several
-    /// statements must be inside a transaction (or savepoint) that is
-    /// rolled back when this returns an error.
+    /// statements must be inside a transaction.
     async fn ledger_write_in(&self, conn: &mut sqlx::AnyConnection, write: &LedgerWrite) -> Result<EffectRow, StoreError> {
         match write {
             LedgerWrite::Begin { lease, call, class } => self.begin_in(conn, lease, call, *class).await,

@@ -121,9 +121,9 @@ async fn kv_put(
 
 impl Store {
     /// [`Store::local_effect`]'s statements on `conn`: one statement on
-    /// PostgreSQL (but for `TakeInput`); otherwise inside a transaction,
-    /// which must be rolled back on an error (a duplicate position), so
-    /// nothing is applied twice.
+    /// PostgreSQL (but for `TakeInput`); otherwise, inside a transaction,
+    /// the guard, the ledger row, then the effect, so a duplicate position
+    /// applies nothing.
     pub(super) async fn local_in(
         &self,
         conn: &mut sqlx::AnyConnection,
@@ -180,12 +180,15 @@ impl Store {
                         .await?;
                 value.unwrap_or_else(|| "null".to_string())
             }
-            LocalOp::KvPut { namespace, key, value } => {
-                kv_put(self, conn, namespace, key, value).await?;
-                "null".to_string()
-            }
-            LocalOp::Record { value } => value.clone(),
-            LocalOp::TakeInput { value } => {
+            LocalOp::KvPut { .. } => "null".to_string(),
+            LocalOp::Record { value } | LocalOp::TakeInput { value } => value.clone(),
+        };
+        // The row first: on a duplicate position nothing has been applied
+        // yet, so a write in a batch needs no savepoint of its own.
+        let row = insert_row(self, conn, lease, call, EffectClass::Local, EffectState::Committed, Some(&result)).await?;
+        match op {
+            LocalOp::KvPut { namespace, key, value } => kv_put(self, conn, namespace, key, value).await?,
+            LocalOp::TakeInput { .. } => {
                 sqlx::query(sql!(
                     self,
                     "UPDATE runs SET pending_input = NULL, updated_at = {now} \
@@ -196,11 +199,9 @@ impl Store {
                 .bind(lease.fence)
                 .execute(&mut *conn)
                 .await?;
-                value.clone()
             }
-        };
-        // On a duplicate position the caller rolls the transaction back,
-        // and the effect with it: nothing is applied twice.
-        insert_row(self, conn, lease, call, EffectClass::Local, EffectState::Committed, Some(&result)).await
+            LocalOp::KvGet { .. } | LocalOp::Record { .. } => {}
+        }
+        Ok(row)
     }
 }
