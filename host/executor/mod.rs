@@ -155,7 +155,12 @@ impl Executor {
         let metrics = crate::metrics::global();
         let started = Instant::now();
         let mut next = Handoff { want: take_next, got: None };
+        let (run_id, fence) = (claimed.run.id, claimed.lease.fence);
         let outcome = self.segment(claimed, &mut next).await;
+        if let Ok(SegmentOutcome::LeaseLost) = &outcome {
+            // An operator sees which runs a paused or partitioned host gave up.
+            tracing::info!(run_id, fence, "segment stopped: its lease was lost, and it wrote nothing more");
+        }
         metrics.segment_duration.observe(started.elapsed());
         let counter = match &outcome {
             Ok(SegmentOutcome::Completed) => &metrics.segments_completed,

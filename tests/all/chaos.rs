@@ -1153,8 +1153,9 @@ async fn zombie_round(
     };
     signal(pid, "CONT")?;
     cluster.slots[host].lock().unwrap().stopped = false;
-    // Its segments wake up and try to write: every write is refused.
-    let deadline = Instant::now() + Duration::from_secs(5);
+    // Its segments wake up and try to write: every write is refused. A
+    // segment may first finish a remote call (the slice's grace is 5 s).
+    let deadline = Instant::now() + Duration::from_secs(15);
     let mut rejected = 0;
     while taken > 0 && Instant::now() < deadline {
         rejected = scrape(&cluster.http, &base, "leasehold_fenced_writes_rejected_total").await.unwrap_or(before).saturating_sub(before);
