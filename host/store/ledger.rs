@@ -123,26 +123,8 @@ macro_rules! pg_ledger_row {
 }
 pub(super) use pg_ledger_row;
 
-/// Runs a `pg_ledger_row!` statement on a pooled connection, with retries:
-/// binds `$1`..`$11` from the lease and the call, then `extra` in order.
-pub(super) async fn write_pg_ledger_row(
-    store: &Store,
-    statement: &'static str,
-    lease: &Lease,
-    call: &EffectCall,
-    class: EffectClass,
-    state: EffectState,
-    extra: &[Option<&str>],
-) -> Result<EffectRow, StoreError> {
-    store
-        .retry(|| async move {
-            let mut conn = store.writer().acquire().await?;
-            pg_ledger_row_on(store, &mut conn, statement, lease, call, class, state, extra).await
-        })
-        .await
-}
-
-/// Runs a `pg_ledger_row!` statement on `conn` (see [`write_pg_ledger_row`]).
+/// Runs a `pg_ledger_row!` statement on `conn`: binds `$1`..`$11` from the
+/// lease and the call, then `extra` in order.
 #[allow(clippy::too_many_arguments)]
 pub(super) async fn pg_ledger_row_on(
     store: &Store,
@@ -316,7 +298,12 @@ impl Store {
         if self.backend() == Backend::Postgres {
             let statement = sql!(self, pg_ledger_row!("$12", ""));
             let (local, failed) = (EffectClass::Local, EffectState::Failed);
-            return write_pg_ledger_row(self, statement, lease, call, local, failed, &[Some(result)]).await;
+            return self
+                .retry(|| async move {
+                    let mut conn = self.writer().acquire().await?;
+                    pg_ledger_row_on(self, &mut conn, statement, lease, call, local, failed, &[Some(result)]).await
+                })
+                .await;
         }
         self.retry(|| async move {
             let mut tx = self.writer().begin().await?;
