@@ -40,6 +40,29 @@ pub enum PluginsCommand {
     },
     /// List registered plugins.
     List,
+    /// Register FILE as NAME's new version, as `add` does: runs in flight
+    /// finish on the version they started with. With --check, change
+    /// nothing: replay every open run of NAME against FILE (offline, from
+    /// the database) and report which would replay clean on it and which
+    /// diverge, at which call; exits 1 if any diverges.
+    Upgrade {
+        name: String,
+        file: PathBuf,
+        #[arg(long)]
+        check: bool,
+        /// As for `add`.
+        #[arg(long, default_value = "")]
+        http_allow: String,
+        /// --check: the database to read. [default: sqlite://leasehold.db]
+        #[arg(long, env = "LEASEHOLD_DATABASE_URL")]
+        database_url: Option<String>,
+        /// --check: where compiled components are cached, as `serve --cache-dir`.
+        #[arg(long, env = "LEASEHOLD_CACHE_DIR")]
+        cache_dir: Option<PathBuf>,
+        /// --check: wall time each run's replay may compute. Default: 30 s.
+        #[arg(long, default_value_t = 30_000)]
+        timeout_ms: u64,
+    },
 }
 
 #[derive(clap::Args)]
@@ -80,6 +103,15 @@ pub enum RunsCommand {
     Show { id: i64 },
     /// Show a run's effect ledger.
     Effects { id: i64 },
+    /// Write a run and its whole ledger as one JSON file, for `leasehold
+    /// replay --ledger FILE --component NEW.wasm`. The run's random secret
+    /// is not in it (the API never shows it).
+    Export {
+        id: i64,
+        /// Where to write it; `-` for stdout.
+        #[arg(long, short, default_value = "-")]
+        output: PathBuf,
+    },
     /// Deliver input to a run waiting for it.
     Input { id: i64, input: String },
     /// Cancel a run.
@@ -183,7 +215,13 @@ impl Api {
 
 pub async fn plugins(api: &Api, command: PluginsCommand) -> Result<()> {
     match command {
-        PluginsCommand::Add { name, file, http_allow } => {
+        PluginsCommand::Upgrade { name, file, check: true, database_url, cache_dir, timeout_ms, .. } => {
+            let url = database_url.unwrap_or_else(|| "sqlite://leasehold.db".into());
+            if !crate::replay::upgrade_check(&name, &file, &url, cache_dir, Duration::from_millis(timeout_ms), api.json).await? {
+                std::process::exit(1);
+            }
+        }
+        PluginsCommand::Add { name, file, http_allow } | PluginsCommand::Upgrade { name, file, http_allow, .. } => {
             let bytes = std::fs::read(&file).with_context(|| format!("reading {}", file.display()))?;
             let req = api
                 .client()
@@ -348,6 +386,29 @@ pub async fn runs(api: &Api, command: RunsCommand) -> Result<()> {
                     );
                 }
             });
+        }
+        RunsCommand::Export { id, output } => {
+            let run = api.send(c.get(api.url(&format!("/v1/runs/{id}")))).await?;
+            let mut effects = Vec::new();
+            let mut after = -1i64;
+            loop {
+                let page = api.send(c.get(api.url(&format!("/v1/runs/{id}/effects?after={after}&limit=10000")))).await?;
+                let rows: Vec<leasehold::store::EffectRow> =
+                    serde_json::from_value(page["effects"].clone()).context("reading the ledger page")?;
+                effects.extend(rows);
+                match page["next_after"].as_i64() {
+                    Some(next) if next > after => after = next,
+                    _ => break,
+                }
+            }
+            let export = crate::replay::Export { format: crate::replay::EXPORT_FORMAT.into(), run, effects };
+            let text = serde_json::to_string_pretty(&export)? + "\n";
+            if output.as_os_str() == "-" {
+                print!("{text}");
+            } else {
+                std::fs::write(&output, text).with_context(|| format!("writing {}", output.display()))?;
+                eprintln!("run {id}: {} ledger rows written to {}", export.effects.len(), output.display());
+            }
         }
         RunsCommand::Input { id, input } => {
             let body = json!({ "input": parse_input(&input) });

@@ -2,6 +2,7 @@
 
 mod cli;
 mod config;
+mod replay;
 mod serve;
 
 use std::path::PathBuf;
@@ -74,6 +75,13 @@ enum Command {
         #[command(flatten)]
         args: cli::EventsArgs,
     },
+    /// Replay a run's recorded ledger against a component, offline:
+    /// nothing is performed; the first call that differs is reported, with
+    /// exit status 1. For checking a new version before shipping it.
+    Replay {
+        #[command(flatten)]
+        args: replay::ReplayArgs,
+    },
     /// Internal: `serve`'s compiler child. Reads a component on stdin and
     /// writes it compiled, for an engine of these settings, on stdout.
     #[command(name = "__compile", hide = true)]
@@ -126,6 +134,12 @@ async fn run(cli: Cli) -> Result<()> {
         Command::Submit { api, args } => cli::submit(&api, args).await,
         Command::Runs { api, command } => cli::runs(&api, command).await,
         Command::Events { api, args } => cli::events(&api, args).await,
+        Command::Replay { args } => {
+            if !replay::replay(args).await? {
+                std::process::exit(1);
+            }
+            Ok(())
+        }
         Command::Compile { max_instances, pool_max_memory_bytes } => {
             leasehold::runtime::compile_stdio(max_instances, pool_max_memory_bytes)
         }

@@ -251,6 +251,7 @@ impl Executor {
             created_at_ms: run.created_at,
             secret: run.secret.clone(),
             reserved: self.reserved.clone(),
+            offline: false,
         };
         let lease_expires_at = run.lease_expires_at.unwrap_or(0);
         let claimed_at = run.heartbeat_at.unwrap_or(lease_expires_at);
@@ -498,6 +499,9 @@ impl Executor {
             (Err(_), Some(Interrupt::Shutdown)) => self.suspend(lease, Suspend::Takeover, &tail).await,
             (Err(_), Some(Interrupt::LeaseLost)) => Ok(SegmentOutcome::LeaseLost),
             (Err(_), Some(Interrupt::Store(e))) => Ok(SegmentOutcome::Abandoned(e)),
+            // Only offline replay stops at the frontier; a live segment
+            // never sets it. Left for another segment rather than guessed at.
+            (Err(_), Some(Interrupt::Frontier(next))) => Ok(SegmentOutcome::Abandoned(format!("replay frontier at call {}", next.seq))),
             (Err(_), Some(Interrupt::NonDeterminism(m))) => {
                 let error = format!("non-determinism: {m}");
                 self.finish(lease, Outcome::Failed { error }, GuestErrorKind::NonDeterminism, &tail, next).await

@@ -56,6 +56,9 @@ impl SegmentState {
         if let Some(row) = self.replayed(&call).await? {
             return self.replay_effect(row, call, &request).await;
         }
+        if self.offline {
+            return self.frontier(&call, "not recorded");
+        }
         if let Some(error) = bad_name {
             return self.refuse(&call, error).await;
         }
@@ -96,6 +99,9 @@ impl SegmentState {
         let call = self.call("wait-input", &prompt);
         if let Some(row) = self.replayed(&call).await? {
             return Ok(row.result.unwrap_or_default());
+        }
+        if self.offline {
+            return self.frontier(&call, "not recorded: the turn waits for input here");
         }
         let Some(input) = self.pending_input.take() else {
             return self.stop(Interrupt::WaitInput { prompt });

@@ -25,14 +25,14 @@ use crate::effects::{self, Effect, RemoteFailure};
 use crate::store::{Completion, EffectCall, EffectClass, EffectRow, EffectState, HeldPut, Lease, LocalOp, Store, StoreError, Streamed};
 use crate::runtime::{GuestErrorKind, Limits};
 
-pub use super::interrupt::{Interrupt, Interrupted};
+pub use super::interrupt::{CallView, Divergence, Interrupt, Interrupted, NextCall};
 pub(crate) use super::interrupt::interrupt_for;
 pub(crate) use super::limits::Limiter;
 pub(crate) use super::phase::Phase;
 pub use super::stream::EMIT_FLUSH;
 pub(crate) use super::stream::Held;
 pub(crate) use super::text::storable;
-pub use super::text::{MAX_EFFECT_NAME, escape_log, request_hash};
+pub use super::text::{MAX_EFFECT_NAME, escape_log, request_hash, request_preview};
 use super::text::{decode_error, encode_error};
 use super::random::seeded_random;
 
@@ -76,6 +76,11 @@ pub struct SegmentInit {
     /// Addresses `http` may never reach unless an allow-list entry names
     /// them with their port: the service's own API.
     pub reserved: Arc<[SocketAddr]>,
+    /// Offline replay (`leasehold replay`): recorded outcomes are returned
+    /// and the first call with none stops the guest
+    /// ([`Interrupt::Frontier`]); nothing is performed or written and
+    /// timers do not wait. `false` for live segments.
+    pub offline: bool,
 }
 
 /// The store data of one segment.
@@ -114,6 +119,8 @@ pub struct SegmentState {
     /// and never cuts a database write.
     pub(crate) phase: Phase,
     pub(crate) interrupt: Option<Interrupt>,
+    /// See [`SegmentInit::offline`].
+    pub(super) offline: bool,
 }
 
 impl SegmentState {
@@ -145,6 +152,7 @@ impl SegmentState {
                 cap: init.limits.max_emit_bytes,
                 stopped: None,
                 buffer: Arc::new(tokio::sync::Mutex::new(Buffer::default())),
+                offline: init.offline,
             },
             db: init.db,
             lease: init.lease,
@@ -165,6 +173,7 @@ impl SegmentState {
             in_flight: None,
             phase: Phase::default(),
             interrupt: None,
+            offline: init.offline,
         }
     }
 
@@ -196,7 +205,13 @@ impl SegmentState {
     pub(super) fn call(&mut self, name: &str, request: &str) -> EffectCall {
         let seq = self.next_seq;
         self.next_seq += 1;
-        EffectCall { seq, name: name.to_string(), request_hash: request_hash(name, request), emit_pos: self.stream.pos }
+        EffectCall {
+            seq,
+            name: name.to_string(),
+            request_hash: request_hash(name, request),
+            request: request_preview(request),
+            emit_pos: self.stream.pos,
+        }
     }
 
     /// Checks that the run's ledger may take one more row of `bytes`.
@@ -229,7 +244,7 @@ impl SegmentState {
             Err(e) => return self.store_failed(e),
         };
         let Some(row) = row else { return Ok(None) };
-        let message = if row.name != call.name {
+        let why = if row.name != call.name {
             format!("call {} was recorded as {:?} but the turn now makes {:?}", call.seq, row.name, call.name)
         } else if row.request_hash != call.request_hash {
             format!("call {} ({:?}) was recorded with a different request", call.seq, row.name)
@@ -241,7 +256,20 @@ impl SegmentState {
         } else {
             return Ok(Some(row));
         };
-        self.stop(Interrupt::NonDeterminism(message))
+        let divergence = Divergence {
+            seq: call.seq,
+            recorded: CallView { name: row.name, request: row.request, emit_pos: row.emit_pos },
+            now: Some(CallView { name: call.name.clone(), request: Some(call.request.clone()), emit_pos: call.emit_pos }),
+            why,
+        };
+        self.stop(Interrupt::NonDeterminism(divergence))
+    }
+
+    /// Offline replay: stops the guest at `call`, which has no recorded
+    /// outcome, saying `why`.
+    pub(super) fn frontier<T>(&mut self, call: &EffectCall, why: &str) -> wasmtime::Result<T> {
+        let call_view = CallView { name: call.name.clone(), request: Some(call.request.clone()), emit_pos: call.emit_pos };
+        self.stop(Interrupt::Frontier(NextCall { seq: call.seq, call: call_view, why: why.to_string() }))
     }
 
     /// Records a refusal at `call` (so replay returns it again) and returns it.
@@ -296,6 +324,9 @@ impl SegmentState {
             }
             // Re-issued with the same idempotency key: the remote side
             // deduplicates.
+            (EffectState::InDoubt | EffectState::Started, EffectClass::Keyed) if self.offline => {
+                self.frontier(&call, "a segment started it and died before its outcome was recorded; a live resume re-issues it")
+            }
             (EffectState::InDoubt | EffectState::Started, EffectClass::Keyed) => {
                 match effects::resolve(&call.name, request, &self.grants()) {
                     Ok(effect) => self.perform(call, effect, true).await,
@@ -310,6 +341,11 @@ impl SegmentState {
     }
 
     pub(super) async fn perform(&mut self, call: EffectCall, effect: Effect, reissue: bool) -> wasmtime::Result<Result<String, EffectError>> {
+        // The callers stop offline replay before this; the one place every
+        // effect passes is checked again, so no path can perform one.
+        if self.offline {
+            return self.frontier(&call, "not recorded");
+        }
         let _db = self.phase.enter(Phase::DATABASE);
         if !reissue {
             self.room(0)?;
@@ -484,12 +520,18 @@ impl SegmentState {
     pub(super) async fn timer(&mut self, call: EffectCall, ms: i64) -> wasmtime::Result<()> {
         let _db = self.phase.enter(Phase::DATABASE);
         if let Some(row) = self.replayed(&call).await? {
+            if self.offline {
+                return Ok(()); // replay does not wait
+            }
             let wake_at: i64 = row.result.as_deref().and_then(|r| r.parse().ok()).unwrap_or(0);
             let now = self.db_now().await?;
             if now >= wake_at {
                 return Ok(());
             }
             return self.stop(Interrupt::Sleep { delay_ms: wake_at - now });
+        }
+        if self.offline {
+            return self.frontier(&call, "not recorded");
         }
         self.room(20)?;
         // Record the wake time first, so a segment that dies here still

@@ -18,12 +18,55 @@ pub enum Interrupt {
     /// A guarded write failed: stop, write nothing else.
     LeaseLost,
     /// A recorded call differs from the one the turn now makes.
-    NonDeterminism(String),
+    NonDeterminism(Divergence),
+    /// Offline replay only (`SegmentInit::offline`): the turn reached a
+    /// call the ledger has no outcome for, so replay stops there and
+    /// performs nothing.
+    Frontier(NextCall),
     /// A sandbox limit: host calls, emit bytes, sizes, the ledger.
     Limit { kind: GuestErrorKind, message: String },
     /// The database failed under the segment (not a lease loss). The run is
     /// left as it is; its lease expires and another segment resumes it.
     Store(String),
+}
+
+/// A call as the ledger recorded it or as the turn makes it now.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct CallView {
+    pub name: String,
+    /// The request's first 1,024 bytes; `None` for a row recorded before
+    /// the ledger kept requests.
+    pub request: Option<String>,
+    /// The turn's emit position at the call.
+    pub emit_pos: i64,
+}
+
+/// The first call where a turn leaves its recorded ledger.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Divergence {
+    pub seq: i64,
+    pub recorded: CallView,
+    /// The call the turn makes instead; `None` when it ended there.
+    pub now: Option<CallView>,
+    /// What differs, in a sentence (the run's error says this).
+    pub why: String,
+}
+
+impl std::fmt::Display for Divergence {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.why)
+    }
+}
+
+/// Where an offline replay stopped: the first call with no recorded
+/// outcome.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct NextCall {
+    pub seq: i64,
+    pub call: CallView,
+    /// Why it has no outcome: not recorded at all, or started by a segment
+    /// that died before it learnt the result.
+    pub why: String,
 }
 
 /// The error a guest trap carries; the reason is in `SegmentState::interrupt`.

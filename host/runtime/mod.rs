@@ -22,6 +22,7 @@ pub use limits::{GuestErrorKind, Limits};
 
 pub use cache::default_dir as default_cache_dir;
 pub mod host;
+pub mod offline;
 pub mod replay;
 mod stream;
 

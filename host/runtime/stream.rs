@@ -38,6 +38,8 @@ pub(super) struct Stream {
     /// Why the last delta was refused.
     pub(super) stopped: Option<Interrupt>,
     pub(super) buffer: Arc<tokio::sync::Mutex<Buffer>>,
+    /// Offline replay: new deltas stay in the buffer, never written.
+    pub(super) offline: bool,
 }
 
 /// Deltas emitted and not yet written. The lock is held across each write,
@@ -80,6 +82,9 @@ impl Stream {
     /// Writes the buffered deltas now (before another write of the
     /// segment, so the ledger's `emit_pos` matches the stored stream).
     pub(super) async fn flush(&mut self) -> Result<(), Interrupt> {
+        if self.offline {
+            return Ok(());
+        }
         let (db, lease, buffer) = (self.db.clone(), self.lease.clone(), self.buffer.clone());
         // Detached: a lost lease may drop the guest call, never a write.
         match tokio::spawn(async move { write_buffered(&db, &lease, &mut *buffer.lock().await).await }).await {
@@ -138,7 +143,7 @@ impl Stream {
 
     /// Schedules a timed flush of the buffer, unless one is scheduled.
     fn arm(&self, buf: &mut Buffer) {
-        if buf.armed {
+        if buf.armed || self.offline {
             return;
         }
         buf.armed = true;

@@ -6,6 +6,7 @@ use serde_json::json;
 use sha2::{Digest, Sha256};
 
 use crate::effects::EffectError;
+use crate::store::REQUEST_PREVIEW;
 
 /// `text` as the store keeps it: each NUL replaced by U+FFFD. PostgreSQL
 /// cannot store NUL in text (SQLite can), so without this a guest that
@@ -50,6 +51,13 @@ pub(super) fn truncated(text: &str, max: usize) -> String {
         end -= 1;
     }
     format!("{}…", &text[..end])
+}
+
+/// What the ledger keeps of a request beside its hash: its first
+/// [`REQUEST_PREVIEW`] bytes, cut at a character boundary (`…` marks a
+/// cut), NUL made storable.
+pub fn request_preview(request: &str) -> String {
+    storable(truncated(request, REQUEST_PREVIEW))
 }
 
 /// A guest's log line made safe for the host's log: control characters

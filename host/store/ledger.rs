@@ -13,9 +13,15 @@ pub struct EffectCall {
     pub name: String,
     /// A hash of the request; replay compares it to detect non-determinism.
     pub request_hash: String,
+    /// The request's first [`REQUEST_PREVIEW`] bytes, for divergence
+    /// reports (see `runtime::text::request_preview`).
+    pub request: String,
     /// The run's emit position when the effect was made.
     pub emit_pos: i64,
 }
+
+/// How much of a request the ledger keeps beside its hash: 1,024 bytes.
+pub const REQUEST_PREVIEW: usize = 1024;
 
 /// How a started effect ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -69,8 +75,8 @@ pub(super) async fn insert_row(
     let row = sqlx::query(sql!(
         store,
         "INSERT INTO effects (run_id, seq, name, request_hash, idempotency_key, class, state, \
-         result, emit_pos, fence_started, fence_completed, created_at, updated_at) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, {now}, {now}) \
+         result, emit_pos, fence_started, fence_completed, created_at, updated_at, request) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, {now}, {now}, $12) \
          ON CONFLICT (run_id, seq) DO NOTHING RETURNING *"
     ))
     .bind(lease.run_id)
@@ -84,6 +90,7 @@ pub(super) async fn insert_row(
     .bind(call.emit_pos)
     .bind(lease.fence)
     .bind(completed)
+    .bind(&call.request)
     .fetch_optional(&mut *conn)
     .await?
     .ok_or(StoreError::EffectExists {
@@ -103,8 +110,8 @@ pub(super) async fn insert_row(
 ///
 /// Parameters: `$1`..`$3` the lease, `$4` seq, `$5` name, `$6` request hash,
 /// `$7` idempotency key, `$8` class, `$9` state, `$10` emit position, `$11`
-/// completing fence (NULL for `started`); `$12`.. belong to `$result` and
-/// `$after`.
+/// completing fence (NULL for `started`), `$12` the request preview; `$13`..
+/// belong to `$result` and `$after`.
 macro_rules! pg_ledger_row {
     ($result:literal, $after:literal) => {
         concat!(
@@ -112,10 +119,10 @@ macro_rules! pg_ledger_row {
             guarded!(),
             " RETURNING id), \
              e AS (INSERT INTO effects (run_id, seq, name, request_hash, idempotency_key, class, state, \
-             result, emit_pos, fence_started, fence_completed, created_at, updated_at) \
+             result, emit_pos, fence_started, fence_completed, created_at, updated_at, request) \
              SELECT $1, $4, $5, $6, $7, $8, $9, ",
             $result,
-            ", $10, $3, $11, {now}, {now} FROM g ON CONFLICT (run_id, seq) DO NOTHING RETURNING *)",
+            ", $10, $3, $11, {now}, {now}, $12 FROM g ON CONFLICT (run_id, seq) DO NOTHING RETURNING *)",
             $after,
             " SELECT g.id AS guard_run_id, e.* FROM g LEFT JOIN e ON true"
         )
@@ -123,7 +130,7 @@ macro_rules! pg_ledger_row {
 }
 pub(super) use pg_ledger_row;
 
-/// Runs a `pg_ledger_row!` statement on `conn`: binds `$1`..`$11` from the
+/// Runs a `pg_ledger_row!` statement on `conn`: binds `$1`..`$12` from the
 /// lease and the call, then `extra` in order.
 #[allow(clippy::too_many_arguments)]
 pub(super) async fn pg_ledger_row_on(
@@ -149,7 +156,8 @@ pub(super) async fn pg_ledger_row_on(
         .bind(class.as_str())
         .bind(state.as_str())
         .bind(call.emit_pos)
-        .bind(completed);
+        .bind(completed)
+        .bind(&call.request);
     for value in extra {
         q = q.bind(*value);
     }
@@ -174,7 +182,7 @@ impl Store {
         class: EffectClass,
     ) -> Result<EffectRow, StoreError> {
         if self.backend() == Backend::Postgres {
-            let statement = sql!(self, pg_ledger_row!("$12", ""));
+            let statement = sql!(self, pg_ledger_row!("$13", ""));
             return pg_ledger_row_on(self, conn, statement, lease, call, class, EffectState::Started, &[None]).await;
         }
         guard(self, conn, lease).await?;
@@ -296,7 +304,7 @@ impl Store {
         result: &str,
     ) -> Result<EffectRow, StoreError> {
         if self.backend() == Backend::Postgres {
-            let statement = sql!(self, pg_ledger_row!("$12", ""));
+            let statement = sql!(self, pg_ledger_row!("$13", ""));
             let (local, failed) = (EffectClass::Local, EffectState::Failed);
             return self
                 .retry(|| async move {

@@ -54,11 +54,11 @@ macro_rules! pg_held_puts {
     ($list:literal, $on:literal) => {
         concat!(
             ", l AS (SELECT * FROM jsonb_to_recordset(", $list, "::text::jsonb) AS \
-             l(i bigint, seq bigint, name text, hash text, emit_pos bigint, ns text, key text, value text, ikey text)), \
+             l(i bigint, seq bigint, name text, hash text, request text, emit_pos bigint, ns text, key text, value text, ikey text)), \
              w AS (INSERT INTO effects (run_id, seq, name, request_hash, idempotency_key, class, state, \
-             result, emit_pos, fence_started, fence_completed, created_at, updated_at) \
+             result, emit_pos, fence_started, fence_completed, created_at, updated_at, request) \
              SELECT r.id, l.seq, l.name, l.hash, l.ikey, 'local', 'committed', 'null', \
-             l.emit_pos, r.fence, r.fence, {now}, {now} FROM r JOIN l ON ", $on, " RETURNING run_id, seq), \
+             l.emit_pos, r.fence, r.fence, {now}, {now}, l.request FROM r JOIN l ON ", $on, " RETURNING run_id, seq), \
              k AS (INSERT INTO kv (namespace, key, value, updated_at) \
              SELECT DISTINCT ON (l.ns, l.key) l.ns, l.key, l.value, {now} \
              FROM l JOIN r ON ", $on, " JOIN w ON w.run_id = r.id AND w.seq = l.seq \
@@ -78,7 +78,7 @@ pub(crate) fn held_puts_json(database: &str, run_id: i64, puts: &[HeldPut]) -> S
 /// the close at place `i` in a batch (0 outside one).
 pub(crate) fn held_put_json(i: usize, database: &str, run_id: i64, p: &HeldPut) -> serde_json::Value {
     serde_json::json!({
-        "i": i, "seq": p.call.seq, "name": p.call.name, "hash": p.call.request_hash,
+        "i": i, "seq": p.call.seq, "name": p.call.name, "hash": p.call.request_hash, "request": p.call.request,
         "emit_pos": p.call.emit_pos, "ns": p.namespace, "key": p.key, "value": p.value,
         "ikey": idempotency_key(database, run_id, p.call.seq),
     })
@@ -138,7 +138,7 @@ impl Store {
                     let statement = sql!(
                         self,
                         pg_ledger_row!(
-                            "COALESCE((SELECT value FROM kv WHERE namespace = $12 AND key = $13), 'null')",
+                            "COALESCE((SELECT value FROM kv WHERE namespace = $13 AND key = $14), 'null')",
                             ""
                         )
                     );
@@ -151,7 +151,7 @@ impl Store {
                         pg_ledger_row!(
                             "'null'",
                             ", k AS (INSERT INTO kv (namespace, key, value, updated_at) \
-                             SELECT $12, $13, $14, {now} FROM e \
+                             SELECT $13, $14, $15, {now} FROM e \
                              ON CONFLICT (namespace, key) DO UPDATE SET value = excluded.value, \
                              updated_at = excluded.updated_at)"
                         )
@@ -160,7 +160,7 @@ impl Store {
                     return pg_ledger_row_on(self, conn, statement, lease, call, local, committed, &extra).await;
                 }
                 LocalOp::Record { value } => {
-                    let statement = sql!(self, pg_ledger_row!("$12", ""));
+                    let statement = sql!(self, pg_ledger_row!("$13", ""));
                     return pg_ledger_row_on(self, conn, statement, lease, call, local, committed, &[Some(value.as_str())])
                         .await;
                 }

@@ -40,7 +40,7 @@ use sqlx::any::{AnyConnectOptions, AnyPoolOptions};
 use sqlx::{AnyPool, Executor};
 
 pub use claims::{baseline_sql, claim_sql};
-pub use ledger::{Completion, EffectCall, LedgerSummary, Streamed, idempotency_key};
+pub use ledger::{Completion, EffectCall, LedgerSummary, REQUEST_PREVIEW, Streamed, idempotency_key};
 pub use local::{HeldPut, LocalOp};
 pub use plugins::{PluginInfo, PluginSettings};
 pub use reap::ReapReport;

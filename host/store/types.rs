@@ -303,12 +303,15 @@ impl EffectState {
 }
 
 /// One row of the effect ledger.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct EffectRow {
     pub run_id: i64,
     pub seq: i64,
     pub name: String,
     pub request_hash: String,
+    /// The request's first 1,024 bytes (`None` for rows older than the
+    /// column).
+    pub request: Option<String>,
     /// `<database id>:<run_id>:<seq>`, stable across attempts, unique
     /// across databases.
     pub idempotency_key: String,
@@ -336,6 +339,7 @@ impl EffectRow {
             seq: row.try_get("seq")?,
             name: row.try_get("name")?,
             request_hash: row.try_get("request_hash")?,
+            request: row.try_get("request")?,
             idempotency_key: row.try_get("idempotency_key")?,
             class: EffectClass::parse(&class)?,
             state: EffectState::parse(&state)?,

@@ -476,7 +476,7 @@ both! {
         let claimed = s.claim("w", Duration::from_secs(30)).await?.unwrap();
         for i in 0..12 {
             s.emit(&claimed.lease, &big).await?;
-            let call = leasehold::store::EffectCall { seq: i, name: "clock".into(), request_hash: "h".into(), emit_pos: 0 };
+            let call = leasehold::store::EffectCall { seq: i, name: "clock".into(), request_hash: "h".into(), request: String::new(), emit_pos: 0 };
             s.local_effect(&claimed.lease, &call, &leasehold::store::LocalOp::Record { value: big.clone() }).await?;
         }
         let cap = 2 << 20;

@@ -21,7 +21,7 @@ async fn claim(store: &Store, owner: &str) -> Result<Claimed> {
 }
 
 fn call(seq: i64, name: &str) -> EffectCall {
-    EffectCall { seq, name: name.into(), request_hash: format!("h{seq}"), emit_pos: 0 }
+    EffectCall { seq, name: name.into(), request_hash: format!("h{seq}"), request: String::new(), emit_pos: 0 }
 }
 
 fn completed(output: &str) -> Outcome {
@@ -485,7 +485,7 @@ both! {
         let (run, _) = s.create_run(&new).await?;
         let a = claim(s, "a").await?;
         let put = |seq: i64, key: &str, value: &str| HeldPut {
-            call: EffectCall { seq, name: "kv.put".into(), request_hash: format!("h{seq}"), emit_pos: seq.min(1) },
+            call: EffectCall { seq, name: "kv.put".into(), request_hash: format!("h{seq}"), request: String::new(), emit_pos: seq.min(1) },
             namespace: "ns".into(),
             key: key.into(),
             value: value.into(),
@@ -673,7 +673,7 @@ both! {
                 let deltas: Vec<String> = if i % 2 == 0 { vec![format!("a{i}"), format!("b{i}")] } else { vec![] };
                 let deltas: Vec<&str> = deltas.iter().map(String::as_str).collect();
                 let put = HeldPut {
-                    call: EffectCall { seq: 0, name: "kv.put".into(), request_hash: "h".into(), emit_pos: 0 },
+                    call: EffectCall { seq: 0, name: "kv.put".into(), request_hash: "h".into(), request: String::new(), emit_pos: 0 },
                     namespace: "closes".into(),
                     key: format!("k{}", i % 4),
                     value: format!("{i}"),

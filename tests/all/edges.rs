@@ -18,7 +18,7 @@ async fn submit(store: &Store, max_attempts: i64) -> Result<i64> {
 }
 
 fn call(seq: i64, name: &str, emit_pos: i64) -> EffectCall {
-    EffectCall { seq, name: name.into(), request_hash: format!("h{seq}"), emit_pos }
+    EffectCall { seq, name: name.into(), request_hash: format!("h{seq}"), request: String::new(), emit_pos }
 }
 
 both! {

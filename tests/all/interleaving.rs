@@ -137,7 +137,7 @@ impl Sim<'_> {
             25..70 => {
                 let Some(lease) = self.pick_lease(w) else { return Ok(()) };
                 let seq = self.rng.random_range(0..4);
-                let call = EffectCall { seq, name: "e".into(), request_hash: "h".into(), emit_pos: 0 };
+                let call = EffectCall { seq, name: "e".into(), request_hash: "h".into(), request: String::new(), emit_pos: 0 };
                 match self.rng.random_range(0..9) {
                     0 => { let r = s.renew(&lease, TTL).await; self.guarded(&lease, r, false)? }
                     1 | 2 => { let r = s.emit(&lease, "x").await; self.guarded(&lease, r, false)? }

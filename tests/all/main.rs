@@ -15,6 +15,7 @@ mod edges;
 mod fake_model;
 mod hosts;
 mod model;
+mod replay;
 mod conformance;
 mod interleaving;
 mod layout;

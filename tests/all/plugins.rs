@@ -84,3 +84,27 @@ pub fn test_limits() -> Limits {
 pub fn hostile_wat(name: &str) -> Result<Vec<u8>> {
     Ok(std::fs::read(root().join("plugins/hostile").join(name))?)
 }
+
+/// The test plugin's second version (`--features v2`: its `steps` mode
+/// makes a different second call), built into `target/plugins/v2`.
+pub fn testkit_v2() -> Result<Vec<u8>> {
+    static BUILT: OnceLock<Vec<u8>> = OnceLock::new();
+    if let Some(bytes) = BUILT.get() {
+        return Ok(bytes.clone());
+    }
+    let target_dir = root().join("target/plugins/v2");
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = Command::new(cargo)
+        .args(["build", "--release", "--target", "wasm32-wasip2", "--features", "v2", "--manifest-path"])
+        .arg(root().join("plugins/testkit/Cargo.toml"))
+        .arg("--target-dir")
+        .arg(&target_dir)
+        .output()
+        .context("running cargo to build the test plugin's v2")?;
+    if !out.status.success() {
+        bail!("building plugins/testkit --features v2 failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    }
+    let path = target_dir.join("wasm32-wasip2/release/testkit.wasm");
+    let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
+    Ok(BUILT.get_or_init(|| bytes).clone())
+}

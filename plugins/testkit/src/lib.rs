@@ -3,7 +3,9 @@
 //! * `steps` (default): `steps` times, burns `spin` iterations (default 0),
 //!   `kv.put` key `<prefix>-<i>` then emits `"step <i> "`; returns
 //!   `"did <n> steps"`. Deterministic, one effect per step: for crash,
-//!   replay and bench tests.
+//!   replay and bench tests. Built with feature `v2` (`testkit-v2.wasm`),
+//!   step 1's key is `<prefix>-1-v2`: a new version whose second call
+//!   differs.
 //! * `wait`: asks for input, returns `"hello <input>"`.
 //! * `sleep`: sleeps `ms`, returns `"woke"`.
 //! * `spin-then-put`: burns CPU for `spins` iterations, then `kv.put`.
@@ -74,7 +76,10 @@ impl Guest for Testkit {
                 let work = v["spin"].as_u64().unwrap_or(0);
                 for i in 0..n {
                     spin(work);
-                    let request = serde_json::json!({ "key": format!("{prefix}-{i}"), "value": i });
+                    // The `v2` build is "a new version" that makes a
+                    // different second call, for replay and upgrade tests.
+                    let key = if cfg!(feature = "v2") && i == 1 { format!("{prefix}-{i}-v2") } else { format!("{prefix}-{i}") };
+                    let request = serde_json::json!({ "key": key, "value": i });
                     effect("kv.put", &request.to_string()).map_err(describe)?;
                     emit(&format!("step {i} "));
                 }
