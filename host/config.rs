@@ -50,6 +50,12 @@ pub struct ServeOptions {
     /// would then be made again. [default: full]
     #[arg(long, env = "LEASEHOLD_SQLITE_SYNCHRONOUS", value_enum)]
     pub sqlite_synchronous: Option<SqliteSync>,
+    /// PostgreSQL: vacuum the runs table once it holds more dead row
+    /// versions than this (plus 5% of its rows), so claims stay fast
+    /// whether autovacuum is on or off. 0 leaves it to autovacuum.
+    /// [default: 50000]
+    #[arg(long, env = "LEASEHOLD_PG_VACUUM_DEAD_ROWS")]
+    pub pg_vacuum_dead_rows: Option<i64>,
     /// Concurrent segments on this host. [default: 4]
     #[arg(long, env = "LEASEHOLD_WORKERS")]
     pub workers: Option<usize>,
@@ -135,6 +141,7 @@ pub struct Serve {
     pub token_file: Option<PathBuf>,
     pub allowed_hosts: Vec<String>,
     pub sqlite_sync: SqliteSync,
+    pub pg_vacuum_dead_rows: i64,
     pub workers: usize,
     pub claim_batch: usize,
     pub prefetch: usize,
@@ -182,6 +189,7 @@ impl ServeOptions {
             token_file,
             allowed_hosts: self.allowed_hosts.or(file.allowed_hosts).unwrap_or_default(),
             sqlite_sync: self.sqlite_synchronous.or(file.sqlite_synchronous).unwrap_or_default(),
+            pg_vacuum_dead_rows: self.pg_vacuum_dead_rows.or(file.pg_vacuum_dead_rows).unwrap_or(50_000),
             database_url,
             workers: self.workers.or(file.workers).unwrap_or(4),
             claim_batch: self.claim_batch.or(file.claim_batch).unwrap_or(16),
@@ -206,6 +214,9 @@ impl ServeOptions {
             segment_budget: ms(self.segment_budget_ms.or(file.segment_budget_ms).unwrap_or(30_000)),
             test_clock_skew_ms: self.test_clock_skew_ms.or(file.test_clock_skew_ms).unwrap_or(0),
         };
+        if serve.pg_vacuum_dead_rows < 0 {
+            bail!("--pg-vacuum-dead-rows must be 0 (off) or more");
+        }
         if serve.workers == 0 {
             bail!("--workers must be at least 1");
         }

@@ -27,6 +27,7 @@ pub mod pool;
 pub mod reaper;
 pub mod redact;
 pub mod runtime;
+pub mod vacuum;
 pub mod store;
 
 pub use store::{Backend, Store, StoreError, StoreOptions};

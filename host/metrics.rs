@@ -76,6 +76,8 @@ pub struct Metrics {
     /// Runs the local queue gave back unstarted: at shutdown, or after
     /// waiting too long for a worker.
     pub prefetch_given_back: AtomicU64,
+    /// Vacuums of `runs` this host ran (PostgreSQL; see `vacuum`).
+    pub runs_vacuums: AtomicU64,
 }
 
 
@@ -131,6 +133,7 @@ impl Metrics {
         }
         self.segment_duration.render(&mut out, "leasehold_segment_seconds", "Duration of one segment.");
         counter(&mut out, "leasehold_http_requests_total", "API requests served by this host.", &self.http_requests);
+        counter(&mut out, "leasehold_runs_vacuums_total", "Vacuums of the runs table this host ran (PostgreSQL).", &self.runs_vacuums);
         counter(
             &mut out,
             "leasehold_guest_log_lines_dropped_total",

@@ -13,6 +13,10 @@ use leasehold::executor::{Executor, ExecutorConfig};
 use leasehold::plugins::{self, PluginSettings};
 use leasehold::pool::{PoolConfig, WorkerPool};
 use leasehold::reaper::{self, ReaperConfig};
+use leasehold::vacuum::{self, VacuumConfig};
+
+/// How often the vacuum loop reads `runs`' dead row count.
+const VACUUM_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 use leasehold::runtime::{Runtime, RuntimeConfig};
 use leasehold::store::{SqliteSync, Store, StoreError, StoreOptions};
 use tokio::sync::watch;
@@ -73,6 +77,8 @@ pub async fn serve(cfg: config::Serve) -> Result<()> {
 
     let (stop_tx, stop_rx) = watch::channel(false);
     let reaper = tokio::spawn(reaper::run(store.clone(), ReaperConfig::default(), cfg.reaper_interval, stop_rx.clone()));
+    let vacuum_config = VacuumConfig { dead_rows: cfg.pg_vacuum_dead_rows, ..VacuumConfig::default() };
+    let vacuum = tokio::spawn(vacuum::run(store.clone(), vacuum_config, VACUUM_EVERY, stop_rx.clone()));
     let api_config = ApiConfig {
         token: cfg.api_token.clone(),
         allowed_hosts: cfg.allowed_hosts.clone(),
@@ -119,6 +125,7 @@ pub async fn serve(cfg: config::Serve) -> Result<()> {
     let _ = stop_tx.send(true);
     pool.shutdown(cfg.shutdown_grace).await;
     let _ = reaper.await;
+    let _ = vacuum.await;
     match server.await {
         Ok(Ok(())) => {}
         Ok(Err(e)) => tracing::error!(error = %e, "HTTP server error"),

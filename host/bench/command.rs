@@ -85,6 +85,10 @@ pub enum BenchCommand {
         /// SQLite only: PRAGMA synchronous, as `serve --sqlite-synchronous`.
         #[arg(long, default_value = "full")]
         sqlite_synchronous: SqliteSync,
+        /// PostgreSQL: the vacuum loop's threshold, as `serve
+        /// --pg-vacuum-dead-rows` (0: off).
+        #[arg(long, default_value_t = 50_000)]
+        pg_vacuum_dead_rows: i64,
         /// Then run this script (`../shared/peers/run`) on the same
         /// PostgreSQL server with the same number of jobs and report
         /// leasehold's rate over each peer's. PostgreSQL only.
@@ -153,7 +157,7 @@ impl BenchCommand {
                 println!("{}", serde_json::to_string(&result?)?);
                 Ok(())
             }
-            BenchCommand::Drain { database_url, runs, steps, gets, workers, claim_batch, prefetch, rounds, plugin_file, sqlite_synchronous, peers, quiet } => {
+            BenchCommand::Drain { database_url, runs, steps, gets, workers, claim_batch, prefetch, rounds, plugin_file, sqlite_synchronous, pg_vacuum_dead_rows, peers, quiet } => {
                 anyhow::ensure!(
                     runs > 0 && workers > 0 && claim_batch > 0 && rounds > 0,
                     "--runs, --workers, --claim-batch and --rounds must be positive"
@@ -177,6 +181,7 @@ impl BenchCommand {
                     cache_dir: crate::runtime::default_cache_dir(),
                     progress: !quiet,
                     sqlite_sync: sqlite_synchronous,
+                    pg_vacuum_dead_rows,
                 };
                 let result = bench.run().await;
                 drop(db);

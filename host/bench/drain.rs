@@ -26,6 +26,7 @@ use sqlx::Row;
 use super::BenchError;
 use crate::executor::Executor;
 use crate::pool::{PoolConfig, WorkerPool};
+use crate::vacuum::VacuumConfig;
 use crate::store::{MAX_SUBMIT_BATCH, NewRun, RunStatus, SqliteSync, Store, StoreError, StoreOptions, sql};
 
 /// The plugin the bench registers: the Rust test plugin.
@@ -55,6 +56,9 @@ pub struct DrainBench {
     pub progress: bool,
     /// SQLite's `synchronous`. [full]
     pub sqlite_sync: SqliteSync,
+    /// PostgreSQL: the vacuum loop `serve` runs beside the pool
+    /// ([`VacuumConfig::dead_rows`]; 0 is off). [50,000]
+    pub pg_vacuum_dead_rows: i64,
 }
 
 /// The one JSON line the bench ends with.
@@ -80,10 +84,16 @@ pub struct DrainResult {
     pub load_s: f64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sqlite_synchronous: Option<SqliteSync>,
+    /// PostgreSQL: the vacuum loop's threshold, and the vacuums it ran.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pg_vacuum_dead_rows: Option<i64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pg_vacuums: Option<u64>,
 }
 
 /// One round's figures.
 struct Round {
+    vacuums: u64,
     rate: f64,
     first: f64,
     last: f64,
@@ -126,6 +136,8 @@ impl DrainBench {
             cpu_us_per_run: (median(|r| r.cpu_us) * 10.0).round() / 10.0,
             load_s: (median(|r| r.load_s) * 100.0).round() / 100.0,
             sqlite_synchronous: (store.backend() == crate::store::Backend::Sqlite).then_some(self.sqlite_sync),
+            pg_vacuum_dead_rows: (store.backend() == crate::store::Backend::Postgres).then_some(self.pg_vacuum_dead_rows),
+            pg_vacuums: (store.backend() == crate::store::Backend::Postgres).then(|| done.iter().map(|r| r.vacuums).sum()),
         })
     }
 
@@ -155,7 +167,15 @@ impl DrainBench {
             exec.clone(),
             PoolConfig { workers: self.workers, poll: Duration::from_millis(100), claim_batch: self.claim_batch, prefetch: self.prefetch },
         );
+        // Beside the pool, as `serve` runs it.
+        let (stop_vacuum, stop) = tokio::sync::watch::channel(false);
+        let vacuums = crate::metrics::global().runs_vacuums.load(std::sync::atomic::Ordering::Relaxed);
+        let config = VacuumConfig { dead_rows: self.pg_vacuum_dead_rows, ..VacuumConfig::default() };
+        let vacuum = tokio::spawn(crate::vacuum::run(store.clone(), config, Duration::from_secs(1), stop));
         self.wait_drained(store).await?;
+        let _ = stop_vacuum.send(true);
+        let _ = vacuum.await;
+        let vacuums = crate::metrics::global().runs_vacuums.load(std::sync::atomic::Ordering::Relaxed) - vacuums;
         let cpu_us = (cpu_time() - cpu).as_secs_f64() * 1e6 / self.runs as f64;
         let wall = started.elapsed();
         pool.shutdown(Duration::from_secs(10)).await;
@@ -187,7 +207,7 @@ impl DrainBench {
             "drained {} runs in {wall:?}: {rate:.0}/s (first tenth {first:.0}/s, last tenth {last:.0}/s), {cpu_us:.1} µs CPU per run",
             self.runs
         ));
-        Ok(Round { rate, first, last, cpu_us, load_s })
+        Ok(Round { rate, first, last, cpu_us, load_s, vacuums })
     }
 
     fn input(&self, round: usize, i: i64) -> String {

@@ -31,6 +31,7 @@ mod stats;
 pub(crate) mod submits;
 mod suspend;
 mod types;
+mod upkeep;
 
 use std::str::FromStr;
 use std::sync::OnceLock;

@@ -26,4 +26,5 @@ mod slicing;
 mod stream;
 mod serve_proc;
 mod sink;
+mod vacuum;
 mod wakeups;
