@@ -113,14 +113,40 @@ pub struct Runtime {
     _ticker: Ticker,
 }
 
-/// The engine's settings for `max_instances` and `pool_max_memory_bytes`
-/// (see [`RuntimeConfig`]): the host's, and the compiler child's, which
-/// must match for its output to load.
-pub fn engine_config(max_instances: u32, pool_max_memory_bytes: usize) -> Config {
+/// How much of each instance's linear memory and tables is reset in place
+/// when the instance ends, rather than given back to the kernel and
+/// faulted in again by the next instance in the slot. Either way the next
+/// instance sees none of it. With Linux's `PAGEMAP_SCAN` (6.7 and later)
+/// only the pages the instance touched are reset, so up to 1 MiB is kept;
+/// without it the first bytes are `memset` blindly, so only 16 KiB.
+/// Measured (`cargo bench --bench runtime -- instantiate_call`, the test
+/// plugin): 16.3 µs with neither, 13.1 µs with 16 KiB, 7.2 µs with 1 MiB
+/// and the scan, 21.1 µs with 1 MiB and no scan.
+const KEEP_RESIDENT_SCANNED: usize = 1 << 20;
+const KEEP_RESIDENT_BLIND: usize = 16 << 10;
+
+/// The engine for `max_instances` and `pool_max_memory_bytes` (see
+/// [`RuntimeConfig`]): the host's, and the compiler child's, which must
+/// match for its output to load (the pool's settings do not change
+/// compiled code, so the two may differ in `PAGEMAP_SCAN` only).
+pub fn engine(max_instances: u32, pool_max_memory_bytes: usize) -> wasmtime::Result<Engine> {
+    match Engine::new(&engine_config(max_instances, pool_max_memory_bytes, true)) {
+        Ok(engine) => Ok(engine),
+        // The kernel has no PAGEMAP_SCAN.
+        Err(_) => Engine::new(&engine_config(max_instances, pool_max_memory_bytes, false)),
+    }
+}
+
+fn engine_config(max_instances: u32, pool_max_memory_bytes: usize, pagemap_scan: bool) -> Config {
     let mut pool = PoolingAllocationConfig::default();
     // Per component instance: a Rust or C guest is 1 to 4 core instances
     // with one memory; componentize-py's Python guest is 38 core instances
     // with 10 memories. The totals leave room for that.
+    let (keep, scan) = if pagemap_scan {
+        (KEEP_RESIDENT_SCANNED, wasmtime::Enabled::Yes)
+    } else {
+        (KEEP_RESIDENT_BLIND, wasmtime::Enabled::No)
+    };
     pool.total_component_instances(max_instances)
         .max_core_instances_per_component(64)
         .max_memories_per_component(16)
@@ -129,7 +155,10 @@ pub fn engine_config(max_instances: u32, pool_max_memory_bytes: usize) -> Config
         .total_memories(max_instances * 12)
         .total_tables(max_instances * 48)
         .max_memory_size(pool_max_memory_bytes)
-        .total_stacks(max_instances);
+        .total_stacks(max_instances)
+        .linear_memory_keep_resident(keep)
+        .table_keep_resident(keep)
+        .pagemap_scan(scan);
     let mut wasm = Config::new();
     wasm.epoch_interruption(true)
         .wasm_component_model(true)
@@ -143,7 +172,7 @@ pub fn engine_config(max_instances: u32, pool_max_memory_bytes: usize) -> Config
 /// status if it is not a valid component.
 pub fn compile_stdio(max_instances: u32, pool_max_memory_bytes: usize) -> anyhow::Result<()> {
     use std::io::{Read, Write};
-    let engine = Engine::new(&engine_config(max_instances, pool_max_memory_bytes))?;
+    let engine = engine(max_instances, pool_max_memory_bytes)?;
     let mut bytes = Vec::new();
     std::io::stdin().read_to_end(&mut bytes)?;
     let compiled = engine.precompile_component(&bytes)?;
@@ -153,7 +182,7 @@ pub fn compile_stdio(max_instances: u32, pool_max_memory_bytes: usize) -> anyhow
 
 impl Runtime {
     pub fn new(config: RuntimeConfig) -> anyhow::Result<Runtime> {
-        let engine = Engine::new(&engine_config(config.max_instances, config.pool_max_memory_bytes))?;
+        let engine = engine(config.max_instances, config.pool_max_memory_bytes)?;
         let mut linker = Linker::new(&engine);
         wasmtime_wasi::p2::add_to_linker_async(&mut linker)?;
         host::add_to_linker(&mut linker)?;
