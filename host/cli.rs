@@ -37,6 +37,11 @@ pub enum PluginsCommand {
         /// Comma-separated hosts (host or host:port) its `http` effects may reach.
         #[arg(long, default_value = "")]
         http_allow: String,
+        /// How runs in flight take this version: `pinned` (they finish on
+        /// theirs) or `auto` (one moves at its next segment if its ledger
+        /// replays clean on this version). [default: pinned]
+        #[arg(long, default_value = "pinned")]
+        upgrade: String,
     },
     /// List registered plugins.
     List,
@@ -53,6 +58,9 @@ pub enum PluginsCommand {
         /// As for `add`.
         #[arg(long, default_value = "")]
         http_allow: String,
+        /// As for `add`.
+        #[arg(long, default_value = "pinned")]
+        upgrade: String,
         /// --check: the database to read. [default: sqlite://leasehold.db]
         #[arg(long, env = "LEASEHOLD_DATABASE_URL")]
         database_url: Option<String>,
@@ -221,12 +229,12 @@ pub async fn plugins(api: &Api, command: PluginsCommand) -> Result<()> {
                 std::process::exit(1);
             }
         }
-        PluginsCommand::Add { name, file, http_allow } | PluginsCommand::Upgrade { name, file, http_allow, .. } => {
+        PluginsCommand::Add { name, file, http_allow, upgrade } | PluginsCommand::Upgrade { name, file, http_allow, upgrade, .. } => {
             let bytes = std::fs::read(&file).with_context(|| format!("reading {}", file.display()))?;
             let req = api
                 .client()
                 .put(api.url(&format!("/v1/plugins/{name}")))
-                .query(&[("http_allow", http_allow)])
+                .query(&[("http_allow", http_allow), ("upgrade", upgrade)])
                 .body(bytes);
             let v = api.send(req).await?;
             api.print(&v, |v| println!("registered {} {}", v["name"].as_str().unwrap_or(""), v["digest"].as_str().unwrap_or("")));

@@ -59,6 +59,7 @@ pub async fn register(
     let unchanged = store.plugin_settings(name).await?.is_some_and(|(d, s)| d == digest && s == settings);
     let to_store = (!unchanged).then(|| bytes.clone());
     let plugin = compile(runtime, name, bytes, limits).await?;
+    runtime.set_upgrade_policy(name, settings.upgrade);
     if let Some(bytes) = to_store {
         store.put_plugin(name, &plugin.digest, &bytes, &settings).await?;
     }
@@ -113,7 +114,9 @@ pub async fn resolve(
             return Ok(None);
         };
         let limits = sandbox_limits(&settings, runtime.default_limits());
-        return Ok(Some(compile(runtime, name, bytes, limits).await?));
+        let plugin = compile(runtime, name, bytes, limits).await?;
+        runtime.set_upgrade_policy(name, settings.upgrade);
+        return Ok(Some(plugin));
     }
     if let Some(p) = runtime.version(name, digest) {
         return Ok(Some(p));

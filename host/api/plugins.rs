@@ -8,15 +8,18 @@ use serde_json::{Value, json};
 
 use super::{ApiError, AppState, Params, QueryParams, body_bytes};
 use crate::plugins::PluginSettings;
+use crate::store::UpgradePolicy;
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PutQuery {
     /// Comma-separated hosts the plugin's `http` effects may reach.
     http_allow: Option<String>,
+    /// `pinned` (default) or `auto`: how runs in flight take this version.
+    upgrade: Option<String>,
 }
 
-/// `PUT /v1/plugins/{name}?http_allow=host:port,…` with the component's
+/// `PUT /v1/plugins/{name}?http_allow=host:port,…&upgrade=pinned|auto` with the component's
 /// bytes: 201 `{name, digest}`; 422 with the reason when the bytes are not a
 /// component implementing `leasehold:turn/turn`.
 pub async fn put(
@@ -50,7 +53,11 @@ pub async fn put(
     if http_allow.iter().any(|h| h.len() > 255 || h.contains(['/', '\0', ' '])) {
         return Err(ApiError::bad_request("http_allow entries must be host or host:port"));
     }
-    let settings = PluginSettings { http_allow };
+    let upgrade = match q.upgrade.as_deref() {
+        None => UpgradePolicy::default(),
+        Some(p) => UpgradePolicy::parse(p).ok_or_else(|| ApiError::bad_request("upgrade must be pinned or auto"))?,
+    };
+    let settings = PluginSettings { http_allow, upgrade };
     // Awaited here, holding the permit: a caller that goes away drops the
     // registration, and with it the compiler child (`serve` compiles in
     // one), so nothing is left compiling for nobody.

@@ -22,6 +22,7 @@ use crate::runtime::{EPOCH_TICK, Plugin, Runtime};
 use crate::store::{Claimed, EffectState, Lease, Outcome, RunStatus, Store, StoreError, Suspend};
 
 mod renewer;
+mod upgrade;
 
 use renewer::{AbortOnDrop, LAST_CHANCE, LeaseWatch, renew_loop};
 
@@ -203,6 +204,11 @@ impl Executor {
                 let error = format!("unknown-plugin: plugin {:?} could not be loaded: {e}", run.plugin);
                 return self.finish(&lease, Outcome::Failed { error }, GuestErrorKind::UnknownPlugin, &Held::default(), next).await;
             }
+        };
+        let plugin = match self.upgrade(&run, &lease, plugin).await {
+            Ok(plugin) => plugin,
+            Err(StoreError::LeaseLost(_)) => return Ok(SegmentOutcome::LeaseLost),
+            Err(e) => return Err(e),
         };
         // Fence 1 is a run's first segment: no segment held it before, so it
         // has no ledger to reconcile or replay (two round trips saved on the

@@ -36,6 +36,7 @@ use wasmtime::component::{Component, Linker};
 use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig};
 
 use self::host::{SegmentState, TurnPre};
+use crate::store::UpgradePolicy;
 
 /// How often the epoch ticker advances. Deadlines are counted in ticks.
 pub const EPOCH_TICK: Duration = Duration::from_millis(10);
@@ -107,6 +108,8 @@ pub struct Runtime {
     /// Every version loaded, by (name, digest): a run keeps the version it
     /// was submitted with.
     versions: RwLock<HashMap<(String, String), Arc<Plugin>>>,
+    /// Each plugin's upgrade policy, as registered (default `pinned`).
+    policies: RwLock<HashMap<String, UpgradePolicy>>,
     default_limits: Limits,
     /// The child-process compiler and the engine settings it must match.
     compiler: Option<(PathBuf, u32, usize)>,
@@ -194,10 +197,21 @@ impl Runtime {
             cache,
             plugins: RwLock::new(HashMap::new()),
             versions: RwLock::new(HashMap::new()),
+            policies: RwLock::new(HashMap::new()),
             default_limits: config.default_limits.clone(),
             compiler: config.compiler.map(|c| (c, config.max_instances, config.pool_max_memory_bytes)),
             _ticker: ticker,
         })
+    }
+
+    /// Sets how `name`'s runs in flight take its current version.
+    pub fn set_upgrade_policy(&self, name: &str, policy: UpgradePolicy) {
+        self.policies.write().expect("plugin registry lock").insert(name.to_string(), policy);
+    }
+
+    /// `name`'s upgrade policy; `pinned` unless set.
+    pub fn upgrade_policy(&self, name: &str) -> UpgradePolicy {
+        self.policies.read().expect("plugin registry lock").get(name).copied().unwrap_or_default()
     }
 
     pub fn default_limits(&self) -> &Limits {

@@ -31,6 +31,7 @@ mod stats;
 pub(crate) mod submits;
 mod suspend;
 mod types;
+mod upgrades;
 mod upkeep;
 
 use std::str::FromStr;
@@ -43,7 +44,7 @@ use sqlx::{AnyPool, Executor};
 pub use claims::{baseline_sql, claim_sql};
 pub use ledger::{Completion, EffectCall, LedgerSummary, REQUEST_PREVIEW, Streamed, idempotency_key};
 pub use local::{HeldPut, LocalOp};
-pub use plugins::{PluginInfo, PluginSettings};
+pub use plugins::{PluginInfo, PluginSettings, UpgradePolicy};
 pub use reap::ReapReport;
 pub use runs::MAX_SUBMIT_BATCH;
 pub use stats::Gauges;

@@ -14,6 +14,34 @@ pub struct PluginSettings {
     /// Default: none.
     #[serde(default)]
     pub http_allow: Vec<String>,
+    /// What happens to runs in flight when a new version is registered.
+    /// Default: `pinned`.
+    #[serde(default)]
+    pub upgrade: UpgradePolicy,
+}
+
+/// How a plugin's runs in flight take a new version.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq, Hash)]
+#[serde(rename_all = "snake_case")]
+pub enum UpgradePolicy {
+    /// Runs finish on the version they started with; new runs take the
+    /// new one.
+    #[default]
+    Pinned,
+    /// A run moves to the current version at its next segment if its
+    /// recorded ledger replays clean on it (`leasehold replay`); otherwise
+    /// it stays, and says why in its `upgrade_note`.
+    Auto,
+}
+
+impl UpgradePolicy {
+    pub fn parse(s: &str) -> Option<UpgradePolicy> {
+        match s {
+            "pinned" => Some(UpgradePolicy::Pinned),
+            "auto" => Some(UpgradePolicy::Auto),
+            _ => None,
+        }
+    }
 }
 
 /// A registered plugin, as listed.

@@ -108,6 +108,10 @@ pub struct Run {
     /// existed.
     #[serde(skip)]
     pub secret: Option<String>,
+    /// The version an `auto` upgrade last checked the run against.
+    pub upgrade_checked: Option<String>,
+    /// What came of it: moved, or why the run stays on its version.
+    pub upgrade_note: Option<String>,
 }
 
 impl Run {
@@ -138,6 +142,8 @@ impl Run {
             finished_at: row.try_get("finished_at")?,
             started_at: row.try_get("started_at")?,
             secret: row.try_get("secret")?,
+            upgrade_checked: row.try_get("upgrade_checked")?,
+            upgrade_note: row.try_get("upgrade_note")?,
         })
     }
 }

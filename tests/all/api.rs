@@ -283,6 +283,7 @@ both! {
             ("core module", server.req(reqwest::Method::PUT, "/v1/plugins/junk").body(wat_core()), 422),
             ("missing import", server.req(reqwest::Method::PUT, "/v1/plugins/junk").body(plugins::hostile_wat("missing-import.wat")?), 422),
             ("bad plugin name", server.req(reqwest::Method::PUT, "/v1/plugins/Bad%20Name").body(b"x".to_vec()), 400),
+            ("bad upgrade policy", server.req(reqwest::Method::PUT, "/v1/plugins/testkit?upgrade=sometimes").body(b"x".to_vec()), 400),
             ("unknown endpoint", server.req(reqwest::Method::GET, "/v1/nothing"), 404),
             ("wrong method", server.req(reqwest::Method::DELETE, "/v1/runs"), 405),
         ];
@@ -365,6 +366,7 @@ both! {
                 server.req(reqwest::Method::POST, "/v1/runs/1/input").header("content-type", "application/json").body(bytes.clone()),
                 server.req(reqwest::Method::POST, "/v1/runs/1/input").json(&json!({ "input": s })),
                 server.req(reqwest::Method::PUT, &format!("/v1/plugins/{path_enc}?http_allow={enc}")).body(bytes.clone()),
+                server.req(reqwest::Method::PUT, &format!("/v1/plugins/testkit?upgrade={enc}")).body(bytes.clone()),
             ];
             for req in reqs {
                 let resp = req.send().await?;

@@ -26,5 +26,6 @@ mod slicing;
 mod stream;
 mod serve_proc;
 mod sink;
+mod upgrade;
 mod vacuum;
 mod wakeups;
