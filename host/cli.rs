@@ -363,7 +363,7 @@ pub async fn runs(api: &Api, command: RunsCommand) -> Result<()> {
         RunsCommand::Show { id } => {
             let v = api.send(c.get(api.url(&format!("/v1/runs/{id}")))).await?;
             api.print(&v, |r| {
-                for key in ["id", "status", "plugin", "thread_id", "attempt", "max_attempts", "fence", "lease_owner", "lease_expires_at", "error"] {
+                for key in ["id", "status", "plugin", "thread_id", "attempt", "max_attempts", "fence", "lease_owner", "lease_expires_at", "plugin_digest", "upgrade_note", "error"] {
                     if !r[key].is_null() {
                         println!("{key:<17} {}", r[key].as_str().map(str::to_string).unwrap_or_else(|| r[key].to_string()));
                     }
