@@ -524,7 +524,11 @@ impl Executor {
                 } else {
                     (GuestErrorKind::Trap, trap_detail(&trap))
                 };
-                let error = format!("{}: {detail}", kind.as_str());
+                let mut error = format!("{}: {detail}", kind.as_str());
+                // What the guest printed before it died: a panic message, a traceback.
+                if let Some(output) = state.output.tail() {
+                    error = format!("{error}\nguest output (last {} bytes at most):\n{output}", crate::runtime::OUTPUT_TAIL);
+                }
                 self.finish(lease, Outcome::Failed { error }, kind, &tail, next).await
             }
         }

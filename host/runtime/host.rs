@@ -20,6 +20,7 @@ use wasmtime_wasi::WasiCtx;
 use super::clocks::{self, GuestTime};
 use super::replay::Recorded;
 use super::stream::{Buffer, Stream};
+use super::wasi::GuestOutput;
 use crate::effects::model::ModelConfig;
 use crate::effects::{self, Effect, RemoteFailure};
 use crate::store::{Completion, EffectCall, EffectClass, EffectRow, EffectState, HeldPut, Lease, LocalOp, Store, StoreError, Streamed};
@@ -121,6 +122,8 @@ pub struct SegmentState {
     pub(crate) interrupt: Option<Interrupt>,
     /// See [`SegmentInit::offline`].
     pub(super) offline: bool,
+    /// The guest's stdout and stderr, the tail kept for a failed run's error.
+    pub(crate) output: GuestOutput,
 }
 
 impl SegmentState {
@@ -129,7 +132,7 @@ impl SegmentState {
         let mut wasi = WasiCtx::builder();
         // Replay-safe WASI: virtual clocks (see `clocks`) and random seeded
         // from the run's secret. No network, no filesystem, no environment,
-        // no stdio.
+        // no stdin; stdout and stderr go to a capped buffer for errors.
         let (secure, insecure, seed) = seeded_random(init.secret.as_deref(), init.lease.run_id);
         wasi.wall_clock(time.wall_clock(init.created_at_ms))
             .monotonic_clock(time.monotonic_clock())
@@ -137,6 +140,8 @@ impl SegmentState {
             .insecure_random(insecure)
             .insecure_random_seed(seed)
             .max_random_size(init.limits.max_random_bytes);
+        let output = GuestOutput::default();
+        wasi.stdout(output.clone()).stderr(output.clone());
         let mut table = ResourceTable::new();
         table.set_max_capacity(init.limits.max_resources);
         SegmentState {
@@ -174,6 +179,7 @@ impl SegmentState {
             phase: Phase::default(),
             interrupt: None,
             offline: init.offline,
+            output,
         }
     }
 

@@ -19,6 +19,7 @@ mod text;
 mod wasi;
 
 pub use limits::{GuestErrorKind, Limits};
+pub use wasi::OUTPUT_TAIL;
 
 pub use cache::default_dir as default_cache_dir;
 pub mod host;

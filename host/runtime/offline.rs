@@ -146,6 +146,10 @@ pub async fn replay(rt: &Runtime, plugin: &Plugin, recording: Recording, budget:
             } else {
                 limit_trap(&trap).unwrap_or_else(|| format!("trap: {trap:#}"))
             };
+            let reason = match state.output.tail() {
+                Some(output) => format!("{reason}\nguest output:\n{output}"),
+                None => reason,
+            };
             Outcome::Stopped { reason }
         }
         (Some(Ok(_)), _) if made <= frontier => {

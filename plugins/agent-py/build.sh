@@ -26,12 +26,10 @@ if [ -f "$out" ] && [ -z "$(find -L "${sources[@]}" -newer "$out" -print -quit)"
   exit 0
 fi
 
-# --stub-wasi replaces every WASI import with a trapping stub, so the
-# component imports only leasehold:turn/host. Without it, componentize-py
-# imports all of WASI p2, wasi:sockets included, which the host does not
-# provide. The agent makes no WASI calls at run time (no I/O, clocks or
-# randomness; json only); an uncaught Python exception traps (rather than
-# printing a traceback first), which the host reports as a trap anyway.
+# Real WASI, as every other guest gets it: the host provides all of WASI
+# p2 deny-by-default (no files, no network, no environment, virtual clocks,
+# seeded random), and the guest's stderr goes to a capped buffer, so an
+# uncaught exception's traceback ends up in the run's error.
 #
 # Build from a staging copy so only app.py is bundled (componentize-py
 # bundles its whole python path) and no __pycache__ lands in the tree.
@@ -41,5 +39,5 @@ mkdir -p "$stage/src"
 cp app.py "$stage/src/"
 say "building $out"
 (cd "$stage" && env -u VIRTUAL_ENV PYTHONDONTWRITEBYTECODE=1 \
-  "$cpy" --quiet -d "$root/wit" -w turn componentize --stub-wasi -p "$stage/src" app -o "$stage/agent-py.wasm")
+  "$cpy" --quiet -d "$root/wit" -w turn componentize -p "$stage/src" app -o "$stage/agent-py.wasm")
 mv -f "$stage/agent-py.wasm" "$out"

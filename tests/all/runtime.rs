@@ -269,6 +269,19 @@ both! {
         Ok(())
     }
 
+    async fn a_panicking_guest_fails_with_its_panic_message_and_a_chatty_one_still_completes(db) {
+        let (_rt, exec) = setup(db)?;
+        let id = submit(&db.store, serde_json::json!({ "mode": "panic", "message": "the widget is missing" })).await?;
+        ensure!(exec.run_once().await? == Some((id, SegmentOutcome::Failed(GuestErrorKind::Trap))));
+        let error = db.store.get_run(id).await?.error.unwrap_or_default();
+        ensure!(error.starts_with("trap: ") && error.contains("panicked at") && error.contains("the widget is missing"), "{error}");
+        // Megabytes on stdout and stderr: kept to a tail, never an error.
+        let id = submit(&db.store, serde_json::json!({ "mode": "print", "lines": 100_000 })).await?;
+        ensure!(exec.run_once().await? == Some((id, SegmentOutcome::Completed)));
+        ensure!(db.store.get_run(id).await?.output.as_deref() == Some("printed"));
+        Ok(())
+    }
+
     async fn text_with_nul_characters_is_kept_the_same_way_on_both_backends(db) {
         // PostgreSQL cannot store NUL in text; SQLite can. The host replaces
         // each NUL a guest writes with U+FFFD, and refuses a kv key with one.

@@ -49,7 +49,9 @@
 //!   `big-prompt` (a 1 MiB `wait-input` prompt), `log-flood` (`n` log
 //!   lines with control characters), `random-bomb` (asks WASI for 1 GiB of
 //!   random), `table-bomb` (keeps WASI pollables without bound),
-//!   `kv-big` (puts a `bytes`-long value), `gets` (`n` `kv.get`s).
+//!   `kv-big` (puts a `bytes`-long value), `gets` (`n` `kv.get`s),
+//!   `panic` (panics with `message`), `print` (`lines` lines on stdout and
+//!   on stderr, then returns `"printed"`).
 
 wit_bindgen::generate!({ path: "../../wit", world: "turn" });
 
@@ -185,6 +187,14 @@ impl Guest for Testkit {
                 }
             }
             "trap" => std::process::abort(),
+            "panic" => panic!("{}", v["message"].as_str().unwrap_or("boom")),
+            "print" => {
+                for i in 0..v["lines"].as_u64().unwrap_or(1) {
+                    eprintln!("line {i} on stderr");
+                    println!("line {i} on stdout");
+                }
+                Ok("printed".to_string())
+            }
             "big-output" => Ok("x".repeat(2 << 20)),
             "fail" => Err("the turn gave up".to_string()),
             "nul" => {
