@@ -2,7 +2,9 @@
 
 mod cli;
 mod config;
+mod new;
 mod replay;
+mod run;
 mod serve;
 
 use std::path::PathBuf;
@@ -75,6 +77,18 @@ enum Command {
         #[command(flatten)]
         args: cli::EventsArgs,
     },
+    /// Write a new plugin project: the WIT, a build, a turn using typed
+    /// helpers, a test and a README.
+    New {
+        #[command(flatten)]
+        args: new::NewArgs,
+    },
+    /// Run one turn of a component to its end on a throwaway SQLite
+    /// database (no service needed), printing its stream and its output.
+    Run {
+        #[command(flatten)]
+        args: run::RunArgs,
+    },
     /// Replay a run's recorded ledger against a component, offline:
     /// nothing is performed; the first call that differs is reported, with
     /// exit status 1. For checking a new version before shipping it.
@@ -134,6 +148,13 @@ async fn run(cli: Cli) -> Result<()> {
         Command::Submit { api, args } => cli::submit(&api, args).await,
         Command::Runs { api, command } => cli::runs(&api, command).await,
         Command::Events { api, args } => cli::events(&api, args).await,
+        Command::New { args } => new::new(args),
+        Command::Run { args } => {
+            if !run::run(args).await? {
+                std::process::exit(1);
+            }
+            Ok(())
+        }
         Command::Replay { args } => {
             if !replay::replay(args).await? {
                 std::process::exit(1);

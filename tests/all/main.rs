@@ -24,6 +24,7 @@ mod sandbox;
 mod service;
 mod slicing;
 mod stream;
+mod templates;
 mod serve_proc;
 mod sink;
 mod upgrade;

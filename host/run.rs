@@ -1,0 +1,116 @@
+//! `leasehold run`: one turn of a component, run to its end on a throwaway
+//! SQLite database, with the same worker code `serve` runs, printing what
+//! it streams and its output. For a plugin author's first test: no service,
+//! no token. Exit status 0 when the run completes, 1 when it fails (its
+//! error is printed) or an error stops the command.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use leasehold::executor::{Executor, ExecutorConfig};
+use leasehold::plugins::PluginSettings;
+use leasehold::runtime::{Runtime, RuntimeConfig};
+use leasehold::store::{NewRun, RunStatus, Store};
+
+#[derive(clap::Args)]
+pub struct RunArgs {
+    /// The component (a .wasm file).
+    file: PathBuf,
+    /// The turn's input, as JSON (a bare word is a JSON string). Default: null.
+    #[arg(long, default_value = "null")]
+    input: String,
+    /// Comma-separated hosts (host or host:port) its `http` effects may reach.
+    #[arg(long, default_value = "")]
+    http_allow: String,
+    /// The plugin name (its kv namespace). Default: the file's stem.
+    #[arg(long)]
+    name: Option<String>,
+    /// Input to deliver, in order, each time the turn waits for input.
+    #[arg(long = "answer")]
+    answers: Vec<String>,
+    /// Give up after this long. Default: 60 s.
+    #[arg(long, default_value_t = 60_000)]
+    timeout_ms: u64,
+    /// Compiled components are cached here, as `serve --cache-dir`.
+    /// [default: ~/.cache/leasehold/components]
+    #[arg(long, env = "LEASEHOLD_CACHE_DIR")]
+    cache_dir: Option<PathBuf>,
+    /// Print the finished run as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Runs `leasehold run`; `Ok(false)` when the run did not complete.
+pub async fn run(args: RunArgs) -> Result<bool> {
+    let bytes = std::fs::read(&args.file).with_context(|| format!("reading {}", args.file.display()))?;
+    let name = match &args.name {
+        Some(n) => n.clone(),
+        None => args.file.file_stem().and_then(|s| s.to_str()).unwrap_or("plugin").to_string(),
+    };
+    let input = match serde_json::from_str::<serde_json::Value>(&args.input) {
+        Ok(v) => v.to_string(),
+        Err(_) => serde_json::Value::String(args.input.clone()).to_string(),
+    };
+    let dir = std::env::temp_dir().join(format!("leasehold-run-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let result = run_in(&args, &dir, &name, bytes, &input).await;
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
+async fn run_in(args: &RunArgs, dir: &std::path::Path, name: &str, bytes: Vec<u8>, input: &str) -> Result<bool> {
+    let store = Store::connect(&format!("sqlite://{}", dir.join("run.db").display())).await?;
+    let mut config = RuntimeConfig { max_instances: 2, ..RuntimeConfig::default() };
+    if let Some(d) = &args.cache_dir {
+        config.cache_dir = d.clone();
+    }
+    let runtime = Arc::new(Runtime::new(config)?);
+    let http_allow = args.http_allow.split(',').map(str::trim).filter(|h| !h.is_empty()).map(str::to_string).collect();
+    let settings = PluginSettings { http_allow, ..PluginSettings::default() };
+    if !leasehold::plugins::valid_name(name) {
+        bail!("{name:?} is not a plugin name (1 to 64 of a-z, 0-9, '-', '_'): give --name");
+    }
+    leasehold::plugins::register(&store, &runtime, name, bytes, settings).await?;
+    let (run, _) = store.create_run(&NewRun::new(name, input)).await?;
+    let exec = Executor::new(store.clone(), runtime, ExecutorConfig { owner: "leasehold-run".into(), ..ExecutorConfig::default() });
+    let deadline = Instant::now() + Duration::from_millis(args.timeout_ms);
+    let mut answers = args.answers.iter();
+    let mut shown = 0;
+    let finished = loop {
+        exec.run_once().await?;
+        let now = store.get_run(run.id).await?;
+        // What it streamed since the last look.
+        if now.partial.len() > shown {
+            eprint!("{}", &now.partial[shown..]);
+            shown = now.partial.len();
+        }
+        match now.status {
+            RunStatus::Completed | RunStatus::Failed | RunStatus::Aborted | RunStatus::Cancelled => break now,
+            RunStatus::WaitingInput if now.pending_input.is_none() => match answers.next() {
+                Some(answer) => {
+                    store.deliver_input(run.id, answer).await?;
+                }
+                None => bail!("the turn waits for input and no --answer is left"),
+            },
+            _ => {}
+        }
+        if Instant::now() > deadline {
+            bail!("the run did not finish within {} ms (status {})", args.timeout_ms, now.status.as_str());
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    if shown > 0 {
+        eprintln!();
+    }
+    if args.json {
+        println!("{}", serde_json::to_string(&finished)?);
+    } else {
+        match finished.status {
+            RunStatus::Completed => println!("{}", finished.output.as_deref().unwrap_or("")),
+            other => eprintln!("run {}: {}", other.as_str(), finished.error.as_deref().unwrap_or("")),
+        }
+    }
+    Ok(finished.status == RunStatus::Completed)
+}

@@ -1,0 +1,22 @@
+"""{{name}}: a leasehold turn. Input: {"url": "http://..."}. It fetches the
+URL (http), counts its visits in kv, streams a line (emit) and returns a
+summary. Every effect goes through the typed helpers in helpers.py; each is
+recorded, and replayed when the run resumes, so the turn must make the same
+calls in the same order every time. An uncaught exception fails the run with
+its traceback in the run's error."""
+
+import json
+
+import wit_world
+from helpers import emit, http, kv
+
+
+class WitWorld(wit_world.WitWorld):
+    def run(self, input: str) -> str:
+        data = json.loads(input)
+        url = data["url"]
+        page = http.get(url)
+        visits = (kv.get("visits") or 0) + 1
+        kv.put("visits", visits)
+        emit(f"fetched {url}\n")
+        return f"fetched {len(page.body.encode())} bytes (HTTP {page.status}); visit {visits}"

@@ -1,0 +1,103 @@
+//! `leasehold new`: a project in each language builds with its own
+//! `build.sh`, passes its own `test.sh` (which runs a turn with `leasehold
+//! run`), and its component, registered on each backend, completes a run.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, ensure};
+use leasehold::executor::{Executor, ExecutorConfig, SegmentOutcome};
+use leasehold::plugins::PluginSettings;
+use leasehold::store::{NewRun, RunStatus};
+
+use crate::harness::both;
+use crate::plugins;
+
+const LANGS: [&str; 4] = ["rust", "python", "js", "c"];
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Generates, builds and self-tests the project for `lang` once per test
+/// process; returns its component and how long `new` to a passed test took.
+fn project(lang: &str) -> Result<(Vec<u8>, Duration)> {
+    static BUILT: Mutex<Vec<(String, Vec<u8>, Duration)>> = Mutex::new(Vec::new());
+    let mut built = BUILT.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, bytes, took)) = built.iter().find(|(l, _, _)| l == lang) {
+        return Ok((bytes.clone(), *took));
+    }
+    let dir = root().join("target/templates-test");
+    std::fs::create_dir_all(&dir)?;
+    let name = format!("hello-{lang}");
+    let project: PathBuf = dir.join(&name);
+    let _ = std::fs::remove_dir_all(&project);
+    let started = Instant::now();
+    let out = Command::new(env!("CARGO_BIN_EXE_leasehold"))
+        .args(["new", &name, "--lang", lang, "--dir"])
+        .arg(&project)
+        .output()?;
+    ensure!(out.status.success(), "leasehold new --lang {lang}: {}", String::from_utf8_lossy(&out.stderr));
+    let out = Command::new(project.join("test.sh"))
+        .env("LEASEHOLD", env!("CARGO_BIN_EXE_leasehold"))
+        .env("LEASEHOLD_TOOLCHAINS", root().join("target/toolchains"))
+        .env("LEASEHOLD_NODE_MODULES", root().join("plugins/agent-js/node_modules"))
+        .env("LEASEHOLD_CACHE_DIR", root().join("target/component-cache"))
+        .env("LEASEHOLD_LOG", "error")
+        .output()
+        .with_context(|| format!("running {}/test.sh", project.display()))?;
+    let took = started.elapsed();
+    ensure!(
+        out.status.success(),
+        "{lang}: test.sh failed:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let bytes = std::fs::read(project.join(format!("{name}.wasm")))?;
+    eprintln!("templates: {lang}: new -> passed test in {took:?}, component {} bytes", bytes.len());
+    built.push((lang.to_string(), bytes.clone(), took));
+    Ok((bytes, took))
+}
+
+both! {
+    async fn a_new_project_in_each_language_builds_passes_its_test_and_completes_a_run(db) {
+        let app = axum::Router::new().route("/hello.txt", axum::routing::get(|| async { "hello from the test server\n" }));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let port = listener.local_addr()?.port();
+        let server = tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        let rt = plugins::runtime()?;
+        let settings = PluginSettings { http_allow: vec![format!("127.0.0.1:{port}")], ..PluginSettings::default() };
+        let exec = Executor::new(db.store.clone(), rt.clone(), ExecutorConfig { owner: "w".into(), ..ExecutorConfig::default() });
+        for lang in LANGS {
+            let (bytes, _) = tokio::task::spawn_blocking(move || project(lang)).await??;
+            let name = format!("hello-{lang}");
+            leasehold::plugins::register(&db.store, &rt, &name, bytes, settings.clone()).await?;
+            let input = serde_json::json!({ "url": format!("http://127.0.0.1:{port}/hello.txt") });
+            let id = db.store.create_run(&NewRun::new(name.as_str(), input.to_string())).await?.0.id;
+            ensure!(exec.run_once().await? == Some((id, SegmentOutcome::Completed)), "{lang}");
+            let run = db.store.get_run(id).await?;
+            ensure!(run.status == RunStatus::Completed, "{lang}: {run:?}");
+            ensure!(run.output.as_deref() == Some("fetched 27 bytes (HTTP 200); visit 1"), "{lang}: {run:?}");
+            ensure!(run.partial.starts_with("fetched http://127.0.0.1:"), "{lang}: {run:?}");
+        }
+        server.abort();
+        Ok(())
+    }
+
+    async fn a_python_turn_that_raises_fails_with_its_traceback(db) {
+        let (bytes, _) = tokio::task::spawn_blocking(|| project("python")).await??;
+        let rt = plugins::runtime()?;
+        leasehold::plugins::register(&db.store, &rt, "hello-python", bytes, PluginSettings::default()).await?;
+        let exec = Executor::new(db.store.clone(), rt, ExecutorConfig { owner: "w".into(), ..ExecutorConfig::default() });
+        // No "url": app.py's data["url"] raises KeyError.
+        let id = db.store.create_run(&NewRun::new("hello-python", "{}")).await?.0.id;
+        exec.run_once().await?;
+        let error = db.store.get_run(id).await?.error.unwrap_or_default();
+        ensure!(error.contains("Traceback (most recent call last)") && error.contains("KeyError: 'url'") && error.contains("app.py"), "{error}");
+        Ok(())
+    }
+}
