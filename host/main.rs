@@ -2,6 +2,7 @@
 
 mod cli;
 mod config;
+mod dev;
 mod new;
 mod replay;
 mod run;
@@ -77,6 +78,13 @@ enum Command {
         #[command(flatten)]
         args: cli::EventsArgs,
     },
+    /// Serve on a SQLite database of the project's own, rebuilding and
+    /// re-registering a plugin project (from `leasehold new`) whenever it
+    /// changes, and printing its runs as they go.
+    Dev {
+        #[command(flatten)]
+        args: dev::DevArgs,
+    },
     /// Write a new plugin project: the WIT, a build, a turn using typed
     /// helpers, a test and a README.
     New {
@@ -149,6 +157,10 @@ async fn run(cli: Cli) -> Result<()> {
         Command::Runs { api, command } => cli::runs(&api, command).await,
         Command::Events { api, args } => cli::events(&api, args).await,
         Command::New { args } => new::new(args),
+        Command::Dev { args } => {
+            let (cfg, project) = dev::resolve(args)?;
+            serve::serve_with(cfg, Some(project)).await
+        }
         Command::Run { args } => {
             if !run::run(args).await? {
                 std::process::exit(1);

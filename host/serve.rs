@@ -24,6 +24,11 @@ use tokio::sync::watch;
 use crate::config;
 
 pub async fn serve(cfg: config::Serve) -> Result<()> {
+    serve_with(cfg, None).await
+}
+
+/// [`serve`], and with `dev`, the `leasehold dev` watcher of a project.
+pub async fn serve_with(cfg: config::Serve, dev: Option<crate::dev::Project>) -> Result<()> {
     if cfg.test_clock_skew_ms != 0 {
         leasehold::clock::set_skew_ms(cfg.test_clock_skew_ms);
         tracing::warn!(skew_ms = cfg.test_clock_skew_ms, "test setting: this host's wall clock is skewed");
@@ -87,6 +92,7 @@ pub async fn serve(cfg: config::Serve) -> Result<()> {
         request_timeout: cfg.request_timeout,
         ..ApiConfig::default()
     };
+    let watcher = dev.map(|project| tokio::spawn(crate::dev::watch(store.clone(), runtime.clone(), project, stop_rx.clone())));
     let state = AppState::new(store.clone(), runtime, api_config, stop_rx.clone());
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await
@@ -126,6 +132,9 @@ pub async fn serve(cfg: config::Serve) -> Result<()> {
     pool.shutdown(cfg.shutdown_grace).await;
     let _ = reaper.await;
     let _ = vacuum.await;
+    if let Some(watcher) = watcher {
+        let _ = watcher.await;
+    }
     match server.await {
         Ok(Ok(())) => {}
         Ok(Err(e)) => tracing::error!(error = %e, "HTTP server error"),

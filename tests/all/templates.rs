@@ -101,3 +101,76 @@ both! {
         Ok(())
     }
 }
+
+/// `leasehold dev`: a change to the project is rebuilt and registered, and
+/// the next run takes it; each run is printed as it goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dev_rebuilds_and_reregisters_a_project_when_it_changes() -> Result<()> {
+    let (_, _) = tokio::task::spawn_blocking(|| project("c")).await??;
+    let dir = tempfile::tempdir()?;
+    let proj = dir.path().join("dev-c");
+    let out = Command::new(env!("CARGO_BIN_EXE_leasehold")).args(["new", "dev-c", "--lang", "c", "--dir"]).arg(&proj).output()?;
+    ensure!(out.status.success());
+    let app = axum::Router::new().route("/hello.txt", axum::routing::get(|| async { "hello from the test server\n" }));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let http_port = listener.local_addr()?.port();
+    let server = tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    let port = crate::serve_proc::free_port()?;
+    let log = dir.path().join("dev.log");
+    let mut dev = Command::new(env!("CARGO_BIN_EXE_leasehold"))
+        .arg("dev")
+        .arg(&proj)
+        .args(["--listen", &format!("127.0.0.1:{port}"), "--http-allow", &format!("127.0.0.1:{http_port}")])
+        .arg("--cache-dir")
+        .arg(root().join("target/component-cache"))
+        .env("LEASEHOLD_LOG", "warn")
+        .stdout(std::fs::File::create(&log)?)
+        .stderr(std::process::Stdio::null())
+        .spawn()?;
+    let result = async {
+        let printed = || std::fs::read_to_string(&log).unwrap_or_default();
+        let wait_for = |what: String, n: usize| {
+            let printed = &printed;
+            async move {
+                let started = Instant::now();
+                while printed().matches(what.as_str()).count() < n {
+                    ensure!(started.elapsed() < Duration::from_secs(60), "no {what:?} (x{n}) in:\n{}", printed());
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Ok(())
+            }
+        };
+        wait_for("dev: registered dev-c sha256:".into(), 1).await?;
+        let token = std::fs::read_to_string(proj.join("target/leasehold-dev.token"))?;
+        leasehold::effects::http::install_tls();
+        let http = reqwest::Client::new();
+        let submit = async || -> Result<i64> {
+            let body = serde_json::json!({ "plugin": "dev-c", "input": { "url": format!("http://127.0.0.1:{http_port}/hello.txt") } });
+            let run: serde_json::Value = http
+                .post(format!("http://127.0.0.1:{port}/v1/runs"))
+                .bearer_auth(token.trim())
+                .json(&body)
+                .send()
+                .await?
+                .json()
+                .await?;
+            run["id"].as_i64().context("run id")
+        };
+        let first = submit().await?;
+        wait_for(format!("run {first} completed: fetched 27 bytes (HTTP 200); visit 1"), 1).await?;
+        let source = std::fs::read_to_string(proj.join("turn.c"))?;
+        std::fs::write(proj.join("turn.c"), source.replace("\"fetched \", \" bytes", "\"got \", \" bytes"))?;
+        wait_for("dev: registered dev-c sha256:".into(), 2).await?;
+        let second = submit().await?;
+        wait_for(format!("run {second} completed: got 27 bytes (HTTP 200); visit 2"), 1).await?;
+        ensure!(printed().contains(&format!("run {second} | fetched http://127.0.0.1:{http_port}/hello.txt")), "{}", printed());
+        Ok(())
+    }
+    .await;
+    let _ = dev.kill();
+    let _ = dev.wait();
+    server.abort();
+    result
+}
