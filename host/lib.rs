@@ -28,6 +28,7 @@ pub mod reaper;
 pub mod redact;
 pub mod runtime;
 pub mod vacuum;
+pub mod versions;
 pub mod store;
 
 pub use store::{Backend, Store, StoreError, StoreOptions};

@@ -17,6 +17,8 @@ use leasehold::vacuum::{self, VacuumConfig};
 
 /// How often the vacuum loop reads `runs`' dead row count.
 const VACUUM_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+/// How often versions no open run uses are unloaded.
+const VERSIONS_EVERY: std::time::Duration = std::time::Duration::from_secs(60);
 use leasehold::runtime::{Runtime, RuntimeConfig};
 use leasehold::store::{SqliteSync, Store, StoreError, StoreOptions};
 use tokio::sync::watch;
@@ -92,6 +94,7 @@ pub async fn serve_with(cfg: config::Serve, dev: Option<crate::dev::Project>) ->
         request_timeout: cfg.request_timeout,
         ..ApiConfig::default()
     };
+    let versions = tokio::spawn(leasehold::versions::run(store.clone(), runtime.clone(), VERSIONS_EVERY, stop_rx.clone()));
     let watcher = dev.map(|project| tokio::spawn(crate::dev::watch(store.clone(), runtime.clone(), project, stop_rx.clone())));
     let state = AppState::new(store.clone(), runtime, api_config, stop_rx.clone());
     let listener = tokio::net::TcpListener::bind(cfg.listen)
@@ -132,6 +135,7 @@ pub async fn serve_with(cfg: config::Serve, dev: Option<crate::dev::Project>) ->
     pool.shutdown(cfg.shutdown_grace).await;
     let _ = reaper.await;
     let _ = vacuum.await;
+    let _ = versions.await;
     if let Some(watcher) = watcher {
         let _ = watcher.await;
     }

@@ -326,6 +326,28 @@ impl Runtime {
         Ok(plugin)
     }
 
+    /// Unloads every version that is neither current nor in `keep` (as
+    /// `(name, digest)`); returns how many. A run on an unloaded version
+    /// loads it again from the database when it resumes.
+    pub fn retain_versions(&self, keep: &std::collections::HashSet<(String, String)>) -> usize {
+        let current: std::collections::HashSet<(String, String)> = self
+            .plugins
+            .read()
+            .expect("plugin registry lock")
+            .values()
+            .map(|p| (p.name.clone(), p.digest.clone()))
+            .collect();
+        let mut versions = self.versions.write().expect("plugin registry lock");
+        let before = versions.len();
+        versions.retain(|key, _| current.contains(key) || keep.contains(key));
+        before - versions.len()
+    }
+
+    /// How many versions are loaded, current ones included.
+    pub fn loaded_versions(&self) -> usize {
+        self.versions.read().expect("plugin registry lock").len()
+    }
+
     /// The current version of `name`.
     pub fn plugin(&self, name: &str) -> Option<Arc<Plugin>> {
         self.plugins.read().expect("plugin registry lock").get(name).cloned()

@@ -164,3 +164,16 @@ impl Store {
 fn parse_settings(s: &str) -> Result<PluginSettings, StoreError> {
     serde_json::from_str(s).map_err(|e| StoreError::Corrupt(format!("plugin settings {s:?}: {e}")))
 }
+
+impl Store {
+    /// Every (plugin, version) a run not yet finished was submitted with
+    /// or moved to: the versions a host must still be able to run.
+    pub async fn open_versions(&self) -> Result<Vec<(String, String)>, StoreError> {
+        Ok(sqlx::query_as(
+            "SELECT DISTINCT plugin, plugin_digest FROM runs \
+             WHERE status IN ('queued', 'running', 'waiting_input', 'waiting_takeover')",
+        )
+        .fetch_all(self.pool())
+        .await?)
+    }
+}

@@ -84,3 +84,26 @@ both! {
         Ok(())
     }
 }
+
+both! {
+    async fn versions_no_open_run_uses_are_unloaded_and_load_again_when_a_run_needs_one(db) {
+        let rt = plugins::runtime()?;
+        let settings = leasehold::plugins::PluginSettings::default();
+        let v1 = leasehold::plugins::register(&db.store, &rt, "testkit", plugins::rust_plugin("testkit")?, settings.clone()).await?;
+        let on_v1 = |key: &str| NewRun { plugin_digest: v1.digest.clone(), ..NewRun::new("testkit", json!({ "steps": 1, "prefix": key }).to_string()) };
+        let a = db.store.create_run(&on_v1("a")).await?.0.id;
+        let v2 = leasehold::plugins::register(&db.store, &rt, "testkit", plugins::testkit_v2()?, settings).await?;
+        ensure!(rt.loaded_versions() == 2);
+        // Run a is open on v1: both stay.
+        ensure!(leasehold::versions::tick(&db.store, &rt).await? == 0 && rt.version("testkit", &v1.digest).is_some());
+        ensure!(executor(db, &rt).run_once().await? == Some((a, SegmentOutcome::Completed)));
+        // Nothing open uses v1 now; the current version stays.
+        ensure!(leasehold::versions::tick(&db.store, &rt).await? == 1, "v1 unloaded");
+        ensure!(rt.version("testkit", &v1.digest).is_none() && rt.version("testkit", &v2.digest).is_some());
+        // A run on v1 loads it again from the database.
+        let b = db.store.create_run(&on_v1("b")).await?.0.id;
+        ensure!(executor(db, &rt).run_once().await? == Some((b, SegmentOutcome::Completed)));
+        ensure!(db.store.get_run(b).await?.plugin_digest == v1.digest && rt.version("testkit", &v1.digest).is_some());
+        Ok(())
+    }
+}
