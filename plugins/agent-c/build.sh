@@ -32,7 +32,7 @@ CC=(clang-16 --target=wasm32-wasi)
 [ -f "$("${CC[@]}" -print-libgcc-file-name)" ] \
   || { say "the wasm32 compiler-rt builtins are missing: install the Debian package libclang-rt-16-dev-wasm32 (scripts/toolchains installs it)"; exit 1; }
 
-sources=(agent.c build.sh "$root/wit")
+sources=(agent.c build.sh "$root/wit" "$root/templates/c/leasehold.h")
 if [ -f "$out" ] && [ -z "$(find "${sources[@]}" -newer "$out" -print -quit)" ]; then
   say "up to date: $out"
   exit 0
@@ -48,7 +48,7 @@ if ! wit-bindgen c "$root/wit" --world turn --out-dir "$build/gen" >"$build/wit-
   exit 1
 fi
 "${CC[@]}" -mexec-model=reactor -std=c11 -Os -Wall -Wextra \
-  -I "$build/gen" \
+  -I "$build/gen" -I "$root/templates/c" \
   agent.c "$build/gen/turn.c" "$build/gen/turn_component_type.o" \
   -Wl,--strip-debug \
   -o "$build/agent-c.core.wasm"

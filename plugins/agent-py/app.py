@@ -5,6 +5,7 @@ kv, optionally ask the user for more, and finish with a summary. Deterministic:
 the same calls with the same arguments in the same order given the same
 results, because the host replays recorded results on resume.
 
+Effects go through the typed helpers `leasehold new --lang python` ships.
 Requests are compact JSON with keys in a fixed order, and strings escaped
 exactly as the JS and C agents escape them (\\" \\\\ \\b \\f \\n \\r \\t, other
 control characters as lowercase \\u00xx, everything else as raw UTF-8).
@@ -15,8 +16,11 @@ import re
 
 import wit_world
 from wit_world.imports import host
-from wit_world.imports.host import EffectError_Failed, EffectError_InDoubt, EffectError_Denied
 from componentize_py_types import Err
+
+# The typed helpers `leasehold new --lang python` ships
+# (templates/python/helpers.py): effect() raises EffectError("<name>: <message>").
+from helpers import EffectError, effect
 
 
 def _reject_constant(name):
@@ -47,64 +51,56 @@ def _dumps(value):
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
-def _string_field(text, key):
-    """The string `key` of the JSON object `text`, or None."""
-    ok, value = _parse(text)
-    if not ok or not isinstance(value, dict):
-        return None
-    field = value.get(key)
-    if not isinstance(field, str):
-        return None
-    return _well_formed(field)
-
-
-def _effect(name, request):
-    """Calls effect `name`; raises Err("<name>: <message>") on failure."""
-    try:
-        return host.effect(name, _dumps(request))
-    except Err as e:
-        error = e.value
-        if isinstance(error, (EffectError_Failed, EffectError_InDoubt, EffectError_Denied)):
-            raise Err(name + ": " + error.value)
-        raise Err(name + ": " + str(error))
+def _string(value, key):
+    """The string `key` of the JSON object `value` (parsed), or None."""
+    field = value.get(key) if isinstance(value, dict) else None
+    return _well_formed(field) if isinstance(field, str) else None
 
 
 class WitWorld(wit_world.WitWorld):
     def run(self, input: str) -> str:
-        host.log(2, "agent: start")
+        try:
+            return _turn(input)
+        except EffectError as e:
+            raise Err(str(e))
 
-        ok, args = _parse(input)
-        if not ok:
-            raise Err("bad input: not valid JSON")
-        if not isinstance(args, dict):
-            raise Err("bad input: not a JSON object")
-        prompt = args.get("prompt")
-        if not isinstance(prompt, str):
-            raise Err('bad input: "prompt" must be a string')
-        tool_url = args.get("tool_url")
-        if not isinstance(tool_url, str):
-            raise Err('bad input: "tool_url" must be a string')
-        ask = args.get("ask")
-        if ask is None:
-            ask = False
-        elif not isinstance(ask, bool):
-            raise Err('bad input: "ask" must be a boolean')
-        prompt = _well_formed(prompt)
-        tool_url = _well_formed(tool_url)
 
-        chat = _effect("model.chat", {"messages": [{"role": "user", "content": prompt}]})
-        content = _string_field(chat, "content")
-        if content is None:
-            raise Err('model.chat: result has no string "content"')
+def _turn(input):
+    """The turn; a failed effect raises EffectError."""
+    host.log(2, "agent: start")
 
-        reply = _effect("http", {"method": "POST", "url": tool_url, "body": content})
-        tool_body = _string_field(reply, "body")
-        if tool_body is None:
-            raise Err('http: result has no string "body"')
+    ok, args = _parse(input)
+    if not ok:
+        raise Err("bad input: not valid JSON")
+    if not isinstance(args, dict):
+        raise Err("bad input: not a JSON object")
+    prompt = args.get("prompt")
+    if not isinstance(prompt, str):
+        raise Err('bad input: "prompt" must be a string')
+    tool_url = args.get("tool_url")
+    if not isinstance(tool_url, str):
+        raise Err('bad input: "tool_url" must be a string')
+    ask = args.get("ask")
+    if ask is None:
+        ask = False
+    elif not isinstance(ask, bool):
+        raise Err('bad input: "ask" must be a boolean')
+    prompt = _well_formed(prompt)
+    tool_url = _well_formed(tool_url)
 
-        _effect("kv.put", {"key": "note", "value": tool_body})
+    chat = effect("model.chat", {"messages": [{"role": "user", "content": prompt}]})
+    content = _string(chat, "content")
+    if content is None:
+        raise Err('model.chat: result has no string "content"')
 
-        message = content + "\ntool: " + tool_body
-        if ask:
-            message += "\nyou: " + host.wait_input("Anything to add?")
-        return _dumps({"message": message})
+    reply = effect("http", {"method": "POST", "url": tool_url, "body": content})
+    tool_body = _string(reply, "body")
+    if tool_body is None:
+        raise Err('http: result has no string "body"')
+
+    effect("kv.put", {"key": "note", "value": tool_body})
+
+    message = content + "\ntool: " + tool_body
+    if ask:
+        message += "\nyou: " + host.wait_input("Anything to add?")
+    return _dumps({"message": message})

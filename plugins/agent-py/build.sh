@@ -20,7 +20,7 @@ if [ ! -x "$cpy" ]; then
   [ -n "$cpy" ] || { say "componentize-py not found: run scripts/toolchains (installs it into target/toolchains/py)"; exit 1; }
 fi
 
-sources=(app.py build.sh "$root/wit" "$cpy")
+sources=(app.py build.sh "$root/templates/python/helpers.py" "$root/wit" "$cpy")
 if [ -f "$out" ] && [ -z "$(find -L "${sources[@]}" -newer "$out" -print -quit)" ]; then
   say "up to date: $out"
   exit 0
@@ -31,12 +31,12 @@ fi
 # seeded random), and the guest's stderr goes to a capped buffer, so an
 # uncaught exception's traceback ends up in the run's error.
 #
-# Build from a staging copy so only app.py is bundled (componentize-py
+# Build from a staging copy so only app.py and helpers.py are bundled (componentize-py
 # bundles its whole python path) and no __pycache__ lands in the tree.
 stage=$root/target/plugins-build/agent-py
 rm -rf "$stage"
 mkdir -p "$stage/src"
-cp app.py "$stage/src/"
+cp app.py "$root/templates/python/helpers.py" "$stage/src/"
 say "building $out"
 (cd "$stage" && env -u VIRTUAL_ENV PYTHONDONTWRITEBYTECODE=1 \
   "$cpy" --quiet -d "$root/wit" -w turn componentize -p "$stage/src" app -o "$stage/agent-py.wasm")

@@ -32,7 +32,7 @@ typedef struct {
   size_t len, cap;
 } buf_t;
 
-static void buf_reserve(buf_t *b, size_t extra) {
+static inline void buf_reserve(buf_t *b, size_t extra) {
   if (extra <= b->cap - b->len) return;
   if (extra > SIZE_MAX / 2 - b->len) abort();
   size_t cap = b->cap ? b->cap : 64;
@@ -43,25 +43,25 @@ static void buf_reserve(buf_t *b, size_t extra) {
   b->cap = cap;
 }
 
-static void buf_put(buf_t *b, const void *s, size_t n) {
+static inline void buf_put(buf_t *b, const void *s, size_t n) {
   if (n == 0) return;
   buf_reserve(b, n);
   memcpy(b->ptr + b->len, s, n);
   b->len += n;
 }
 
-static void buf_puts(buf_t *b, const char *s) { buf_put(b, s, strlen(s)); }
+static inline void buf_puts(buf_t *b, const char *s) { buf_put(b, s, strlen(s)); }
 
-static void buf_byte(buf_t *b, uint8_t c) { buf_put(b, &c, 1); }
+static inline void buf_byte(buf_t *b, uint8_t c) { buf_put(b, &c, 1); }
 
-static void buf_free(buf_t *b) {
+static inline void buf_free(buf_t *b) {
   free(b->ptr);
   b->ptr = NULL;
   b->len = b->cap = 0;
 }
 
 // Hands the buffer's bytes over as a string the generated code may free.
-static turn_string_t buf_take(buf_t *b) {
+static inline turn_string_t buf_take(buf_t *b) {
   turn_string_t s = {b->ptr, b->len};
   if (b->len == 0) {  // cabi_post_run frees only non-empty strings
     free(b->ptr);
@@ -72,7 +72,7 @@ static turn_string_t buf_take(buf_t *b) {
   return s;
 }
 
-static void buf_utf8(buf_t *b, uint32_t cp) {
+static inline void buf_utf8(buf_t *b, uint32_t cp) {
   uint8_t u[4];
   size_t n;
   if (cp < 0x80) {
@@ -101,7 +101,7 @@ static void buf_utf8(buf_t *b, uint32_t cp) {
 // JSON writer
 
 // Appends `s` as a JSON string literal (with quotes).
-static void json_string(buf_t *b, const uint8_t *s, size_t n) {
+static inline void json_string(buf_t *b, const uint8_t *s, size_t n) {
   static const char hex[] = "0123456789abcdef";
   buf_byte(b, '"');
   size_t run = 0;  // start of the pending stretch that needs no escaping
@@ -143,12 +143,12 @@ static void json_string(buf_t *b, const uint8_t *s, size_t n) {
 
 typedef const uint8_t *pos_t;
 
-static pos_t skip_ws(pos_t p, pos_t e) {
+static inline pos_t skip_ws(pos_t p, pos_t e) {
   while (p < e && (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')) p++;
   return p;
 }
 
-static int hex_val(uint8_t c) {
+static inline int hex_val(uint8_t c) {
   if (c >= '0' && c <= '9') return c - '0';
   if (c >= 'a' && c <= 'f') return c - 'a' + 10;
   if (c >= 'A' && c <= 'F') return c - 'A' + 10;
@@ -156,7 +156,7 @@ static int hex_val(uint8_t c) {
 }
 
 // Reads the 4 hex digits of a \u escape at p.
-static bool hex4(pos_t p, pos_t e, uint32_t *out) {
+static inline bool hex4(pos_t p, pos_t e, uint32_t *out) {
   if (e - p < 4) return false;
   uint32_t v = 0;
   for (int i = 0; i < 4; i++) {
@@ -171,7 +171,7 @@ static bool hex4(pos_t p, pos_t e, uint32_t *out) {
 // Reads a string literal at p (which must be at its opening quote). Appends
 // its decoded UTF-8 to `out` unless `out` is NULL. The text itself is valid
 // UTF-8 (a component-model string), so bytes >= 0x80 pass through as is.
-static pos_t read_string(pos_t p, pos_t e, buf_t *out) {
+static inline pos_t read_string(pos_t p, pos_t e, buf_t *out) {
   if (p >= e || *p != '"') return NULL;
   p++;
   pos_t run = p;
@@ -225,14 +225,14 @@ static pos_t read_string(pos_t p, pos_t e, buf_t *out) {
   }
 }
 
-static pos_t read_digits(pos_t p, pos_t e) {
+static inline pos_t read_digits(pos_t p, pos_t e) {
   if (p >= e || *p < '0' || *p > '9') return NULL;
   while (p < e && *p >= '0' && *p <= '9') p++;
   return p;
 }
 
 // -? (0 | [1-9][0-9]*) (. [0-9]+)? ([eE] [+-]? [0-9]+)?
-static pos_t read_number(pos_t p, pos_t e) {
+static inline pos_t read_number(pos_t p, pos_t e) {
   if (p < e && *p == '-') p++;
   if (p < e && *p == '0') {
     p++;
@@ -248,14 +248,14 @@ static pos_t read_number(pos_t p, pos_t e) {
   return p;
 }
 
-static pos_t read_literal(pos_t p, pos_t e, const char *word) {
+static inline pos_t read_literal(pos_t p, pos_t e, const char *word) {
   size_t n = strlen(word);
   if ((size_t)(e - p) < n || memcmp(p, word, n) != 0) return NULL;
   return p + n;
 }
 
 // Reads a string, number, true, false or null at p.
-static pos_t read_scalar(pos_t p, pos_t e) {
+static inline pos_t read_scalar(pos_t p, pos_t e) {
   if (p >= e) return NULL;
   switch (*p) {
     case '"': return read_string(p, e, NULL);
@@ -268,7 +268,7 @@ static pos_t read_scalar(pos_t p, pos_t e) {
 
 // Reads `"key" :` (with whitespace) at p, the key decoded into `key` unless
 // it is NULL.
-static pos_t read_key(pos_t p, pos_t e, buf_t *key) {
+static inline pos_t read_key(pos_t p, pos_t e, buf_t *key) {
   p = read_string(skip_ws(p, e), e, key);
   if (!p) return NULL;
   p = skip_ws(p, e);
@@ -279,7 +279,7 @@ static pos_t read_key(pos_t p, pos_t e, buf_t *key) {
 // Reads any JSON value at p (leading whitespace allowed). Iterative, with
 // the open containers on a heap stack, so nesting depth is bounded only by
 // memory.
-static pos_t read_value(pos_t p, pos_t e) {
+static inline pos_t read_value(pos_t p, pos_t e) {
   buf_t stack = {0};  // one byte per open container: '{' or '['
   pos_t result = NULL;
   for (;;) {
@@ -336,7 +336,7 @@ enum { JSON_INVALID = -1, JSON_NOT_OBJECT = 0, JSON_OBJECT = 1 };
 
 // Parses the JSON text [p, e); if it is an object, finds the top-level
 // members named in `fields` (the last of duplicates wins).
-static int read_object(pos_t p, pos_t e, field_t *fields, size_t nfields) {
+static inline int read_object(pos_t p, pos_t e, field_t *fields, size_t nfields) {
   for (size_t i = 0; i < nfields; i++) fields[i].kind = FIELD_ABSENT;
   p = skip_ws(p, e);
   if (p >= e || *p != '{') {
@@ -376,13 +376,13 @@ static int read_object(pos_t p, pos_t e, field_t *fields, size_t nfields) {
 }
 
 // Decodes the string value of a field found by read_object into `out`.
-static void field_string(const field_t *f, pos_t e, buf_t *out) {
+static inline void field_string(const field_t *f, pos_t e, buf_t *out) {
   out->len = 0;
   read_string(f->start, e, out);  // already validated
 }
 
 // Reads the string member `name` of the JSON object `text` into `out`.
-static bool string_member(turn_string_t text, const char *name, buf_t *out) {
+static inline bool string_member(turn_string_t text, const char *name, buf_t *out) {
   pos_t e = text.ptr + text.len;
   field_t f = {name, 0, NULL};
   if (read_object(text.ptr, e, &f, 1) != JSON_OBJECT || f.kind != FIELD_STRING) return false;
@@ -393,21 +393,21 @@ static bool string_member(turn_string_t text, const char *name, buf_t *out) {
 // ---------------------------------------------------------------------------
 // Calling effects
 
-static turn_string_t str_of(const buf_t *b) { return (turn_string_t){b->ptr, b->len}; }
+static inline turn_string_t str_of(const buf_t *b) { return (turn_string_t){b->ptr, b->len}; }
 
 // A malloc'd copy of `prefix` + `s`, for returning as `run`'s error.
-static turn_string_t message(const char *prefix, const uint8_t *s, size_t n) {
+static inline turn_string_t message(const char *prefix, const uint8_t *s, size_t n) {
   buf_t b = {0};
   buf_puts(&b, prefix);
   buf_put(&b, s, n);
   return buf_take(&b);
 }
 
-static turn_string_t fail(const char *text) { return message(text, NULL, 0); }
+static inline turn_string_t fail(const char *text) { return message(text, NULL, 0); }
 
 // Calls effect `name` with `request`. On success stores the result (ours to
 // free) in `*result`; on failure stores "<name>: <message>" in `*err`.
-static bool call_effect(const char *name, const buf_t *request, turn_string_t *result, turn_string_t *err) {
+static inline bool call_effect(const char *name, const buf_t *request, turn_string_t *result, turn_string_t *err) {
   turn_string_t n, req = str_of(request);
   turn_string_set(&n, name);
   leasehold_turn_host_effect_error_t e;
@@ -424,14 +424,14 @@ static bool call_effect(const char *name, const buf_t *request, turn_string_t *r
   return false;
 }
 
-static void host_log(uint8_t level, const char *text) {
+static inline void host_log(uint8_t level, const char *text) {
   turn_string_t s;
   turn_string_set(&s, text);
   leasehold_turn_host_log(level, &s);
 }
 
 
-static void host_emit(const char *text) {
+static inline void host_emit(const char *text) {
   turn_string_t s;
   turn_string_set(&s, text);
   leasehold_turn_host_emit(&s);
@@ -447,13 +447,13 @@ typedef struct {
 } lh_response_t;
 
 // Appends {"key":<key>} without its closing brace.
-static void lh_key_request(buf_t *req, const char *key) {
+static inline void lh_key_request(buf_t *req, const char *key) {
   buf_puts(req, "{\"key\":");
   json_string(req, (const uint8_t *)key, strlen(key));
 }
 
 // GET url. Keyed: a re-issue after a crash carries the same Idempotency-Key.
-static bool lh_http_get(const char *url, lh_response_t *resp, turn_string_t *err) {
+static inline bool lh_http_get(const char *url, lh_response_t *resp, turn_string_t *err) {
   buf_t req = {0};
   buf_puts(&req, "{\"method\":\"GET\",\"url\":");
   json_string(&req, (const uint8_t *)url, strlen(url));
@@ -477,7 +477,7 @@ static bool lh_http_get(const char *url, lh_response_t *resp, turn_string_t *err
 }
 
 // kv.get of an integer: *found is false when the key holds nothing.
-static bool lh_kv_get_int(const char *key, long *value, bool *found, turn_string_t *err) {
+static inline bool lh_kv_get_int(const char *key, long *value, bool *found, turn_string_t *err) {
   buf_t req = {0};
   lh_key_request(&req, key);
   buf_byte(&req, '}');
@@ -498,7 +498,7 @@ static bool lh_kv_get_int(const char *key, long *value, bool *found, turn_string
 }
 
 // kv.put of an integer, exactly once however often the run dies.
-static bool lh_kv_put_int(const char *key, long value, turn_string_t *err) {
+static inline bool lh_kv_put_int(const char *key, long value, turn_string_t *err) {
   buf_t req = {0};
   // The digits of value, without stdio (which would import WASI).
   char digits[24];

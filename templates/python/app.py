@@ -8,15 +8,24 @@ its traceback in the run's error."""
 import json
 
 import wit_world
-from helpers import emit, http, kv
+from componentize_py_types import Err
+from helpers import EffectError, emit, http, kv
+
+
+def turn(data):
+    url = data["url"]
+    page = http.get(url)
+    visits = (kv.get("visits") or 0) + 1
+    kv.put("visits", visits)
+    emit(f"fetched {url}\n")
+    return f"fetched {len(page.body.encode())} bytes (HTTP {page.status}); visit {visits}"
 
 
 class WitWorld(wit_world.WitWorld):
     def run(self, input: str) -> str:
-        data = json.loads(input)
-        url = data["url"]
-        page = http.get(url)
-        visits = (kv.get("visits") or 0) + 1
-        kv.put("visits", visits)
-        emit(f"fetched {url}\n")
-        return f"fetched {len(page.body.encode())} bytes (HTTP {page.status}); visit {visits}"
+        try:
+            return turn(json.loads(input))
+        except EffectError as e:
+            # A failed effect ends the run with its message; any other
+            # exception traps, and the run's error shows its traceback.
+            raise Err(str(e))

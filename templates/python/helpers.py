@@ -15,7 +15,10 @@ from componentize_py_types import Err
 
 
 class EffectError(Exception):
-    """Why an effect gave no result."""
+    """Why an effect gave no result. Catch it in `run` and raise
+    Err(str(e)) to end the run with its message (as the template does); any
+    exception that escapes `run` traps, and the run's error shows its
+    traceback."""
 
     def __init__(self, effect, message):
         super().__init__(f"{effect}: {message}")
@@ -39,7 +42,7 @@ class Denied(EffectError):
 def effect(name, request):
     """Performs effect `name` with a JSON-able request; returns its result."""
     try:
-        result = host.effect(name, json.dumps(request, separators=(",", ":")))
+        result = host.effect(name, json.dumps(request, ensure_ascii=False, separators=(",", ":")))
     except Err as e:
         error = e.value
         kind = {EffectError_Failed: Failed, EffectError_InDoubt: InDoubt, EffectError_Denied: Denied}.get(type(error), Failed)

@@ -8,7 +8,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
-use leasehold::executor::{Executor, ExecutorConfig, SegmentOutcome};
+use leasehold::executor::{Executor, ExecutorConfig, GuestErrorKind, SegmentOutcome};
 use leasehold::plugins::PluginSettings;
 use leasehold::store::{NewRun, RunStatus};
 
@@ -83,6 +83,14 @@ both! {
             ensure!(run.status == RunStatus::Completed, "{lang}: {run:?}");
             ensure!(run.output.as_deref() == Some("fetched 27 bytes (HTTP 200); visit 1"), "{lang}: {run:?}");
             ensure!(run.partial.starts_with("fetched http://127.0.0.1:"), "{lang}: {run:?}");
+            // An effect the helpers report failed ends the run with its
+            // message (a turn error, not a trap), in every language.
+            let denied = serde_json::json!({ "url": "http://127.0.0.1:1/hello.txt" });
+            let id = db.store.create_run(&NewRun::new(name.as_str(), denied.to_string())).await?.0.id;
+            let out = exec.run_once().await?;
+            let error = db.store.get_run(id).await?.error.unwrap_or_default();
+            ensure!(out == Some((id, SegmentOutcome::Failed(GuestErrorKind::TurnError))), "{lang}: {out:?} {error}");
+            ensure!(error.contains("http") && error.contains("allow-list"), "{lang}: {error}");
         }
         server.abort();
         Ok(())
