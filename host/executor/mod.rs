@@ -15,13 +15,14 @@ use wasmtime::UpdateDeadline;
 
 use crate::clock::Monotonic;
 use crate::effects::model::ModelConfig;
-use crate::runtime::host::{Held, Interrupt, Phase, SegmentInit, SegmentState, storable};
+use crate::runtime::host::{Held, Interrupt, Phase, SegmentInit, SegmentState};
 use crate::runtime::replay::Recorded;
 pub use crate::runtime::GuestErrorKind;
 use crate::runtime::{EPOCH_TICK, Plugin, Runtime};
-use crate::store::{Claimed, EffectState, Lease, Outcome, RunStatus, Store, StoreError, Suspend};
+use crate::store::{Claimed, EffectState, Outcome, RunStatus, Store, StoreError};
 
 mod renewer;
+mod settle;
 mod upgrade;
 
 use renewer::{AbortOnDrop, LAST_CHANCE, LeaseWatch, renew_loop};
@@ -440,158 +441,6 @@ impl Executor {
         }
         drop(renewer);
         (result, store.into_data())
-    }
-
-    /// Turns the guest's result into the run's next state.
-    async fn settle(
-        &self,
-        plugin: &Plugin,
-        lease: &Lease,
-        (result, state): (wasmtime::Result<Result<String, String>>, SegmentState),
-        next: &mut Handoff,
-    ) -> Result<SegmentOutcome, StoreError> {
-        let result = result.map(|r| r.map(storable).map_err(storable));
-        // Deltas and puts still held are written with the segment's last write.
-        // A timed flush that failed left a gap in the stored stream: then
-        // nothing more is written, and the run is resumed by replay.
-        let tail = match state.take_stream_tail().await {
-            Ok(tail) => tail,
-            Err(Interrupt::LeaseLost) => return Ok(SegmentOutcome::LeaseLost),
-            Err(Interrupt::Store(e)) => return Ok(SegmentOutcome::Abandoned(e)),
-            Err(other) => return Ok(SegmentOutcome::Abandoned(format!("{other:?}"))),
-        };
-        let limits = &plugin.limits;
-        let too_large = |len: usize| Outcome::Failed {
-            error: format!(
-                "output-too-large: the turn returned {len} bytes, the cap is {}",
-                limits.max_output_bytes
-            ),
-        };
-        match (result, state.interrupt.clone()) {
-            (Ok(Ok(output)), _) if output.len() > limits.max_output_bytes => {
-                self.finish(lease, too_large(output.len()), GuestErrorKind::OutputTooLarge, &tail, next).await
-            }
-            (Ok(Ok(output)), _) => {
-                self.close(lease, Outcome::Completed { output }, SegmentOutcome::Completed, &tail, next).await
-            }
-            (Ok(Err(error)), _) if error.len() > limits.max_output_bytes => {
-                self.finish(lease, too_large(error.len()), GuestErrorKind::OutputTooLarge, &tail, next).await
-            }
-            (Ok(Err(error)), _) => {
-                let error = format!("turn-error: {error}");
-                self.finish(lease, Outcome::Failed { error }, GuestErrorKind::TurnError, &tail, next).await
-            }
-            (Err(_), Some(Interrupt::WaitInput { prompt })) => self.suspend(lease, Suspend::WaitInput { prompt }, &tail).await,
-            (Err(_), Some(Interrupt::Sleep { delay_ms })) => self.suspend(lease, Suspend::Sleep { delay_ms }, &tail).await,
-            (Err(_), Some(Interrupt::Slice)) => {
-                if state.settled > 0 || !tail.puts.is_empty() {
-                    self.suspend(lease, Suspend::Takeover, &tail).await
-                } else {
-                    // Replay is deterministic: a slice that settled nothing
-                    // would do exactly the same next time.
-                    let error = match &state.in_flight {
-                        Some((seq, name, detail)) => format!(
-                            "timeout: {name} (call {seq}) was still running at the end of the segment budget \
-                             ({:?}) and its grace ({:?}){}; raise the plugin's budget for calls this long",
-                            limits.segment_budget,
-                            limits.slice_grace,
-                            detail.as_deref().map(|d| format!(": {d}")).unwrap_or_default()
-                        ),
-                        None => format!("timeout: ran for {:?} without recording any progress", limits.segment_budget),
-                    };
-                    self.finish(lease, Outcome::Failed { error }, GuestErrorKind::Timeout, &tail, next).await
-                }
-            }
-            (Err(_), Some(Interrupt::Shutdown)) => self.suspend(lease, Suspend::Takeover, &tail).await,
-            (Err(_), Some(Interrupt::LeaseLost)) => Ok(SegmentOutcome::LeaseLost),
-            (Err(_), Some(Interrupt::Store(e))) => Ok(SegmentOutcome::Abandoned(e)),
-            // Only offline replay stops at the frontier; a live segment
-            // never sets it. Left for another segment rather than guessed at.
-            (Err(_), Some(Interrupt::Frontier(next))) => Ok(SegmentOutcome::Abandoned(format!("replay frontier at call {}", next.seq))),
-            (Err(_), Some(Interrupt::NonDeterminism(m))) => {
-                let error = format!("non-determinism: {m}");
-                self.finish(lease, Outcome::Failed { error }, GuestErrorKind::NonDeterminism, &tail, next).await
-            }
-            (Err(_), Some(Interrupt::Limit { kind, message })) => {
-                let error = format!("{}: {message}", kind.as_str());
-                self.finish(lease, Outcome::Failed { error }, kind, &tail, next).await
-            }
-            (Err(trap), None) => {
-                let (kind, detail) = if state.limiter.memory_refused {
-                    (GuestErrorKind::OutOfMemory, format!("{trap:#}"))
-                } else if let Some(limit) = crate::runtime::limit_trap(&trap) {
-                    (GuestErrorKind::Limit, limit)
-                } else {
-                    (GuestErrorKind::Trap, trap_detail(&trap))
-                };
-                let mut error = format!("{}: {detail}", kind.as_str());
-                // What the guest printed before it died: a panic message, a traceback.
-                if let Some(output) = state.output.tail() {
-                    error = format!("{error}\nguest output (last {} bytes at most):\n{output}", crate::runtime::OUTPUT_TAIL);
-                }
-                self.finish(lease, Outcome::Failed { error }, kind, &tail, next).await
-            }
-        }
-    }
-
-    async fn finish(
-        &self,
-        lease: &Lease,
-        outcome: Outcome,
-        kind: GuestErrorKind,
-        tail: &Held,
-        next: &mut Handoff,
-    ) -> Result<SegmentOutcome, StoreError> {
-        tracing::warn!(run_id = lease.run_id, kind = kind.as_str(), "run failed");
-        crate::metrics::global().guest_error(kind.as_str());
-        self.close(lease, outcome, SegmentOutcome::Failed(kind), tail, next).await
-    }
-
-    /// Closes the run, writing `tail` (its last held deltas and puts) in
-    /// the same transaction, and claims the next run with it if `next` wants.
-    async fn close(
-        &self,
-        lease: &Lease,
-        outcome: Outcome,
-        done: SegmentOutcome,
-        tail: &Held,
-        next: &mut Handoff,
-    ) -> Result<SegmentOutcome, StoreError> {
-        let deltas: Vec<&str> = tail.deltas.iter().map(String::as_str).collect();
-        let claim = next.want.then_some((self.config.owner.as_str(), self.config.lease_ttl));
-        match self.store.close_and_claim(lease, &deltas, &tail.puts, &outcome, claim).await {
-            Ok(got) => {
-                next.got = got;
-                Ok(done)
-            }
-            Err(StoreError::LeaseLost(_)) => Ok(SegmentOutcome::LeaseLost),
-            Err(e) => Err(e),
-        }
-    }
-
-    /// Suspends the run after writing `tail` (its last held deltas and puts).
-    async fn suspend(&self, lease: &Lease, how: Suspend, tail: &Held) -> Result<SegmentOutcome, StoreError> {
-        if !tail.deltas.is_empty() || !tail.puts.is_empty() {
-            let deltas: Vec<&str> = tail.deltas.iter().map(String::as_str).collect();
-            match self.store.write_held(lease, &deltas, &tail.puts).await {
-                Ok(()) => {}
-                Err(StoreError::LeaseLost(_)) => return Ok(SegmentOutcome::LeaseLost),
-                Err(e) => return Err(e),
-            }
-        }
-        match self.store.suspend(lease, &how).await {
-            Ok(status) => Ok(SegmentOutcome::Suspended(status)),
-            Err(StoreError::LeaseLost(_)) => Ok(SegmentOutcome::LeaseLost),
-            Err(e) => Err(e),
-        }
-    }
-}
-
-/// The first line of a trap with its wasm backtrace, for the run's error.
-fn trap_detail(trap: &wasmtime::Error) -> String {
-    match trap.downcast_ref::<wasmtime::Trap>() {
-        Some(t) => format!("{t}"),
-        None => format!("{trap:#}"),
     }
 }
 

@@ -13,13 +13,15 @@ mod calls;
 mod clocks;
 mod interrupt;
 mod limits;
+mod output;
 mod phase;
 mod random;
 mod text;
+mod timers;
 mod wasi;
 
 pub use limits::{GuestErrorKind, Limits};
-pub use wasi::OUTPUT_TAIL;
+pub use output::OUTPUT_TAIL;
 
 pub use cache::default_dir as default_cache_dir;
 pub mod host;
