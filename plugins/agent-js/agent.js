@@ -13,7 +13,9 @@
 // Requests are compact JSON with keys in a fixed order; JSON.stringify
 // escapes strings exactly as the Python and C agents do.
 
-import { effect, log, waitInput } from 'leasehold:turn/host@0.1.0';
+// Effects go through the typed helpers `leasehold new --lang js` ships
+// (templates/js/helpers.js); build.sh bundles them with this file.
+import { EffectError, effect, log, waitInput } from './helpers.js';
 
 const LONE_SURROGATE = /[\uD800-\uDBFF](?![\uDC00-\uDFFF])|(?<![\uD800-\uDBFF])[\uDC00-\uDFFF]/g;
 
@@ -37,9 +39,9 @@ function parse(text) {
 }
 
 // The own string property `key` of the JSON object `text`, or null.
-function stringField(text, key) {
-  const { ok, value } = parse(text);
-  if (!ok || !isObject(value) || !Object.prototype.hasOwnProperty.call(value, key)) return null;
+// The string `key` of the parsed JSON object `value`, or null.
+function stringField(value, key) {
+  if (!isObject(value) || !Object.prototype.hasOwnProperty.call(value, key)) return null;
   const field = value[key];
   return typeof field === 'string' ? wellFormed(field) : null;
 }
@@ -47,13 +49,9 @@ function stringField(text, key) {
 // Calls effect `name`; throws "<name>: <message>" on failure.
 function callEffect(name, request) {
   try {
-    return effect(name, JSON.stringify(request));
+    return effect(name, request);
   } catch (e) {
-    const error = e !== null && typeof e === 'object' && 'payload' in e ? e.payload : e;
-    if (error !== null && typeof error === 'object' && typeof error.val === 'string') {
-      throw `${name}: ${error.val}`;
-    }
-    throw `${name}: ${String(error)}`;
+    throw e instanceof EffectError ? `${name}: ${e.detail}` : `${name}: ${String(e)}`;
   }
 }
 
@@ -62,7 +60,7 @@ function field(args, key) {
 }
 
 export function run(input) {
-  log(2, 'agent: start');
+  log('agent: start');
 
   const { ok, value: args } = parse(input);
   if (!ok) throw 'bad input: not valid JSON';

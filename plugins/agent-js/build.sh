@@ -22,7 +22,7 @@ command -v node >/dev/null || { say "node not found: install Node.js >= 18 (Debi
 cli=node_modules/@bytecodealliance/componentize-js/src/cli.js
 [ -f "$cli" ] || { say "componentize-js not found in plugins/agent-js/node_modules: run scripts/toolchains (or npm ci here)"; exit 1; }
 
-sources=(agent.js build.sh package.json package-lock.json "$root/wit")
+sources=(agent.js build.sh package.json package-lock.json "$root/templates/js/helpers.js" "$root/wit")
 if [ -f "$out" ] && [ -z "$(find "${sources[@]}" -newer "$out" -print -quit)" ]; then
   say "up to date: $out"
   exit 0
@@ -32,9 +32,11 @@ stage=$root/target/plugins-build/agent-js
 mkdir -p "$stage"
 rm -f "$stage/agent-js.wasm"
 say "building $out"
+# One module: the helpers, then the agent without its import of them.
+{ cat "$root/templates/js/helpers.js"; grep -v "from './helpers.js'" agent.js; } > "$stage/bundle.js"
 node "$cli" --wit "$root/wit" --world-name turn \
   --disable random clocks http fetch-event \
-  -o "$stage/agent-js.wasm" agent.js
+  -o "$stage/agent-js.wasm" "$stage/bundle.js"
 # componentize-js's CLI does not always exit non-zero on failure: check.
 [ -s "$stage/agent-js.wasm" ] || { say "componentize-js produced no output"; exit 1; }
 mv -f "$stage/agent-js.wasm" "$out"

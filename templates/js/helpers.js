@@ -16,6 +16,7 @@ export class EffectError extends Error {
     super(`${effect} ${kind}: ${message}`);
     this.effect = effect;
     this.kind = kind;
+    this.detail = message;
   }
 }
 
