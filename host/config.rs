@@ -56,6 +56,12 @@ pub struct ServeOptions {
     /// [default: 50000]
     #[arg(long, env = "LEASEHOLD_PG_VACUUM_DEAD_ROWS")]
     pub pg_vacuum_dead_rows: Option<i64>,
+    /// Finished runs (completed, failed, aborted, cancelled) older than
+    /// this are deleted with their ledgers and events: a number with a unit
+    /// (`s`, `m`, `h`, `d`), or `0` to keep everything. kv data is kept.
+    /// [default: 7d]
+    #[arg(long, env = "LEASEHOLD_RETENTION")]
+    pub retention: Option<String>,
     /// Concurrent segments on this host. [default: 4]
     #[arg(long, env = "LEASEHOLD_WORKERS")]
     pub workers: Option<usize>,
@@ -142,6 +148,7 @@ pub struct Serve {
     pub allowed_hosts: Vec<String>,
     pub sqlite_sync: SqliteSync,
     pub pg_vacuum_dead_rows: i64,
+    pub retention: Duration,
     pub workers: usize,
     pub claim_batch: usize,
     pub prefetch: usize,
@@ -190,6 +197,8 @@ impl ServeOptions {
             allowed_hosts: self.allowed_hosts.or(file.allowed_hosts).unwrap_or_default(),
             sqlite_sync: self.sqlite_synchronous.or(file.sqlite_synchronous).unwrap_or_default(),
             pg_vacuum_dead_rows: self.pg_vacuum_dead_rows.or(file.pg_vacuum_dead_rows).unwrap_or(50_000),
+            retention: parse_duration(self.retention.or(file.retention).as_deref().unwrap_or("7d"))
+                .context("--retention")?,
             database_url,
             workers: self.workers.or(file.workers).unwrap_or(4),
             claim_batch: self.claim_batch.or(file.claim_batch).unwrap_or(16),
@@ -294,4 +303,23 @@ fn load_or_create_token(path: &std::path::Path) -> Result<Secret> {
         .with_context(|| format!("writing the API token file {}", path.display()))?;
     file.write_all(format!("{token}\n").as_bytes())?;
     Ok(Secret::new(token))
+}
+
+/// A duration as `--retention` takes it: `0`, or a whole number with a
+/// unit, `s`, `m`, `h` or `d`.
+pub fn parse_duration(text: &str) -> Result<Duration> {
+    let text = text.trim();
+    if text == "0" {
+        return Ok(Duration::ZERO);
+    }
+    let (number, unit) = text.split_at(text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len()));
+    let n: u64 = number.parse().map_err(|_| anyhow::anyhow!("{text:?}: give a whole number and a unit, e.g. 7d, 12h, 30m, 90s, or 0"))?;
+    let secs = match unit {
+        "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        "d" => 86_400,
+        _ => bail!("{text:?}: the unit must be s, m, h or d (e.g. 7d), or give 0 to keep everything"),
+    };
+    n.checked_mul(secs).map(Duration::from_secs).ok_or_else(|| anyhow::anyhow!("{text:?} is too long"))
 }

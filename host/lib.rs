@@ -18,6 +18,7 @@
 
 pub mod api;
 pub mod bench;
+pub mod cleaner;
 pub mod clock;
 pub mod effects;
 pub mod executor;

@@ -78,6 +78,10 @@ pub struct Metrics {
     pub prefetch_given_back: AtomicU64,
     /// Vacuums of `runs` this host ran (PostgreSQL; see `vacuum`).
     pub runs_vacuums: AtomicU64,
+    /// Rows the retention cleaner deleted (see `cleaner`).
+    pub deleted_runs: AtomicU64,
+    pub deleted_effects: AtomicU64,
+    pub deleted_events: AtomicU64,
 }
 
 
@@ -134,6 +138,17 @@ impl Metrics {
         self.segment_duration.render(&mut out, "leasehold_segment_seconds", "Duration of one segment.");
         counter(&mut out, "leasehold_http_requests_total", "API requests served by this host.", &self.http_requests);
         counter(&mut out, "leasehold_runs_vacuums_total", "Vacuums of the runs table this host ran (PostgreSQL).", &self.runs_vacuums);
+        let _ = writeln!(
+            out,
+            "# HELP leasehold_retention_deleted_total Rows the retention cleaner on this host deleted, by table.\n\
+             # TYPE leasehold_retention_deleted_total counter\n\
+             leasehold_retention_deleted_total{{table=\"runs\"}} {}\n\
+             leasehold_retention_deleted_total{{table=\"effects\"}} {}\n\
+             leasehold_retention_deleted_total{{table=\"events\"}} {}",
+            self.deleted_runs.load(Relaxed),
+            self.deleted_effects.load(Relaxed),
+            self.deleted_events.load(Relaxed)
+        );
         counter(
             &mut out,
             "leasehold_guest_log_lines_dropped_total",

@@ -13,10 +13,14 @@ use leasehold::executor::{Executor, ExecutorConfig};
 use leasehold::plugins::{self, PluginSettings};
 use leasehold::pool::{PoolConfig, WorkerPool};
 use leasehold::reaper::{self, ReaperConfig};
+use leasehold::cleaner::RetentionConfig;
 use leasehold::vacuum::{self, VacuumConfig};
 
 /// How often the vacuum loop reads `runs`' dead row count.
 const VACUUM_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+/// How often the retention cleaner looks for finished runs past retention
+/// (at once again while it finds full batches).
+const CLEANER_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
 /// How often versions no open run uses are unloaded.
 const VERSIONS_EVERY: std::time::Duration = std::time::Duration::from_secs(60);
 use leasehold::runtime::{Runtime, RuntimeConfig};
@@ -94,6 +98,11 @@ pub async fn serve_with(cfg: config::Serve, dev: Option<crate::dev::Project>) ->
         request_timeout: cfg.request_timeout,
         ..ApiConfig::default()
     };
+    let retention = RetentionConfig { keep: cfg.retention, ..RetentionConfig::default() };
+    let cleaner = tokio::spawn(leasehold::cleaner::run(store.clone(), retention, CLEANER_EVERY, stop_rx.clone()));
+    if cfg.retention.is_zero() {
+        tracing::info!("--retention 0: finished runs are kept forever");
+    }
     let versions = tokio::spawn(leasehold::versions::run(store.clone(), runtime.clone(), VERSIONS_EVERY, stop_rx.clone()));
     let watcher = dev.map(|project| tokio::spawn(crate::dev::watch(store.clone(), runtime.clone(), project, stop_rx.clone())));
     let state = AppState::new(store.clone(), runtime, api_config, stop_rx.clone());
@@ -136,6 +145,7 @@ pub async fn serve_with(cfg: config::Serve, dev: Option<crate::dev::Project>) ->
     let _ = reaper.await;
     let _ = vacuum.await;
     let _ = versions.await;
+    let _ = cleaner.await;
     if let Some(watcher) = watcher {
         let _ = watcher.await;
     }

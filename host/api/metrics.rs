@@ -51,5 +51,11 @@ async fn render_gauges(store: &Store) -> Result<String, ApiError> {
     for (state, n) in &gauges.effects {
         let _ = writeln!(out, "leasehold_effects{{state=\"{}\"}} {n}", state.as_str());
     }
+    let age = gauges.oldest_finished.map_or(0.0, |at| (gauges.now_ms - at).max(0) as f64 / 1000.0);
+    let _ = writeln!(
+        out,
+        "# HELP leasehold_oldest_finished_run_age_seconds How long ago the oldest finished run still kept finished (0: none).\n\
+         # TYPE leasehold_oldest_finished_run_age_seconds gauge\nleasehold_oldest_finished_run_age_seconds {age}"
+    );
     Ok(out)
 }

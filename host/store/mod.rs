@@ -24,6 +24,7 @@ mod notify;
 mod plugins;
 pub mod postgres;
 mod reap;
+pub(crate) mod retention;
 pub(crate) mod renewals;
 mod runs;
 pub mod sqlite;
@@ -46,6 +47,7 @@ pub use ledger::{Completion, EffectCall, LedgerSummary, REQUEST_PREVIEW, Streame
 pub use local::{HeldPut, LocalOp};
 pub use plugins::{PluginInfo, PluginSettings, UpgradePolicy};
 pub use reap::ReapReport;
+pub use retention::Deleted;
 pub use runs::MAX_SUBMIT_BATCH;
 pub use stats::Gauges;
 pub use types::*;

@@ -12,6 +12,10 @@ use crate::store::{EffectState, RunStatus, Store, StoreError, sql};
 pub struct Gauges {
     pub runs: Vec<(RunStatus, i64)>,
     pub effects: Vec<(EffectState, i64)>,
+    /// When the oldest finished run kept finished (epoch ms), and the
+    /// database's clock now.
+    pub oldest_finished: Option<i64>,
+    pub now_ms: i64,
 }
 
 impl Store {
@@ -32,6 +36,8 @@ impl Store {
         Ok(Gauges {
             runs: RunStatus::ALL.iter().map(|s| (*s, count(&runs, "status", s.as_str()))).collect(),
             effects: EffectState::ALL.iter().map(|s| (*s, count(&effects, "state", s.as_str()))).collect(),
+            oldest_finished: self.oldest_finished().await?,
+            now_ms: self.now_ms().await?,
         })
     }
 }

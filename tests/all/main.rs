@@ -16,6 +16,7 @@ mod fake_model;
 mod hosts;
 mod model;
 mod replay;
+mod retention;
 mod conformance;
 mod interleaving;
 mod layout;

@@ -1,0 +1,129 @@
+//! Retention: the cleaner deletes finished runs past the retention period
+//! with their ledgers and events (a thread with its last run), a batch at
+//! a time, and leaves open runs, recent runs and kv alone; on SQLite the
+//! file stops growing under constant load once it deletes.
+
+use std::time::Duration;
+
+use anyhow::{Result, ensure};
+use leasehold::Backend;
+use leasehold::cleaner::{self, RetentionConfig};
+use leasehold::executor::{Executor, ExecutorConfig, SegmentOutcome};
+use leasehold::store::NewRun;
+use serde_json::json;
+
+use crate::harness::{TestDb, both};
+use crate::plugins;
+
+const DAY_MS: i64 = 86_400_000;
+
+fn executor(db: &TestDb) -> Result<Executor> {
+    let rt = plugins::runtime()?;
+    rt.add_plugin("testkit", &plugins::rust_plugin("testkit")?, plugins::test_limits())?;
+    Ok(Executor::new(db.store.clone(), rt, ExecutorConfig { owner: "w".into(), ..ExecutorConfig::default() }))
+}
+
+async fn count(db: &TestDb, table_where: &'static str, id: i64) -> Result<i64> {
+    Ok(sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT COUNT(*) FROM {table_where}"))).bind(id).fetch_one(db.store.pool()).await?)
+}
+
+async fn backdate(db: &TestDb, id: i64, ms: i64) -> Result<()> {
+    sqlx::query("UPDATE runs SET finished_at = finished_at - $2 WHERE id = $1").bind(id).bind(ms).execute(db.store.pool()).await?;
+    Ok(())
+}
+
+async fn thread_exists(db: &TestDb, thread: &str) -> Result<bool> {
+    let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM threads WHERE id = $1").bind(thread).fetch_one(db.store.pool()).await?;
+    Ok(n == 1)
+}
+
+both! {
+    async fn finished_runs_past_retention_go_with_their_ledger_and_events_and_the_rest_stay(db) {
+        let exec = executor(db)?;
+        let run = |steps: u64, thread: Option<&str>| NewRun {
+            thread_id: thread.map(str::to_string),
+            ..NewRun::new("testkit", json!({ "steps": steps, "prefix": "r" }).to_string())
+        };
+        // old: finished 8 days ago, alone in its thread; shared: finished 8
+        // days ago in a thread whose other run is open; recent: finished now.
+        let old = db.store.create_run(&run(2, Some("t-old"))).await?.0.id;
+        let shared = db.store.create_run(&run(1, Some("t-shared"))).await?.0.id;
+        let recent = db.store.create_run(&run(1, None)).await?.0.id;
+        for id in [old, shared, recent] {
+            ensure!(exec.run_once().await? == Some((id, SegmentOutcome::Completed)));
+        }
+        let open = db.store.create_run(&run(1, Some("t-shared"))).await?.0.id;
+        for id in [old, shared] {
+            backdate(db, id, 8 * DAY_MS).await?;
+        }
+        ensure!(count(db, "effects WHERE run_id = $1", old).await? == 2 && count(db, "events WHERE run_id = $1", old).await? > 0);
+
+        // Off: nothing goes.
+        let off = RetentionConfig { keep: Duration::ZERO, ..RetentionConfig::default() };
+        ensure!(cleaner::tick(&db.store, &off).await?.runs == 0);
+        // One batch at a time.
+        let one = RetentionConfig { batch: 1, ..RetentionConfig::default() };
+        let first = cleaner::tick(&db.store, &one).await?;
+        ensure!(first.runs == 1 && first.effects == 2 && first.events > 0 && first.threads == 1, "{first:?}");
+        let second = cleaner::tick(&db.store, &one).await?;
+        ensure!(second.runs == 1 && second.threads == 0, "the thread keeps its open run: {second:?}");
+        ensure!(cleaner::tick(&db.store, &RetentionConfig::default()).await?.runs == 0, "nothing more is past retention");
+
+        for id in [old, shared] {
+            ensure!(db.store.get_run(id).await.is_err(), "run {id} is gone");
+            ensure!(count(db, "effects WHERE run_id = $1", id).await? == 0 && count(db, "events WHERE run_id = $1", id).await? == 0);
+        }
+        ensure!(!thread_exists(db, "t-old").await? && thread_exists(db, "t-shared").await?);
+        for id in [recent, open] {
+            ensure!(db.store.get_run(id).await.is_ok(), "run {id} stays");
+        }
+        ensure!(count(db, "effects WHERE run_id = $1", recent).await? == 1);
+        let kv: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM kv").fetch_one(db.store.pool()).await?;
+        ensure!(kv == 2, "kv data stays: {kv} keys");
+        Ok(())
+    }
+
+    async fn under_constant_load_the_database_stops_growing_once_retention_deletes(db) {
+        let exec = executor(db)?;
+        let size = || -> u64 {
+            let path = db.url().trim_start_matches("sqlite://").split('?').next().unwrap_or_default().to_string();
+            ["", "-wal"].iter().map(|s| std::fs::metadata(format!("{path}{s}")).map_or(0, |m| m.len())).sum()
+        };
+        let mut sizes = Vec::new();
+        let mut rows = Vec::new();
+        for _ in 0..10 {
+            let news: Vec<NewRun> = (0..300).map(|_| NewRun::new("testkit", json!({ "steps": 1, "prefix": "soak" }).to_string())).collect();
+            db.store.create_runs(&news).await?;
+            exec.drain().await?;
+            sqlx::query("UPDATE runs SET finished_at = finished_at - $1 WHERE finished_at IS NOT NULL")
+                .bind(8 * DAY_MS)
+                .execute(db.store.pool())
+                .await?;
+            while cleaner::tick(&db.store, &RetentionConfig { batch: 100, ..RetentionConfig::default() }).await?.runs > 0 {}
+            sizes.push(size());
+            rows.push(sqlx::query_scalar::<_, i64>("SELECT (SELECT COUNT(*) FROM runs) + (SELECT COUNT(*) FROM events) + (SELECT COUNT(*) FROM effects)").fetch_one(db.store.pool()).await?);
+        }
+        ensure!(rows.iter().all(|n| *n == 0), "every round's runs were deleted: {rows:?}");
+        if db.store.backend() == Backend::Sqlite {
+            // Once the first rounds have sized the file, it stays within a bound.
+            let settled = sizes[2];
+            ensure!(sizes.iter().skip(3).all(|s| *s <= settled + settled / 4), "the file kept growing: {sizes:?}");
+            eprintln!("retention soak (SQLite, bytes after each round of 300 runs): {sizes:?}");
+        }
+        Ok(())
+    }
+}
+
+#[test]
+fn a_bad_retention_setting_is_refused_with_its_reason() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let url = format!("sqlite://{}", dir.path().join("r.db").display());
+    for (value, says) in [("7x", "the unit must be s, m, h or d"), ("d", "give a whole number and a unit"), ("-1d", "give a whole number")] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_leasehold"))
+            .args(["serve", "--database-url", &url, &format!("--retention={value}")])
+            .output()?;
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        ensure!(!out.status.success() && stderr.contains("--retention") && stderr.contains(says), "{value}: {stderr}");
+    }
+    Ok(())
+}
