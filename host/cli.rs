@@ -61,15 +61,9 @@ pub enum PluginsCommand {
         /// As for `add`.
         #[arg(long, default_value = "pinned")]
         upgrade: String,
-        /// --check: the database to read. [default: sqlite://leasehold.db]
-        #[arg(long, env = "LEASEHOLD_DATABASE_URL")]
-        database_url: Option<String>,
-        /// --check: where compiled components are cached, as `serve --cache-dir`.
-        #[arg(long, env = "LEASEHOLD_CACHE_DIR")]
-        cache_dir: Option<PathBuf>,
-        /// --check: wall time each run's replay may compute. Default: 30 s.
-        #[arg(long, default_value_t = 30_000)]
-        timeout_ms: u64,
+        /// --check only.
+        #[command(flatten)]
+        offline: crate::replay::Offline,
     },
 }
 
@@ -223,9 +217,8 @@ impl Api {
 
 pub async fn plugins(api: &Api, command: PluginsCommand) -> Result<()> {
     match command {
-        PluginsCommand::Upgrade { name, file, check: true, database_url, cache_dir, timeout_ms, .. } => {
-            let url = database_url.unwrap_or_else(|| "sqlite://leasehold.db".into());
-            if !crate::replay::upgrade_check(&name, &file, &url, cache_dir, Duration::from_millis(timeout_ms), api.json).await? {
+        PluginsCommand::Upgrade { name, file, check: true, offline, .. } => {
+            if !crate::replay::upgrade_check(&name, &file, &offline, api.json).await? {
                 std::process::exit(1);
             }
         }

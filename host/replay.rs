@@ -30,20 +30,34 @@ pub struct ReplayArgs {
     /// run started with, from the database.
     #[arg(long)]
     component: Option<PathBuf>,
-    /// The database to read the run from. Nothing is written to it.
-    /// [default: sqlite://leasehold.db]
-    #[arg(long, env = "LEASEHOLD_DATABASE_URL")]
-    database_url: Option<String>,
-    /// Compiled components are cached here, as `serve --cache-dir`.
-    /// [default: ~/.cache/leasehold/components]
-    #[arg(long, env = "LEASEHOLD_CACHE_DIR")]
-    cache_dir: Option<PathBuf>,
-    /// Wall time the turn may compute before the replay stops it. Default: 30 s.
-    #[arg(long, default_value_t = 30_000)]
-    timeout_ms: u64,
+    #[command(flatten)]
+    offline: Offline,
     /// Print the report as one JSON object.
     #[arg(long)]
     json: bool,
+}
+
+/// Where an offline replay reads runs and caches components, and how long
+/// a turn may compute: `replay` and `plugins upgrade --check` share these.
+#[derive(clap::Args)]
+pub struct Offline {
+    /// The database to read runs from. Nothing is written to it, and it is
+    /// not migrated. [default: sqlite://leasehold.db]
+    #[arg(long, env = "LEASEHOLD_DATABASE_URL")]
+    pub database_url: Option<String>,
+    /// Compiled components are cached here, as `serve --cache-dir`.
+    /// [default: ~/.cache/leasehold/components]
+    #[arg(long, env = "LEASEHOLD_CACHE_DIR")]
+    pub cache_dir: Option<PathBuf>,
+    /// Wall time a turn may compute before its replay stops it. Default: 30 s.
+    #[arg(long, default_value_t = 30_000)]
+    pub timeout_ms: u64,
+}
+
+impl Offline {
+    fn url(&self) -> String {
+        self.database_url.clone().unwrap_or_else(|| "sqlite://leasehold.db".into())
+    }
 }
 
 /// What `leasehold runs export` writes: the run as the API shows it (its
@@ -59,11 +73,7 @@ pub struct Export {
 pub async fn replay(args: ReplayArgs) -> Result<bool> {
     let (recording, digest_bytes) = match (&args.ledger, args.run_id) {
         (Some(file), _) => (from_export(file)?, None),
-        (None, Some(id)) => {
-            let url = args.database_url.clone().unwrap_or_else(|| "sqlite://leasehold.db".into());
-            let (recording, component) = from_database(&url, id, args.component.is_none()).await?;
-            (recording, component)
-        }
+        (None, Some(id)) => from_database(&args.offline.url(), id, args.component.is_none()).await?,
         (None, None) => bail!("name a run (RUN_ID) or an exported ledger (--ledger FILE)"),
     };
     let bytes = match (&args.component, digest_bytes) {
@@ -71,8 +81,8 @@ pub async fn replay(args: ReplayArgs) -> Result<bool> {
         (None, Some(bytes)) => bytes,
         (None, None) => bail!("--component FILE.wasm is needed"),
     };
-    let (rt, plugin) = load(bytes, args.cache_dir.clone()).await?;
-    let report = offline::replay(&rt, &plugin, recording, Duration::from_millis(args.timeout_ms)).await?;
+    let (rt, plugin) = load(bytes, args.offline.cache_dir.clone()).await?;
+    let report = offline::replay(&rt, &plugin, recording, Duration::from_millis(args.offline.timeout_ms)).await?;
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
@@ -130,10 +140,11 @@ async fn recording(store: &Store, run: Run) -> Result<Recording> {
 /// of `name` against `file`'s component and says which would move to it
 /// (their ledger replays clean) and which would stay, and why. Changes
 /// nothing. `Ok(false)` when any run would stay.
-pub async fn upgrade_check(name: &str, file: &Path, url: &str, cache_dir: Option<PathBuf>, timeout: Duration, json: bool) -> Result<bool> {
+pub async fn upgrade_check(name: &str, file: &Path, offline: &Offline, json: bool) -> Result<bool> {
     let bytes = std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
-    let (rt, plugin) = load(bytes, cache_dir).await?;
-    let store = read_only(url).await?;
+    let (rt, plugin) = load(bytes, offline.cache_dir.clone()).await?;
+    let store = read_only(&offline.url()).await?;
+    let timeout = Duration::from_millis(offline.timeout_ms);
     let mut runs = Vec::new();
     for status in [RunStatus::Running, RunStatus::WaitingTakeover, RunStatus::WaitingInput, RunStatus::Queued] {
         let mut before = None;
