@@ -124,16 +124,7 @@ async fn read_only(url: &str) -> Result<Store> {
 async fn recording(store: &Store, run: Run) -> Result<Recording> {
     let id = run.id;
     let effects = store.effects(id).await.with_context(|| format!("reading run {id}'s ledger (has `leasehold serve` migrated this database?)"))?;
-    Ok(Recording {
-        run_id: run.id,
-        input: run.input,
-        created_at_ms: run.created_at,
-        secret: run.secret,
-        effects,
-        emit_pos: run.emit_pos,
-        output: run.output,
-        partial: run.partial,
-    })
+    Ok(Recording::of(run, effects))
 }
 
 /// `leasehold plugins upgrade NAME FILE --check`: replays every open run

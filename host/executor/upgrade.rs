@@ -31,16 +31,7 @@ impl Executor {
         }
         let effects = if lease.fence == 1 { Vec::new() } else { self.store.effects(run.id).await? };
         let recorded = effects.len();
-        let recording = Recording {
-            run_id: run.id,
-            input: run.input.clone(),
-            created_at_ms: run.created_at,
-            secret: run.secret.clone(),
-            effects,
-            emit_pos: run.emit_pos,
-            output: None,
-            partial: String::new(),
-        };
+        let recording = Recording::of(run.clone(), effects);
         let report = offline::replay(&self.runtime, &current, recording, CHECK_BUDGET).await?;
         let (moved, note) = match &report.outcome {
             Outcome::Diverged { divergence } => {

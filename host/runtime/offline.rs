@@ -16,7 +16,7 @@ use wasmtime::UpdateDeadline;
 use super::host::{CallView, Divergence, Interrupt, NextCall, SegmentInit};
 use super::replay::Recorded;
 use super::{Plugin, Runtime, limit_trap};
-use crate::store::{EffectRow, Lease, Store, StoreError};
+use crate::store::{EffectRow, Lease, Run, Store, StoreError};
 
 /// What replay needs of a recorded run.
 #[derive(Debug, Clone)]
@@ -38,6 +38,22 @@ pub struct Recording {
     pub output: Option<String>,
     /// The run's stream so far (`runs.partial`).
     pub partial: String,
+}
+
+impl Recording {
+    /// `run` as recorded, with its ledger `effects`.
+    pub fn of(run: Run, effects: Vec<EffectRow>) -> Recording {
+        Recording {
+            run_id: run.id,
+            input: run.input,
+            created_at_ms: run.created_at,
+            secret: run.secret,
+            effects,
+            emit_pos: run.emit_pos,
+            output: run.output,
+            partial: run.partial,
+        }
+    }
 }
 
 /// How a replay ended.

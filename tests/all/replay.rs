@@ -40,17 +40,7 @@ async fn run_to_end(db: &TestDb, rt: &Arc<Runtime>, input: serde_json::Value) ->
 }
 
 async fn recording(store: &Store, id: i64) -> Result<Recording> {
-    let run = store.get_run(id).await?;
-    Ok(Recording {
-        run_id: id,
-        input: run.input,
-        created_at_ms: run.created_at,
-        secret: run.secret,
-        effects: store.effects(id).await?,
-        emit_pos: run.emit_pos,
-        output: run.output,
-        partial: run.partial,
-    })
+    Ok(Recording::of(store.get_run(id).await?, store.effects(id).await?))
 }
 
 both! {
