@@ -277,7 +277,7 @@ impl Store {
             Backend::Sqlite => 8,
             Backend::Postgres => 16,
         });
-        let pool_options = |max: u32| {
+        let pool_options = |max: u32, writer: bool| {
             let mut pool = AnyPoolOptions::new()
                 .max_connections(max)
                 .acquire_timeout(opts.acquire_timeout)
@@ -289,6 +289,12 @@ impl Store {
                 let pragmas = sqlite::pragmas(opts.sqlite_sync, opts.busy_timeout);
                 pool = pool.after_connect(move |conn, _| {
                     Box::pin(async move {
+                        if writer {
+                            let tables: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM sqlite_master").fetch_one(&mut *conn).await?;
+                            if tables == 0 {
+                                conn.execute(sqlite::NEW_DATABASE).await?;
+                            }
+                        }
                         conn.execute(pragmas).await?;
                         Ok(())
                     })
@@ -319,12 +325,12 @@ impl Store {
         let (pool, writer, maint) = match backend {
             Backend::Sqlite => {
                 // The writer first: it creates the file and switches it to WAL.
-                let writer = pool_options(1).connect_with(connect.clone()).await?;
-                (pool_options(max).connect_with(connect).await?, writer.clone(), writer)
+                let writer = pool_options(1, true).connect_with(connect.clone()).await?;
+                (pool_options(max, false).connect_with(connect).await?, writer.clone(), writer)
             }
             Backend::Postgres => {
-                let pool = pg_session(pool_options(max), None).connect_with(connect.clone()).await?;
-                let maint = pg_session(pool_options(4), Some(opts.pg_lock_timeout)).connect_with(connect).await?;
+                let pool = pg_session(pool_options(max, false), None).connect_with(connect.clone()).await?;
+                let maint = pg_session(pool_options(4, false), Some(opts.pg_lock_timeout)).connect_with(connect).await?;
                 (pool.clone(), pool, maint)
             }
         };

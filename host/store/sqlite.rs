@@ -82,18 +82,25 @@ pub(super) fn normalize_url(url: &str) -> String {
 }
 
 /// Per-connection settings. Returns one of a fixed set of static strings.
-/// `auto_vacuum = INCREMENTAL` takes effect only on a new, empty database
-/// (its first connection sets it before any table exists): retention then
-/// gives deleted runs' pages back to the file system. An older database
-/// keeps its setting, and reuses freed pages instead.
+/// Set by the writer's first connection to a new, empty database, before
+/// any table exists (the only time it takes effect): retention then gives
+/// deleted runs' pages back to the file system. An older database keeps
+/// its setting, and reuses freed pages instead.
+///
+/// Never on every connection: on a database with tables it asks for the
+/// write lock, so a reader connecting while a write transaction is open
+/// waited out its busy timeout, again and again (a segment stalled for
+/// its whole lease).
+pub(super) const NEW_DATABASE: &str = "PRAGMA auto_vacuum = INCREMENTAL";
+
 pub(super) fn pragmas(sync: SqliteSync, busy: Duration) -> &'static str {
     // busy_timeout is rounded to one of a few fixed values so the statement
     // text stays a constant (no SQL is built from configuration).
     let long = busy >= Duration::from_secs(5);
     match (sync, long) {
-        (SqliteSync::Normal, true) => "PRAGMA auto_vacuum = INCREMENTAL; PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; PRAGMA foreign_keys = ON; PRAGMA busy_timeout = 5000;",
-        (SqliteSync::Normal, false) => "PRAGMA auto_vacuum = INCREMENTAL; PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; PRAGMA foreign_keys = ON; PRAGMA busy_timeout = 1000;",
-        (SqliteSync::Full, true) => "PRAGMA auto_vacuum = INCREMENTAL; PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL; PRAGMA foreign_keys = ON; PRAGMA busy_timeout = 5000;",
-        (SqliteSync::Full, false) => "PRAGMA auto_vacuum = INCREMENTAL; PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL; PRAGMA foreign_keys = ON; PRAGMA busy_timeout = 1000;",
+        (SqliteSync::Normal, true) => "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; PRAGMA foreign_keys = ON; PRAGMA busy_timeout = 5000;",
+        (SqliteSync::Normal, false) => "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; PRAGMA foreign_keys = ON; PRAGMA busy_timeout = 1000;",
+        (SqliteSync::Full, true) => "PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL; PRAGMA foreign_keys = ON; PRAGMA busy_timeout = 5000;",
+        (SqliteSync::Full, false) => "PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL; PRAGMA foreign_keys = ON; PRAGMA busy_timeout = 1000;",
     }
 }

@@ -22,6 +22,36 @@ fn call(seq: i64, name: &str, emit_pos: i64) -> EffectCall {
 }
 
 both! {
+    async fn a_new_connection_opens_at_once_while_a_write_transaction_is_open(db) {
+        // SQLite once set `auto_vacuum` on every new connection, which asks
+        // for the write lock: a reader opening while a segment's write was
+        // in flight waited out its busy timeout, over and over, until the
+        // segment lost its lease.
+        let s = &db.store;
+        submit(s, 1).await?;
+        let mut writing = s.pool().begin().await?;
+        sqlx::query("UPDATE runs SET updated_at = updated_at + 1").execute(&mut *writing).await?;
+        let opened = async {
+            // More than the pool holds open yet: each is a new connection.
+            let mut conns = Vec::new();
+            for _ in 0..6 {
+                let mut c = s.pool().acquire().await?;
+                sqlx::query("SELECT COUNT(*) FROM runs").execute(&mut *c).await?;
+                conns.push(c);
+            }
+            anyhow::Ok(conns.len())
+        };
+        let n = tokio::time::timeout(Duration::from_secs(3), opened).await;
+        writing.rollback().await?;
+        ensure!(matches!(n, Ok(Ok(6))), "connections waited on the open write: {n:?}");
+        if db.backend == leasehold::store::Backend::Sqlite {
+            // A new database still gives freed pages back (2: incremental).
+            let mode: i64 = sqlx::query_scalar("PRAGMA auto_vacuum").fetch_one(s.pool()).await?;
+            ensure!(mode == 2, "auto_vacuum {mode}");
+        }
+        Ok(())
+    }
+
     async fn a_deliberate_suspension_never_uses_up_an_attempt(db) {
         // max_attempts bounds consecutive failed segments. A segment that
         // suspends on purpose (wait-input, sleep, a slice, a shutdown

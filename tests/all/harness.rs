@@ -121,8 +121,24 @@ pub async fn key(store: &Store, run_id: i64, seq: i64) -> Result<String> {
     Ok(leasehold::store::idempotency_key(&store.database_id().await?, run_id, seq))
 }
 
+/// With `LEASEHOLD_TEST_LOG` set (a filter such as `leasehold=debug`),
+/// the host's logs go to the test's output: for a test that fails only
+/// under load.
+pub fn init_logs() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        if let Ok(filter) = std::env::var("LEASEHOLD_TEST_LOG") {
+            let _ = tracing_subscriber::fmt()
+                .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+                .with_test_writer()
+                .try_init();
+        }
+    });
+}
+
 /// Runs `body` against a fresh database of `backend`, then drops it.
 pub async fn run_on(backend: Backend, body: impl AsyncFnOnce(&TestDb) -> Result<()>) -> Result<()> {
+    init_logs();
     let db = TestDb::new(backend).await?;
     let result = body(&db).await;
     db.cleanup().await?;
