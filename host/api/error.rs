@@ -3,11 +3,29 @@
 use axum::Json;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use serde_json::json;
+use serde::Serialize;
+use utoipa::ToSchema;
 
 use crate::plugins::RegisterError;
 use crate::runtime::PluginError;
 use crate::store::StoreError;
+
+/// Every error's body.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ErrorBody {
+    pub error: ErrorDetail,
+}
+
+/// What went wrong: a stable `code` and a message for people.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct ErrorDetail {
+    /// e.g. `bad_request`, `unauthorized`, `not_found`, `conflict`,
+    /// `idempotency_conflict`, `too_large`, `unsupported_media_type`,
+    /// `misdirected`, `invalid_component`, `busy`, `timeout`,
+    /// `database_unavailable`.
+    pub code: String,
+    pub message: String,
+}
 
 #[derive(Debug)]
 pub struct ApiError {
@@ -42,7 +60,7 @@ impl IntoResponse for ApiError {
         if self.status.is_server_error() && self.code != "busy" {
             tracing::error!(code = self.code, message = %self.message, "request failed");
         }
-        let body = json!({ "error": { "code": self.code, "message": self.message } });
+        let body = ErrorBody { error: ErrorDetail { code: self.code.to_string(), message: self.message } };
         let busy = self.code == "busy";
         let mut response = (self.status, Json(body)).into_response();
         if busy {

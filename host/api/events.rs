@@ -15,8 +15,9 @@ use axum::extract::State;
 use axum::http::{HeaderMap, header};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
-use serde::Deserialize;
-use serde_json::{Value, json};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use utoipa::{IntoParams, ToSchema};
 
 use std::time::Duration;
 
@@ -28,33 +29,77 @@ use crate::store::{Event, Store};
 /// Events per database read.
 const PAGE: i64 = 500;
 
-#[derive(Deserialize)]
+#[derive(Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 pub struct EventsQuery {
+    /// Events after this seq. Default: 0 (from the first).
     after: Option<i64>,
+    /// Events per page (JSON only), 1 to 10000. Default: 500.
+    #[param(minimum = 1, maximum = 10000)]
     limit: Option<i64>,
 }
 
-pub fn to_json(e: &Event) -> Value {
-    json!({
-        "thread_id": e.thread_id,
-        "seq": e.seq,
-        "run_id": e.run_id,
-        "fence": e.fence,
-        "kind": e.kind,
-        "payload": serde_json::from_str::<Value>(&e.payload).unwrap_or(Value::Null),
-        "created_at": e.created_at,
-    })
+/// One event of a thread's log. In a stream, each is one server-sent event
+/// whose `id` is `seq`, whose `event` is `kind` and whose data is this.
+#[derive(Serialize, ToSchema)]
+pub struct EventView {
+    thread_id: String,
+    /// The event's number in its thread, from 1, without gaps.
+    seq: i64,
+    run_id: i64,
+    /// The fence of the segment that wrote it (0 outside a lease).
+    fence: i64,
+    /// `submitted`, `delta`, `message`, `suspended`, `input`, `cancelled`
+    /// or `retract`.
+    kind: String,
+    /// The kind's JSON payload (see docs/api.md).
+    payload: Value,
+    created_at: i64,
 }
 
+/// A page of a thread's log.
+#[derive(Serialize, ToSchema)]
+pub struct EventsPage {
+    events: Vec<EventView>,
+}
+
+pub fn to_view(e: &Event) -> EventView {
+    EventView {
+        thread_id: e.thread_id.clone(),
+        seq: e.seq,
+        run_id: e.run_id,
+        fence: e.fence,
+        kind: e.kind.clone(),
+        payload: serde_json::from_str::<Value>(&e.payload).unwrap_or(Value::Null),
+        created_at: e.created_at,
+    }
+}
+
+/// `GET /v1/threads/{id}/events`: JSON, or a stream with `Accept:
+/// text/event-stream`.
+#[utoipa::path(get, path = "/v1/threads/{id}/events", tag = "events",
+    params(
+        ("id" = String, Path, min_length = 1, max_length = 256, pattern = r"^[^\u0000]+$", description = "The thread's id."),
+        ("Last-Event-ID" = Option<i64>, Header, nullable = false, description = "Resume a stream after this seq (overrides `after`)."),
+        EventsQuery,
+    ),
+    responses(
+        (status = 200, description = "The thread's events after `after`: a JSON page, or with \
+            `Accept: text/event-stream` a live stream of them as server-sent events.",
+            content(
+                (EventsPage = "application/json"),
+                (String = "text/event-stream"),
+            )),
+    ))]
 pub async fn events(
     State(s): State<AppState>,
     Params(thread): Params<String>,
     QueryParams(q): QueryParams<EventsQuery>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
-    if thread.len() > 256 || thread.contains('\0') {
-        return Err(ApiError::bad_request("thread id must be at most 256 bytes without NUL characters"));
+    if thread.chars().count() > 256 || thread.contains('\0') {
+        return Err(ApiError::bad_request("thread id must be at most 256 characters without NUL characters"));
     }
     let last_id = headers
         .get("last-event-id")
@@ -72,7 +117,7 @@ pub async fn events(
             return Err(ApiError::bad_request("limit must be between 1 and 10000"));
         }
         let events = s.store.events_page(&thread, after, limit, s.config.max_page_bytes).await?;
-        return Ok(Json(json!({ "events": events.iter().map(to_json).collect::<Vec<_>>() })).into_response());
+        return Ok(Json(EventsPage { events: events.iter().map(to_view).collect() }).into_response());
     }
     let Ok(permit) = s.streams.clone().try_acquire_owned() else {
         return Ok(super::busy(
@@ -105,7 +150,7 @@ fn async_stream(
                 Ok(events) if !events.is_empty() => {
                     for e in events {
                         after = e.seq;
-                        let sse = SseEvent::default().id(e.seq.to_string()).event(e.kind.clone()).data(to_json(&e).to_string());
+                        let sse = SseEvent::default().id(e.seq.to_string()).event(e.kind.clone()).data(serde_json::to_string(&to_view(&e)).unwrap_or_default());
                         if tx.send(sse).await.is_err() {
                             return; // the reader went away
                         }

@@ -11,7 +11,7 @@ use axum::response::{IntoResponse, Response};
 
 use super::{ApiError, AppState};
 use crate::runtime::GuestErrorKind;
-use crate::store::Store;
+use crate::store::Gauges;
 
 pub async fn metrics(State(state): State<AppState>) -> Result<Response, ApiError> {
     let metrics = crate::metrics::global();
@@ -23,22 +23,26 @@ pub async fn metrics(State(state): State<AppState>) -> Result<Response, ApiError
     for kind in GuestErrorKind::ALL {
         let _ = writeln!(text, "leasehold_guest_errors_total{{kind=\"{}\"}} {}", kind.as_str(), metrics.guest_errors(kind.as_str()));
     }
-    {
-        let mut gauges = state.gauges.lock().await;
-        let fresh = gauges.as_ref().is_some_and(|(at, _)| at.elapsed() < state.config.metrics_ttl);
-        if !fresh {
-            *gauges = Some((std::time::Instant::now(), render_gauges(&state.store).await?));
-        }
-        if let Some((_, g)) = gauges.as_ref() {
-            text.push_str(g);
-        }
-    }
+    text.push_str(&render_gauges(&cached_gauges(&state, state.config.metrics_ttl).await?));
     Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response())
 }
 
+/// The database's gauges, read again if the copy this host keeps is older
+/// than `ttl`: one table scan per `ttl` however many callers ask.
+pub(super) async fn cached_gauges(state: &AppState, ttl: std::time::Duration) -> Result<Gauges, ApiError> {
+    let mut gauges = state.gauges.lock().await;
+    match gauges.as_ref() {
+        Some((at, g)) if at.elapsed() < ttl => Ok(g.clone()),
+        _ => {
+            let fresh = state.store.gauges().await?;
+            *gauges = Some((std::time::Instant::now(), fresh.clone()));
+            Ok(fresh)
+        }
+    }
+}
+
 /// The database's gauges, in the text format.
-async fn render_gauges(store: &Store) -> Result<String, ApiError> {
-    let gauges = store.gauges().await?;
+fn render_gauges(gauges: &Gauges) -> String {
     let mut out = String::new();
     let _ = writeln!(out, "# HELP leasehold_runs Runs in the database, by status.\n# TYPE leasehold_runs gauge");
     for (status, n) in &gauges.runs {
@@ -57,5 +61,5 @@ async fn render_gauges(store: &Store) -> Result<String, ApiError> {
         "# HELP leasehold_oldest_finished_run_age_seconds How long ago the oldest finished run still kept finished (0: none).\n\
          # TYPE leasehold_oldest_finished_run_age_seconds gauge\nleasehold_oldest_finished_run_age_seconds {age}"
     );
-    Ok(out)
+    out
 }

@@ -17,6 +17,8 @@
 mod error;
 mod events;
 mod metrics;
+mod openapi;
+mod overview;
 mod plugins;
 mod runs;
 
@@ -33,7 +35,8 @@ use axum::routing::{get, post, put};
 use serde::de::DeserializeOwned;
 use tokio::sync::watch;
 
-pub use self::error::ApiError;
+pub use self::error::{ApiError, ErrorBody, ErrorDetail};
+pub use self::openapi::ApiDoc;
 use crate::redact::Secret;
 use crate::runtime::Runtime;
 use crate::store::Store;
@@ -102,7 +105,7 @@ pub struct AppState {
     /// Plugin uploads compiling ([`ApiConfig::max_uploads`]).
     pub(crate) uploads: Arc<tokio::sync::Semaphore>,
     /// `/metrics`' gauges, read at most every [`ApiConfig::metrics_ttl`].
-    pub(crate) gauges: Arc<tokio::sync::Mutex<Option<(std::time::Instant, String)>>>,
+    pub(crate) gauges: Arc<tokio::sync::Mutex<Option<(std::time::Instant, crate::store::Gauges)>>>,
 }
 
 impl AppState {
@@ -130,12 +133,14 @@ pub fn router(state: AppState) -> Router {
             "/v1/plugins/{name}",
             put(plugins::put).layer(DefaultBodyLimit::max(config.max_component_bytes)),
         )
-        .route("/v1/runs", post(runs::submit).get(runs::list))
-        .route("/v1/runs:batch", post(runs::submit_batch))
+        .route("/v1/runs", json_post(runs::submit).get(runs::list))
+        .route("/v1/runs:batch", json_post(runs::submit_batch))
         .route("/v1/runs/{id}", get(runs::show))
-        .route("/v1/runs/{id}/input", post(runs::input))
-        .route("/v1/runs/{id}/cancel", post(runs::cancel))
+        .route("/v1/runs/{id}/input", json_post(runs::input))
+        .route("/v1/runs/{id}/cancel", json_post(runs::cancel))
         .route("/v1/runs/{id}/effects", get(runs::effects))
+        .route("/v1/stats", get(overview::stats))
+        .route("/v1/leases", get(overview::leases))
         .layer(middleware::from_fn_with_state(state.clone(), timeout));
     Router::new()
         .merge(timed)
@@ -143,6 +148,7 @@ pub fn router(state: AppState) -> Router {
         .route("/metrics", get(metrics::metrics))
         .layer(middleware::from_fn_with_state(state.clone(), auth))
         .route("/healthz", get(healthz))
+        .route("/v1/openapi.json", get(openapi::openapi))
         .fallback(|| async { ApiError::not_found("no such endpoint") })
         .method_not_allowed_fallback(|| async {
             ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed", "method not allowed here")
@@ -154,7 +160,9 @@ pub fn router(state: AppState) -> Router {
 
 /// Refuses what another web page could send (see the module's doc): a
 /// `Host` that names neither an IP address, `localhost` nor a configured
-/// name (421), and a `POST` without a JSON content type (415).
+/// name (421). A `POST` without a JSON content type is refused by
+/// [`json_post`], once the path and method are known to exist (so a wrong
+/// method is a 405 and a missing token a 401, whatever its content type).
 async fn front_door(State(state): State<AppState>, req: Request, next: Next) -> Response {
     let host = req.headers().get(header::HOST).and_then(|v| v.to_str().ok()).or_else(|| req.uri().host());
     match host {
@@ -172,22 +180,6 @@ async fn front_door(State(state): State<AppState>, req: Request, next: Next) -> 
         }
         Some(_) => {}
     }
-    if req.method() == axum::http::Method::POST {
-        let json = req
-            .headers()
-            .get(header::CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.split(';').next())
-            .is_some_and(|v| v.trim().eq_ignore_ascii_case("application/json"));
-        if !json {
-            return ApiError::new(
-                StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                "unsupported_media_type",
-                "a POST must have Content-Type: application/json",
-            )
-            .into_response();
-        }
-    }
     next.run(req).await
 }
 
@@ -202,6 +194,35 @@ pub fn host_allowed(host: &str, allowed: &[String]) -> bool {
     name.parse::<std::net::Ipv4Addr>().is_ok()
         || name.eq_ignore_ascii_case("localhost")
         || allowed.iter().any(|a| a.eq_ignore_ascii_case(host) || a.eq_ignore_ascii_case(name))
+}
+
+/// `POST` of `handler`, refused with 415 unless the request says
+/// `Content-Type: application/json`: a cross-site form or simple request
+/// cannot say that without a preflight, which gets no CORS headers.
+fn json_post<H, T>(handler: H) -> axum::routing::MethodRouter<AppState>
+where
+    H: axum::handler::Handler<T, AppState>,
+    T: 'static,
+{
+    post(handler).layer(middleware::from_fn(require_json))
+}
+
+async fn require_json(req: Request, next: Next) -> Response {
+    let json = req
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|v| v.trim().eq_ignore_ascii_case("application/json"));
+    if !json {
+        return ApiError::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported_media_type",
+            "a POST must have Content-Type: application/json",
+        )
+        .into_response();
+    }
+    next.run(req).await
 }
 
 async fn auth(State(state): State<AppState>, req: Request, next: Next) -> Response {
@@ -236,7 +257,13 @@ async fn timeout(State(state): State<AppState>, req: Request, next: Next) -> Res
     }
 }
 
-async fn healthz(State(state): State<AppState>) -> Response {
+/// `GET /healthz`: 200 while the database answers. Needs no token.
+#[utoipa::path(get, path = "/healthz", tag = "service", security(()),
+    responses(
+        (status = 200, description = "The database answers.", body = Object, example = json!({"status": "ok"})),
+        (status = 503, description = "The database does not answer.", body = ErrorBody),
+    ))]
+pub(crate) async fn healthz(State(state): State<AppState>) -> Response {
     match state.store.now_ms().await {
         Ok(_) => (StatusCode::OK, axum::Json(serde_json::json!({ "status": "ok" }))).into_response(),
         Err(e) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "database_unavailable", e.to_string()).into_response(),

@@ -3,31 +3,71 @@
 use axum::Json;
 use axum::extract::{Request, State};
 use axum::http::StatusCode;
-use serde::Deserialize;
-use serde_json::{Value, json};
+use serde::{Deserialize, Serialize};
+use utoipa::{IntoParams, ToSchema};
 
-use super::{ApiError, AppState, Params, QueryParams, body_bytes};
+use super::{ApiError, AppState, ErrorBody, Params, QueryParams, body_bytes};
 use crate::plugins::PluginSettings;
-use crate::store::UpgradePolicy;
+use crate::store::{UpgradePolicy, VersionInfo};
 
-#[derive(Deserialize)]
+#[derive(Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 pub struct PutQuery {
-    /// Comma-separated hosts the plugin's `http` effects may reach.
+    /// Comma-separated hosts (`host` or `host:port`) the plugin's `http`
+    /// effects may reach. Default: none.
     http_allow: Option<String>,
-    /// `pinned` (default) or `auto`: how runs in flight take this version.
+    /// How runs in flight take this version. Default: `pinned`.
+    #[param(value_type = Option<UpgradePolicy>)]
     upgrade: Option<String>,
+}
+
+/// A registered version.
+#[derive(Serialize, ToSchema)]
+pub struct Registered {
+    name: String,
+    /// The component's SHA-256, hex.
+    digest: String,
+}
+
+/// A plugin: its current version and settings, and every version kept.
+#[derive(Serialize, ToSchema)]
+pub struct PluginView {
+    name: String,
+    /// The current version's digest: new runs take it.
+    digest: String,
+    /// The current component's size in bytes.
+    size: i64,
+    settings: PluginSettings,
+    created_at: i64,
+    updated_at: i64,
+    /// Every version, newest first, with its runs.
+    versions: Vec<VersionInfo>,
+}
+
+/// Every registered plugin, by name.
+#[derive(Serialize, ToSchema)]
+pub struct PluginsList {
+    plugins: Vec<PluginView>,
 }
 
 /// `PUT /v1/plugins/{name}?http_allow=host:port,…&upgrade=pinned|auto` with the component's
 /// bytes: 201 `{name, digest}`; 422 with the reason when the bytes are not a
 /// component implementing `leasehold:turn/turn`.
+#[utoipa::path(put, path = "/v1/plugins/{name}", tag = "plugins",
+    params(("name" = String, Path, pattern = "^[a-z0-9_-]{1,64}$", description = "The plugin's name: 1 to 64 of a-z, 0-9, '-' and '_'."), PutQuery),
+    request_body(content = Vec<u8>, content_type = "application/octet-stream", description = "The component's bytes (any content type is taken)."),
+    responses(
+        (status = 201, description = "The version is registered and current.", body = Registered),
+        (status = 413, description = "The component is over the upload cap.", body = ErrorBody),
+        (status = 422, description = "The bytes are not a component implementing leasehold:turn/turn.", body = ErrorBody),
+    ))]
 pub async fn put(
     State(s): State<AppState>,
     Params(name): Params<String>,
     QueryParams(q): QueryParams<PutQuery>,
     req: Request,
-) -> Result<(StatusCode, Json<Value>), ApiError> {
+) -> Result<(StatusCode, Json<Registered>), ApiError> {
     if !crate::plugins::valid_name(&name) {
         return Err(crate::plugins::RegisterError::BadName(name).into());
     }
@@ -64,9 +104,25 @@ pub async fn put(
     let plugin = crate::plugins::register(&s.store, &s.runtime, &name, bytes.to_vec(), settings).await?;
     drop(permit);
     tracing::info!(plugin = %name, digest = %plugin.digest, "plugin registered");
-    Ok((StatusCode::CREATED, Json(json!({ "name": name, "digest": plugin.digest }))))
+    Ok((StatusCode::CREATED, Json(Registered { name, digest: plugin.digest.clone() })))
 }
 
-pub async fn list(State(s): State<AppState>) -> Result<Json<Value>, ApiError> {
-    Ok(Json(json!({ "plugins": s.store.list_plugins().await? })))
+/// `GET /v1/plugins`: every plugin with its versions and their runs.
+#[utoipa::path(get, path = "/v1/plugins", tag = "plugins",
+    responses((status = 200, description = "Every registered plugin.", body = PluginsList)))]
+pub async fn list(State(s): State<AppState>) -> Result<Json<PluginsList>, ApiError> {
+    let mut plugins = Vec::new();
+    for p in s.store.list_plugins().await? {
+        let versions = s.store.plugin_versions(&p.name).await?;
+        plugins.push(PluginView {
+            name: p.name,
+            digest: p.digest,
+            size: p.size,
+            settings: p.settings,
+            created_at: p.created_at,
+            updated_at: p.updated_at,
+            versions,
+        });
+    }
+    Ok(Json(PluginsList { plugins }))
 }

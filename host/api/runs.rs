@@ -4,32 +4,59 @@ use axum::Json;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use serde::Deserialize;
-use serde_json::{Value, json};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use utoipa::{IntoParams, ToSchema};
 
-use super::{ApiError, AppState, JsonBody, Params, QueryParams};
-use crate::store::{MAX_SUBMIT_BATCH, NewRun, RunStatus};
+use super::{ApiError, AppState, ErrorBody, ErrorDetail, JsonBody, Params, QueryParams};
+use crate::store::{EffectRow, MAX_SUBMIT_BATCH, NewRun, Run, RunFilter, RunStatus};
 
-/// Longest thread id or idempotency key.
-const MAX_KEY_BYTES: usize = 256;
+/// Longest thread id or idempotency key, in characters.
+const MAX_KEY_CHARS: usize = 256;
 
-#[derive(Deserialize)]
+/// A run to submit.
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Submit {
+    /// A registered plugin's name.
+    #[schema(pattern = "^[a-z0-9_-]{1,64}$")]
     plugin: String,
+    /// The turn's input: any JSON (the guest receives its text). Default: null.
     #[serde(default)]
     input: Value,
+    /// The thread the run's events go to (1 to 256 bytes). Default: a new
+    /// thread (a random UUID).
+    #[schema(min_length = 1, max_length = 256, pattern = r"^[^\u0000]+$")]
     thread_id: Option<String>,
+    /// Attempts before the run fails, 1 to 1000. Default: 3.
+    #[schema(minimum = 1, maximum = 1000)]
+    #[serde(default, deserialize_with = "whole_number")]
     max_attempts: Option<i64>,
+    /// A key (1 to 256 bytes) that makes sending the same request again
+    /// return the first run.
+    #[schema(min_length = 1, max_length = 256, pattern = r"^[^\u0000]+$")]
     idempotency_key: Option<String>,
+}
+
+/// An integer, also written as a float with no fraction (`3.0`), as JSON
+/// Schema's `integer` allows.
+fn whole_number<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<i64>, D::Error> {
+    let Some(n) = Option::<serde_json::Number>::deserialize(d)? else { return Ok(None) };
+    if let Some(i) = n.as_i64() {
+        return Ok(Some(i));
+    }
+    match n.as_f64() {
+        Some(f) if f.fract() == 0.0 && f.abs() < 9.0e15 => Ok(Some(f as i64)),
+        _ => Err(serde::de::Error::custom(format!("expected an integer, not {n}"))),
+    }
 }
 
 fn check_key(what: &str, v: &Option<String>) -> Result<(), ApiError> {
     if let Some(v) = v
-        && (v.is_empty() || v.len() > MAX_KEY_BYTES || v.contains('\0'))
+        && (v.is_empty() || v.chars().count() > MAX_KEY_CHARS || v.contains('\0'))
     {
         return Err(ApiError::bad_request(format!(
-            "{what} must be 1 to {MAX_KEY_BYTES} bytes without NUL characters"
+            "{what} must be 1 to {MAX_KEY_CHARS} characters without NUL characters"
         )));
     }
     Ok(())
@@ -37,6 +64,13 @@ fn check_key(what: &str, v: &Option<String>) -> Result<(), ApiError> {
 
 /// `POST /v1/runs`: 201 with the new run; 200 with the existing run when the
 /// `idempotency_key` was seen before with the same request (409 if not).
+#[utoipa::path(post, path = "/v1/runs", tag = "runs", request_body = Submit,
+    responses(
+        (status = 201, description = "The new run.", body = Run),
+        (status = 200, description = "The run this idempotency key made before.", body = Run),
+        (status = 404, description = "No plugin of that name.", body = ErrorBody),
+        (status = 409, description = "The idempotency key was used with another request.", body = ErrorBody),
+    ))]
 pub async fn submit(State(s): State<AppState>, JsonBody(req): JsonBody<Submit>) -> Result<Response, ApiError> {
     check_key("thread_id", &req.thread_id)?;
     check_key("idempotency_key", &req.idempotency_key)?;
@@ -79,10 +113,51 @@ pub async fn submit(State(s): State<AppState>, JsonBody(req): JsonBody<Submit>) 
     Ok((StatusCode::CREATED, Json(run)).into_response())
 }
 
-#[derive(Deserialize)]
+/// Runs to submit in one commit.
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Batch {
+    /// 1 to 1,000 runs, each with an `idempotency_key`.
+    #[schema(value_type = Vec<BatchRun>, min_items = 1, max_items = 1000)]
     runs: Vec<Submit>,
+}
+
+/// A run of a batch: as [`Submit`], with `idempotency_key` required (so
+/// that sending the batch again cannot run anything twice). The
+/// description's only; a batch is read as `Submit`s.
+#[derive(Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+#[allow(dead_code)]
+pub struct BatchRun {
+    #[schema(pattern = "^[a-z0-9_-]{1,64}$")]
+    plugin: String,
+    input: Option<Value>,
+    #[schema(min_length = 1, max_length = 256, pattern = r"^[^\u0000]+$")]
+    thread_id: Option<String>,
+    #[schema(minimum = 1, maximum = 1000)]
+    max_attempts: Option<i64>,
+    #[schema(min_length = 1, max_length = 256, pattern = r"^[^\u0000]+$")]
+    idempotency_key: String,
+}
+
+/// One result per run of a batch, in order.
+#[derive(Serialize, ToSchema)]
+pub struct BatchResults {
+    results: Vec<BatchResult>,
+}
+
+/// A run of a batch: written (or found by its key), or refused.
+#[derive(Serialize, ToSchema)]
+#[serde(untagged)]
+pub enum BatchResult {
+    Run {
+        /// False when the idempotency key found a run made before.
+        created: bool,
+        run: Run,
+    },
+    Refused {
+        error: ErrorDetail,
+    },
 }
 
 /// `POST /v1/runs:batch`: up to [`MAX_SUBMIT_BATCH`] runs in one commit,
@@ -91,7 +166,12 @@ pub struct Batch {
 /// order: `{"created": true|false, "run": …}`, or `{"error": …}` for a run
 /// whose key was used before with a different request (it writes nothing).
 /// A batch with any invalid run writes nothing and gets 4xx naming the run.
-pub async fn submit_batch(State(s): State<AppState>, JsonBody(req): JsonBody<Batch>) -> Result<Response, ApiError> {
+#[utoipa::path(post, path = "/v1/runs:batch", tag = "runs", request_body = Batch,
+    responses(
+        (status = 200, description = "One result per run, in order.", body = BatchResults),
+        (status = 404, description = "A run names no registered plugin.", body = ErrorBody),
+    ))]
+pub async fn submit_batch(State(s): State<AppState>, JsonBody(req): JsonBody<Batch>) -> Result<Json<BatchResults>, ApiError> {
     if req.runs.is_empty() || req.runs.len() > MAX_SUBMIT_BATCH {
         return Err(ApiError::bad_request(format!(
             "runs must hold 1 to {MAX_SUBMIT_BATCH} runs, not {}",
@@ -141,34 +221,58 @@ pub async fn submit_batch(State(s): State<AppState>, JsonBody(req): JsonBody<Bat
                 && run.input == new.input
                 && r.thread_id.as_ref().is_none_or(|t| *t == run.thread_id));
         results.push(if same {
-            json!({ "created": created, "run": run })
+            BatchResult::Run { created, run }
         } else {
-            json!({ "error": {
-                "code": "idempotency_conflict",
-                "message": format!("idempotency_key was already used for run {} with a different request", run.id),
-            } })
+            BatchResult::Refused {
+                error: ErrorDetail {
+                    code: "idempotency_conflict".into(),
+                    message: format!("idempotency_key was already used for run {} with a different request", run.id),
+                },
+            }
         });
     }
-    let created = results.iter().filter(|r| r["created"] == true).count();
+    let created = results.iter().filter(|r| matches!(r, BatchResult::Run { created: true, .. })).count();
     tracing::info!(runs = results.len(), created, "batch submitted");
-    Ok(Json(json!({ "results": results })).into_response())
+    Ok(Json(BatchResults { results }))
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 pub struct ListQuery {
+    /// Only runs with this status.
+    #[param(value_type = Option<RunStatus>)]
     status: Option<String>,
+    /// Only runs of this plugin.
     plugin: Option<String>,
+    /// Only runs of this thread.
+    thread: Option<String>,
+    /// Only runs whose input, output or error holds this text (ignoring
+    /// ASCII case). Scans newest first.
+    q: Option<String>,
+    /// Runs per page, 1 to 1000. Default: 50.
+    #[param(minimum = 1, maximum = 1000)]
     limit: Option<i64>,
+    /// A `next_cursor` from the page before.
     cursor: Option<i64>,
 }
 
-/// `GET /v1/runs?status=&plugin=&limit=&cursor=`: newest first, at most
-/// `limit` (default 50, at most 1000) and about `max_page_bytes`;
+/// A page of runs, newest first.
+#[derive(Serialize, ToSchema)]
+pub struct RunsPage {
+    runs: Vec<Run>,
+    /// Pass as `cursor` for the next page; null on the last.
+    next_cursor: Option<i64>,
+}
+
+/// `GET /v1/runs?status=&plugin=&thread=&q=&limit=&cursor=`: newest first,
+/// at most `limit` (default 50, at most 1000) and about `max_page_bytes`;
 /// `next_cursor` pages on.
-pub async fn list(State(s): State<AppState>, QueryParams(q): QueryParams<ListQuery>) -> Result<Json<Value>, ApiError> {
+#[utoipa::path(get, path = "/v1/runs", tag = "runs", params(ListQuery),
+    responses((status = 200, description = "A page of runs, newest first.", body = RunsPage)))]
+pub async fn list(State(s): State<AppState>, QueryParams(q): QueryParams<ListQuery>) -> Result<Json<RunsPage>, ApiError> {
     let status = match q.status.as_deref() {
-        None | Some("") => None,
+        None => None,
         Some(st) => Some(st.parse::<RunStatus>().map_err(|_| {
             ApiError::bad_request(
                 "status must be one of queued, running, waiting_input, waiting_takeover, completed, failed, aborted, cancelled",
@@ -179,33 +283,57 @@ pub async fn list(State(s): State<AppState>, QueryParams(q): QueryParams<ListQue
     if !(1..=1000).contains(&limit) {
         return Err(ApiError::bad_request("limit must be between 1 and 1000"));
     }
-    let plugin = q.plugin.as_deref().filter(|p| !p.is_empty());
-    if plugin.is_some_and(|p| p.contains('\0')) {
-        return Err(ApiError::bad_request("plugin must not contain NUL characters"));
-    }
-    let (runs, cut) = s.store.runs_page(status, plugin, q.cursor, limit, s.config.max_page_bytes).await?;
+    let given = |name: &str, v: Option<String>| -> Result<Option<String>, ApiError> {
+        let v = v.filter(|v| !v.is_empty());
+        if v.as_ref().is_some_and(|v| v.contains('\0') || v.len() > 1024) {
+            return Err(ApiError::bad_request(format!("{name} must be at most 1024 bytes without NUL characters")));
+        }
+        Ok(v)
+    };
+    let filter = RunFilter {
+        status,
+        plugin: given("plugin", q.plugin)?,
+        thread: given("thread", q.thread)?,
+        text: given("q", q.q)?,
+    };
+    let (runs, cut) = s.store.runs_page(&filter, q.cursor, limit, s.config.max_page_bytes).await?;
     // A page ends early when its rows reach the byte cap; the cursor pages on.
-    let next = (runs.len() as i64 == limit || cut).then(|| runs.last().map(|r| r.id)).flatten();
-    Ok(Json(json!({ "runs": runs, "next_cursor": next })))
+    let next_cursor = (runs.len() as i64 == limit || cut).then(|| runs.last().map(|r| r.id)).flatten();
+    Ok(Json(RunsPage { runs, next_cursor }))
 }
 
-pub async fn show(State(s): State<AppState>, Params(id): Params<i64>) -> Result<Response, ApiError> {
-    Ok(Json(s.store.get_run(id).await?).into_response())
+/// `GET /v1/runs/{id}`.
+#[utoipa::path(get, path = "/v1/runs/{id}", tag = "runs", params(("id" = i64, Path, description = "The run's id.")),
+    responses(
+        (status = 200, description = "The run.", body = Run),
+        (status = 404, description = "No such run.", body = ErrorBody),
+    ))]
+pub async fn show(State(s): State<AppState>, Params(id): Params<i64>) -> Result<Json<Run>, ApiError> {
+    Ok(Json(s.store.get_run(id).await?))
 }
 
-#[derive(Deserialize)]
+/// Input for a run waiting for it.
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Input {
+    /// A string is delivered as it is; any other JSON as its text.
     input: Value,
 }
 
 /// `POST /v1/runs/{id}/input`: a string is delivered as it is, any other
 /// JSON as its text. 409 unless the run is waiting for input.
+#[utoipa::path(post, path = "/v1/runs/{id}/input", tag = "runs", request_body = Input,
+    params(("id" = i64, Path, description = "The run's id.")),
+    responses(
+        (status = 200, description = "The run, with the input pending.", body = Run),
+        (status = 404, description = "No such run.", body = ErrorBody),
+        (status = 409, description = "The run is not waiting for input.", body = ErrorBody),
+    ))]
 pub async fn input(
     State(s): State<AppState>,
     Params(id): Params<i64>,
     JsonBody(req): JsonBody<Input>,
-) -> Result<Response, ApiError> {
+) -> Result<Json<Run>, ApiError> {
     let input = match req.input {
         Value::String(s) => s,
         other => other.to_string(),
@@ -215,37 +343,72 @@ pub async fn input(
     }
     let run = s.store.deliver_input(id, &input).await?;
     tracing::info!(run_id = id, "input delivered");
-    Ok(Json(run).into_response())
+    Ok(Json(run))
 }
 
-/// `POST /v1/runs/{id}/cancel`: 409 if the run has finished.
-pub async fn cancel(State(s): State<AppState>, Params(id): Params<i64>) -> Result<Response, ApiError> {
+/// A cancel's body: a JSON object, `{}`; its fields are ignored. (A body
+/// at all, so that the request must be JSON, which another web page's
+/// form cannot send.)
+#[derive(Deserialize, ToSchema)]
+pub struct Cancel {}
+
+/// `POST /v1/runs/{id}/cancel` with `{}`: 409 if the run has finished.
+#[utoipa::path(post, path = "/v1/runs/{id}/cancel", tag = "runs", request_body = Cancel,
+    params(("id" = i64, Path, description = "The run's id.")),
+    responses(
+        (status = 200, description = "The cancelled run.", body = Run),
+        (status = 404, description = "No such run.", body = ErrorBody),
+        (status = 409, description = "The run has finished.", body = ErrorBody),
+    ))]
+pub async fn cancel(
+    State(s): State<AppState>,
+    Params(id): Params<i64>,
+    JsonBody(Cancel {}): JsonBody<Cancel>,
+) -> Result<Json<Run>, ApiError> {
     let run = s.store.cancel(id).await?;
     tracing::info!(run_id = id, fence = run.fence, "run cancelled");
-    Ok(Json(run).into_response())
+    Ok(Json(run))
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 pub struct EffectsQuery {
+    /// Rows after this seq. Default: from the first.
     after: Option<i64>,
+    /// Rows per page, 1 to 10000. Default: 1000.
+    #[param(minimum = 1, maximum = 10000)]
     limit: Option<i64>,
+}
+
+/// A page of a run's ledger, by seq.
+#[derive(Serialize, ToSchema)]
+pub struct EffectsPage {
+    effects: Vec<EffectRow>,
+    /// Pass as `after` for the next page; null on the last.
+    next_after: Option<i64>,
 }
 
 /// `GET /v1/runs/{id}/effects?after=&limit=`: the ledger rows after seq
 /// `after`, by seq: at most `limit` (default 1000, at most 10000) and
 /// about `max_page_bytes`; `next_after` pages on.
+#[utoipa::path(get, path = "/v1/runs/{id}/effects", tag = "runs",
+    params(("id" = i64, Path, description = "The run's id."), EffectsQuery),
+    responses(
+        (status = 200, description = "A page of the run's ledger.", body = EffectsPage),
+        (status = 404, description = "No such run.", body = ErrorBody),
+    ))]
 pub async fn effects(
     State(s): State<AppState>,
     Params(id): Params<i64>,
     QueryParams(q): QueryParams<EffectsQuery>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<EffectsPage>, ApiError> {
     let limit = q.limit.unwrap_or(1000);
     if !(1..=10_000).contains(&limit) {
         return Err(ApiError::bad_request("limit must be between 1 and 10000"));
     }
     s.store.get_run(id).await?;
     let (rows, cut) = s.store.effects_capped(id, q.after.unwrap_or(-1), limit, s.config.max_page_bytes).await?;
-    let next = (rows.len() as i64 == limit || cut).then(|| rows.last().map(|r| r.seq)).flatten();
-    Ok(Json(json!({ "effects": rows, "next_after": next })))
+    let next_after = (rows.len() as i64 == limit || cut).then(|| rows.last().map(|r| r.seq)).flatten();
+    Ok(Json(EffectsPage { effects: rows, next_after }))
 }

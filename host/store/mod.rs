@@ -28,6 +28,7 @@ pub(crate) mod retention;
 pub(crate) mod renewals;
 mod runs;
 pub mod sqlite;
+mod overview;
 mod stats;
 pub(crate) mod submits;
 mod suspend;
@@ -48,7 +49,8 @@ pub use local::{HeldPut, LocalOp};
 pub use plugins::{PluginInfo, PluginSettings, UpgradePolicy};
 pub use reap::ReapReport;
 pub use retention::Deleted;
-pub use runs::MAX_SUBMIT_BATCH;
+pub use runs::{MAX_SUBMIT_BATCH, RunFilter};
+pub use overview::{FENCED_WINDOW, FencedRun, HeldRun, VersionInfo};
 pub use stats::Gauges;
 pub use types::*;
 

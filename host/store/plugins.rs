@@ -7,7 +7,7 @@ use sqlx::Row;
 use crate::store::{Store, StoreError, sql};
 
 /// What an operator sets per plugin. Every field documents its default.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct PluginSettings {
     /// Hosts (`host` or `host:port`) the plugin's `http` effects may reach.
@@ -21,7 +21,7 @@ pub struct PluginSettings {
 }
 
 /// How a plugin's runs in flight take a new version.
-#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq, Hash, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum UpgradePolicy {
     /// Runs finish on the version they started with; new runs take the
@@ -45,7 +45,7 @@ impl UpgradePolicy {
 }
 
 /// A registered plugin, as listed.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct PluginInfo {
     pub name: String,
     pub digest: String,

@@ -240,47 +240,56 @@ impl Store {
         before: Option<i64>,
         limit: i64,
     ) -> Result<Vec<Run>, StoreError> {
-        Ok(self.runs_page(status, plugin, before, limit, i64::MAX).await?.0)
+        let filter = RunFilter { status, plugin: plugin.map(str::to_string), ..RunFilter::default() };
+        Ok(self.runs_page(&filter, before, limit, i64::MAX).await?.0)
     }
 
-    /// [`Store::list_runs`], with no more than about `max_bytes` of inputs,
-    /// outputs and partials (always at least one run). Also returns whether
-    /// the page was cut short by its size.
+    /// [`Store::list_runs`] with every [`RunFilter`], and no more than about
+    /// `max_bytes` of inputs, outputs and partials (always at least one
+    /// run). Also returns whether the page was cut short by its size.
     ///
-    /// One fixed statement per combination of filters, rather than
-    /// `($1 IS NULL OR status = $1)`, so each can use its index.
+    /// A fixed statement per index it can use, rather than one
+    /// `($1 IS NULL OR status = $1)` for all: a thread's runs come from
+    /// `runs_thread`, a status's from `runs_status`, the rest by id. The
+    /// text search scans (newest first, until the page is full).
     pub async fn runs_page(
         &self,
-        status: Option<RunStatus>,
-        plugin: Option<&str>,
+        filter: &RunFilter,
         before: Option<i64>,
         limit: i64,
         max_bytes: i64,
     ) -> Result<(Vec<Run>, bool), StoreError> {
+        // `$4`: the text, as a LIKE pattern; `$5`, `$6`: status, plugin.
         macro_rules! page {
             ($filter:literal) => {
                 concat!(
                     "SELECT * FROM (SELECT r.*, SUM(LENGTH(r.input) + LENGTH(r.partial) + COALESCE(LENGTH(r.output), 0) \
                      + COALESCE(LENGTH(r.error), 0)) OVER (ORDER BY r.id DESC) AS running FROM runs r \
-                     WHERE r.id < $1", $filter, " ORDER BY r.id DESC LIMIT $2) AS p WHERE p.running - \
+                     WHERE r.id < $1", $filter,
+                     " AND ($4 IS NULL OR LOWER(r.input) LIKE $4 ESCAPE '!' OR LOWER(COALESCE(r.output, '')) LIKE $4 ESCAPE '!' \
+                     OR LOWER(COALESCE(r.error, '')) LIKE $4 ESCAPE '!') \
+                     ORDER BY r.id DESC LIMIT $2) AS p WHERE p.running - \
                      (LENGTH(p.input) + LENGTH(p.partial) + COALESCE(LENGTH(p.output), 0) + COALESCE(LENGTH(p.error), 0)) < $3 \
                      ORDER BY p.id DESC"
                 )
             };
         }
         let before = before.unwrap_or(i64::MAX);
-        let query = match (status, plugin) {
-            (None, None) => sqlx::query(sql!(self, page!(""))),
-            (Some(_), None) => sqlx::query(sql!(self, page!(" AND r.status = $4"))),
-            (None, Some(_)) => sqlx::query(sql!(self, page!(" AND r.plugin = $4"))),
-            (Some(_), Some(_)) => sqlx::query(sql!(self, page!(" AND r.status = $4 AND r.plugin = $5"))),
+        let text = filter.text.as_deref().filter(|t| !t.is_empty()).map(like_pattern);
+        let status = filter.status.map(|s| s.as_str());
+        let query = match (&filter.thread, status, &filter.plugin) {
+            (Some(_), _, _) => sqlx::query(sql!(
+                self,
+                page!(" AND r.thread_id = $7 AND ($5 IS NULL OR r.status = $5) AND ($6 IS NULL OR r.plugin = $6)")
+            )),
+            (None, None, None) => sqlx::query(sql!(self, page!(" AND $5 IS NULL AND $6 IS NULL"))),
+            (None, Some(_), None) => sqlx::query(sql!(self, page!(" AND r.status = $5 AND $6 IS NULL"))),
+            (None, None, Some(_)) => sqlx::query(sql!(self, page!(" AND $5 IS NULL AND r.plugin = $6"))),
+            (None, Some(_), Some(_)) => sqlx::query(sql!(self, page!(" AND r.status = $5 AND r.plugin = $6"))),
         };
-        let mut query = query.bind(before).bind(limit).bind(max_bytes);
-        if let Some(s) = status {
-            query = query.bind(s.as_str());
-        }
-        if let Some(p) = plugin {
-            query = query.bind(p);
+        let mut query = query.bind(before).bind(limit).bind(max_bytes).bind(text).bind(status).bind(filter.plugin.clone());
+        if let Some(thread) = &filter.thread {
+            query = query.bind(thread.clone());
         }
         let rows = query.fetch_all(self.pool()).await?;
         let cut = match rows.last() {
@@ -318,4 +327,31 @@ impl Store {
             .await?;
         Ok(done.rows_affected())
     }
+}
+
+/// Which runs [`Store::runs_page`] lists. Every field is optional; all
+/// that are set must hold.
+#[derive(Debug, Clone, Default)]
+pub struct RunFilter {
+    pub status: Option<RunStatus>,
+    pub plugin: Option<String>,
+    pub thread: Option<String>,
+    /// Text the run's input, output or error holds, case-insensitively
+    /// (ASCII).
+    pub text: Option<String>,
+}
+
+/// `text` as a LIKE pattern that matches it anywhere, lower-cased, with
+/// `!` escaping LIKE's wildcards in it.
+fn like_pattern(text: &str) -> String {
+    let mut pattern = String::with_capacity(text.len() + 2);
+    pattern.push('%');
+    for c in text.to_lowercase().chars() {
+        if matches!(c, '%' | '_' | '!') {
+            pattern.push('!');
+        }
+        pattern.push(c);
+    }
+    pattern.push('%');
+    pattern
 }

@@ -7,7 +7,7 @@ use sqlx::Row;
 use sqlx::any::AnyRow;
 
 /// The state of a run. See docs/concepts.md.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum RunStatus {
     Queued,
@@ -71,7 +71,7 @@ impl std::str::FromStr for RunStatus {
 }
 
 /// A run row. Times are epoch milliseconds from the database clock.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 pub struct Run {
     pub id: i64,
     pub thread_id: String,
@@ -245,7 +245,7 @@ impl Event {
 }
 
 /// How a provider's effect survives a crash. See docs/concepts.md.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum EffectClass {
     /// Applied in the host's database in the same transaction as its ledger
@@ -276,7 +276,7 @@ impl EffectClass {
 }
 
 /// The state of one ledger row.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum EffectState {
     Started,
@@ -309,7 +309,7 @@ impl EffectState {
 }
 
 /// One row of the effect ledger.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct EffectRow {
     pub run_id: i64,
     pub seq: i64,

@@ -15,6 +15,7 @@ mod edges;
 mod fake_model;
 mod hosts;
 mod model;
+mod openapi;
 mod replay;
 mod retention;
 mod conformance;
