@@ -424,6 +424,18 @@ pub async fn runs(api: &Api, command: RunsCommand) -> Result<()> {
     Ok(())
 }
 
+/// `leasehold dashboard`: the page's address, signed in by the fragment.
+/// Checks the token against the API first, so a wrong one is said here.
+pub async fn dashboard(api: &Api) -> Result<()> {
+    api.send(api.client().get(api.url("/v1/stats"))).await?;
+    let base = api.server.trim_end_matches('/');
+    match api.token()? {
+        Some(token) => println!("{base}/#token={token}"),
+        None => println!("{base}/"),
+    }
+    Ok(())
+}
+
 pub async fn events(api: &Api, args: EventsArgs) -> Result<()> {
     if args.follow {
         return follow(api, &args.thread, args.after, None).await;

@@ -78,6 +78,12 @@ enum Command {
         #[command(flatten)]
         args: cli::EventsArgs,
     },
+    /// Print the dashboard's address with the API token in its fragment
+    /// (which browsers never send to the server): open it to sign in.
+    Dashboard {
+        #[command(flatten)]
+        api: cli::Api,
+    },
     /// Serve on a SQLite database of the project's own, rebuilding and
     /// re-registering a plugin project (from `leasehold new`) whenever it
     /// changes, and printing its runs as they go.
@@ -156,6 +162,7 @@ async fn run(cli: Cli) -> Result<()> {
         Command::Submit { api, args } => cli::submit(&api, args).await,
         Command::Runs { api, command } => cli::runs(&api, command).await,
         Command::Events { api, args } => cli::events(&api, args).await,
+        Command::Dashboard { api } => cli::dashboard(&api).await,
         Command::New { args } => new::new(args),
         Command::Dev { args } => {
             let (cfg, project) = dev::resolve(args)?;

@@ -130,7 +130,8 @@ pub async fn serve_with(cfg: config::Serve, dev: Option<crate::dev::Project>) ->
     match (&cfg.api_token, &cfg.token_file) {
         (Some(_), Some(file)) => tracing::info!(
             token_file = %file.display(),
-            "clients send the API token in this file as Authorization: Bearer …; the CLI reads it from there"
+            "clients send the API token in this file as Authorization: Bearer …; the CLI reads it from there; \
+             `leasehold dashboard` prints the dashboard's address signed in with it"
         ),
         (Some(_), None) => {}
         (None, _) => tracing::warn!(

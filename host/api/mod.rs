@@ -14,6 +14,7 @@
 //! a configured name (421 otherwise), since a rebinding page's own name is
 //! none of those.
 
+mod dashboard;
 mod error;
 mod events;
 mod metrics;
@@ -149,6 +150,7 @@ pub fn router(state: AppState) -> Router {
         .layer(middleware::from_fn_with_state(state.clone(), auth))
         .route("/healthz", get(healthz))
         .route("/v1/openapi.json", get(openapi::openapi))
+        .merge(dashboard::router())
         .fallback(|| async { ApiError::not_found("no such endpoint") })
         .method_not_allowed_fallback(|| async {
             ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed", "method not allowed here")

@@ -11,6 +11,7 @@ mod bench_e2e;
 mod chaos;
 mod concurrency;
 mod crash;
+mod dashboard;
 mod edges;
 mod fake_model;
 mod hosts;

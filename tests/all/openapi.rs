@@ -28,7 +28,26 @@ fn matches(doc: &str, path: &str) -> bool {
 /// Every `/v1/…` path a source file names, with its placeholders (`{id}`,
 /// `${id}`, `{}`) as one segment each.
 fn paths_named_in(file: &Path) -> Result<Vec<String>> {
-    let text = std::fs::read_to_string(file).with_context(|| file.display().to_string())?;
+    let source = std::fs::read_to_string(file).with_context(|| file.display().to_string())?;
+    // A template literal's `${…}` (however nested) becomes one `{x}`.
+    let mut text = String::with_capacity(source.len());
+    let mut rest = source.as_str();
+    while let Some(at) = rest.find("${") {
+        text.push_str(&rest[..at]);
+        let mut depth = 0;
+        let end = rest[at + 1..].char_indices().find_map(|(i, c)| {
+            match c {
+                '{' => depth += 1,
+                '}' => depth -= 1,
+                _ => {}
+            }
+            (depth == 0).then_some(at + 1 + i + 1)
+        });
+        let Some(end) = end else { break };
+        text.push_str("{x}");
+        rest = &rest[end..];
+    }
+    text.push_str(rest);
     let mut found = Vec::new();
     for (i, _) in text.match_indices("/v1/") {
         let rest = &text[i..];
@@ -36,13 +55,13 @@ fn paths_named_in(file: &Path) -> Result<Vec<String>> {
         let mut path = &rest[..end];
         // `/v1/runs${query}`: a placeholder glued to a segment is a query
         // string, not a segment.
-        if let Some(cut) = path.char_indices().find(|&(i, c)| c == '{' && i > 0 && !path[..i].ends_with('/') && !path[..i].ends_with("/$")) {
+        if let Some(cut) = path.char_indices().find(|&(i, c)| c == '{' && i > 0 && !path[..i].ends_with('/')) {
             path = &path[..cut.0];
         }
-        let path = path.trim_end_matches(['/', '.', ':', '$']);
+        let path = path.trim_end_matches(['/', '.', ':']);
         // `/v1/runs:batch` is one path; a bare `/v1/` prefix names none.
         if path.len() > 4 {
-            found.push(path.replace("${", "{"));
+            found.push(path.to_string());
         }
     }
     Ok(found)
@@ -98,7 +117,7 @@ both! {
         }
         ensure!(doc["components"]["schemas"]["ErrorBody"].is_object() && doc["components"]["schemas"]["Run"].is_object());
         // Every path the CLI and the dashboard call is a described one.
-        let sources = ["host/cli.rs", "host/dev.rs", "host/replay.rs"];
+        let sources = ["host/cli.rs", "host/dev.rs", "host/replay.rs", "host/api/dashboard/app.js"];
         let mut called = 0;
         for source in sources {
             for path in paths_named_in(&root().join(source))? {

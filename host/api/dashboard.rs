@@ -1,0 +1,42 @@
+//! The web dashboard: three files embedded in the binary and served at `/`
+//! (nothing is fetched from elsewhere, so it works offline). The page holds
+//! no data and needs no token; it asks the API for everything with the
+//! token the operator gives it (`/#token=…`, kept in the tab's
+//! sessionStorage), through documented endpoints only.
+//!
+//! Served with a strict Content-Security-Policy (its own scripts and
+//! styles only, no inline code, no framing): run inputs and outputs are
+//! hostile text, and the page must not run them or be framed by a page
+//! that clicks its cancel buttons.
+
+use axum::Router;
+use axum::http::{HeaderName, HeaderValue, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+
+const INDEX: &str = include_str!("dashboard/index.html");
+const APP_JS: &str = include_str!("dashboard/app.js");
+const STYLE_CSS: &str = include_str!("dashboard/style.css");
+
+const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; \
+                   img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'";
+
+pub(super) fn router<S: Clone + Send + Sync + 'static>() -> Router<S> {
+    Router::new()
+        .route("/", get(|| async { asset("text/html; charset=utf-8", INDEX) }))
+        .route("/ui/app.js", get(|| async { asset("text/javascript; charset=utf-8", APP_JS) }))
+        .route("/ui/style.css", get(|| async { asset("text/css; charset=utf-8", STYLE_CSS) }))
+}
+
+fn asset(content_type: &'static str, body: &'static str) -> Response {
+    let headers: [(HeaderName, HeaderValue); 6] = [
+        (header::CONTENT_TYPE, HeaderValue::from_static(content_type)),
+        (header::CONTENT_SECURITY_POLICY, HeaderValue::from_static(CSP)),
+        (header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY")),
+        (header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff")),
+        (header::REFERRER_POLICY, HeaderValue::from_static("no-referrer")),
+        // A new binary serves new files: never a stale page against a newer API.
+        (header::CACHE_CONTROL, HeaderValue::from_static("no-cache")),
+    ];
+    (headers, body).into_response()
+}

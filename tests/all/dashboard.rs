@@ -1,0 +1,211 @@
+//! The dashboard in a real browser: Debian's Chromium driven by
+//! playwright-core (`tests/browser/dashboard.mjs`), against the API served
+//! in process, on both backends. The script submits a run through the page
+//! and watches its stream arrive, delivers input through the form, cancels
+//! a run (and sees a refusal for a finished one), watches a killed worker's
+//! deltas struck through and removed after a takeover, and screenshots
+//! every page into `target/dashboard/<backend>/`.
+//!
+//! The script and this test take turns: it prints `SYNC <name> <json>` and
+//! waits for a line on stdin while this side runs the workers.
+
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail, ensure};
+use leasehold::api::{ApiConfig, AppState};
+use leasehold::executor::{Executor, ExecutorConfig};
+use leasehold::effects::model::ModelConfig;
+use leasehold::plugins::PluginSettings;
+use leasehold::runtime::Runtime;
+use leasehold::store::{NewRun, RunStatus};
+use serde_json::{Value, json};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::sync::watch;
+
+use crate::fake_model::FakeModel;
+use crate::harness::{TestDb, both};
+use crate::plugins;
+use crate::sink::Sink;
+
+const TOKEN: &str = "dashboard-test-token";
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn worker(db: &TestDb, rt: &Arc<Runtime>, owner: &str, model: &FakeModel) -> Executor {
+    let mut config = ModelConfig::new(&model.base_url);
+    config.api_key = Some("sk-test".into());
+    config.default_model = "fake-1".into();
+    config.timeout = Duration::from_secs(20);
+    let config = ExecutorConfig {
+        owner: owner.into(),
+        lease_ttl: Duration::from_secs(30),
+        renew_every: None,
+        model: Some(Arc::new(config)),
+        reserved: vec![],
+        clock: Default::default(),
+    };
+    Executor::new(db.store.clone(), rt.clone(), config)
+}
+
+async fn submit(db: &TestDb, plugin: &str, input: Value) -> Result<i64> {
+    let digest = db.store.plugin_digest(plugin).await?.context("plugin not registered")?;
+    let new = NewRun { plugin_digest: digest, ..NewRun::new(plugin, input.to_string()) };
+    Ok(db.store.create_run(&new).await?.0.id)
+}
+
+/// What the browser test needs, or why it cannot run.
+fn browser() -> Result<(PathBuf, PathBuf)> {
+    let chromium = std::env::var_os("CHROMIUM").map(PathBuf::from).unwrap_or_else(|| "/usr/bin/chromium".into());
+    ensure!(chromium.exists(), "{} not found: run scripts/toolchains (it installs Debian's chromium)", chromium.display());
+    let script = root().join("tests/browser/dashboard.mjs");
+    let modules = root().join("tests/browser/node_modules/playwright-core");
+    ensure!(modules.exists(), "{} not found: run scripts/toolchains (npm ci in tests/browser)", modules.display());
+    Ok((chromium, script))
+}
+
+both! {
+    async fn the_dashboard_submits_streams_delivers_input_cancels_and_shows_a_retract_in_a_browser(db) {
+        let (chromium, script) = browser()?;
+        // The crash run's first answer stops after two chunks; the second
+        // worker's is whole.
+        let answers: crate::fake_model::Script = Arc::new(|n, _| {
+            let words: &[&str] = if n == 0 { &["dead ", "half ", "answer"] } else { &["the ", "whole ", "answer"] };
+            words.iter().map(|w| w.to_string()).collect()
+        });
+        let (model, tool) = (FakeModel::start_holding(answers, 2).await?, Sink::start().await?);
+        let rt = plugins::runtime()?;
+        let tk = PluginSettings { http_allow: vec![], ..PluginSettings::default() };
+        leasehold::plugins::register(&db.store, &rt, "testkit", plugins::rust_plugin("testkit")?, tk).await?;
+        let agent = PluginSettings { http_allow: vec![tool.allow()], ..PluginSettings::default() };
+        leasehold::plugins::register(&db.store, &rt, "agent-rust", plugins::example_plugin("agent-rust")?, agent).await?;
+
+        // A worker streams half an answer and holds its lease.
+        model.hold(true);
+        let crash = submit(db, "agent-rust", json!({ "prompt": "go", "tool_url": tool.url })).await?;
+        let a = worker(db, &rt, "host-a", &model);
+        let dying = tokio::spawn(async move { a.run_once().await });
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while db.store.get_run(crash).await?.emit_pos < 2 {
+            ensure!(std::time::Instant::now() < deadline && !dying.is_finished(), "host-a never streamed");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        // A run waiting for input, a finished one, and one asleep for a
+        // minute (queued, not claimable: the drains below leave it be).
+        let w = worker(db, &rt, "host-w", &model);
+        let wait = submit(db, "testkit", json!({ "mode": "wait" })).await?;
+        let done = submit(db, "testkit", json!({ "steps": 1, "prefix": "d" })).await?;
+        let asleep = submit(db, "testkit", json!({ "mode": "sleep", "ms": 60_000 })).await?;
+        w.drain().await?;
+        ensure!(db.store.get_run(wait).await?.status == RunStatus::WaitingInput);
+        ensure!(db.store.get_run(done).await?.status == RunStatus::Completed);
+        ensure!(db.store.get_run(asleep).await?.status == RunStatus::Queued);
+
+        let (stop, shutdown) = watch::channel(false);
+        let config = ApiConfig { token: Some(TOKEN.into()), stream_poll: Duration::from_millis(50), ..ApiConfig::default() };
+        let state = AppState::new(db.store.clone(), rt.clone(), config, shutdown.clone());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let base = format!("http://{}", listener.local_addr()?);
+        let mut stopped = shutdown;
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, leasehold::api::router(state))
+                .with_graceful_shutdown(async move {
+                    let _ = stopped.wait_for(|s| *s).await;
+                })
+                .await;
+        });
+
+        let shots = root().join("target/dashboard").join(db.backend.name());
+        let _ = std::fs::remove_dir_all(&shots); // no screenshot of an earlier run stays
+        std::fs::create_dir_all(&shots)?;
+        let scenario = json!({
+            "wait_run": wait, "cancel_run": asleep, "done_run": done, "crash_run": crash,
+            "submit": { "plugin": "testkit", "input": { "mode": "script", "ops": [
+                { "op": "emit", "text": "hello " }, { "op": "wasi-sleep", "ms": 1500 }, { "op": "emit", "text": "world" },
+            ] } },
+        });
+        let mut child = tokio::process::Command::new("node")
+            .arg(&script)
+            .env("LEASEHOLD_URL", &base)
+            .env("LEASEHOLD_TOKEN", TOKEN)
+            .env("LEASEHOLD_SCREENSHOTS", &shots)
+            .env("LEASEHOLD_SCENARIO", scenario.to_string())
+            .env("CHROMIUM", &chromium)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true)
+            .spawn()
+            .context("starting node (install Node.js)")?;
+        let mut stdin = child.stdin.take().context("stdin")?;
+        let mut lines = BufReader::new(child.stdout.take().context("stdout")?).lines();
+        let mut dying = Some(dying);
+        let mut background = Vec::new();
+        let mut seen = Vec::new();
+        let steps = async {
+            while let Some(line) = lines.next_line().await? {
+                let Some(rest) = line.strip_prefix("SYNC ") else { continue };
+                let (name, _) = rest.split_once(' ').unwrap_or((rest, "{}"));
+                seen.push(name.to_string());
+                match name {
+                    "submitted" | "input" => {
+                        if name == "input" {
+                            // The page's POST may still be on its way.
+                            let deadline = std::time::Instant::now() + Duration::from_secs(15);
+                            while db.store.get_run(wait).await?.pending_input.is_none() {
+                                ensure!(std::time::Instant::now() < deadline, "the page's input never arrived");
+                                tokio::time::sleep(Duration::from_millis(20)).await;
+                            }
+                        }
+                        // The page watches while the worker runs.
+                        stdin.write_all(b"go\n").await?;
+                        let w = worker(db, &rt, "host-w", &model);
+                        background.push(tokio::spawn(async move { w.drain().await }));
+                        continue;
+                    }
+                    "crash" => {
+                        // host-a dies mid-answer; host-b takes the run over
+                        // once its lease has run out.
+                        if let Some(task) = dying.take() {
+                            task.abort();
+                            let _ = task.await;
+                        }
+                        model.hold(false);
+                        db.backdate_lease(crash, 60_000).await?;
+                        stdin.write_all(b"go\n").await?;
+                        let b = worker(db, &rt, "host-b", &model);
+                        background.push(tokio::spawn(async move { b.drain().await }));
+                        continue;
+                    }
+                    "done" => {
+                        stdin.write_all(b"go\n").await?;
+                        break;
+                    }
+                    other => bail!("unknown step {other:?} from the browser script"),
+                }
+            }
+            anyhow::Ok(())
+        };
+        let result = tokio::time::timeout(Duration::from_secs(180), steps).await;
+        let status = tokio::time::timeout(Duration::from_secs(30), child.wait()).await;
+        let _ = stop.send(true);
+        for task in background {
+            task.await??;
+        }
+        result.context("the browser script took over 180 s")??;
+        let status = status.context("the browser script did not exit")??;
+        ensure!(status.success(), "the browser script failed ({status}) after steps {seen:?}; see its output above and {}", shots.display());
+        ensure!(seen == ["submitted", "input", "crash", "done"], "steps {seen:?}");
+        for page in ["runs", "run", "retract", "plugins", "hosts"] {
+            let png = shots.join(format!("{page}.png"));
+            ensure!(std::fs::metadata(&png).map(|m| m.len() > 1000).unwrap_or(false), "no screenshot {}", png.display());
+        }
+        ensure!(db.store.get_run(asleep).await?.status == RunStatus::Cancelled);
+        ensure!(db.store.get_run(wait).await?.output.as_deref() == Some("hello operator"));
+        Ok(())
+    }
+}

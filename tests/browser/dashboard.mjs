@@ -1,0 +1,201 @@
+// Drives the dashboard in Chromium for tests/all/dashboard.rs.
+//
+// Protocol with the Rust side: this script prints `SYNC <name> <json>` on
+// stdout and waits for one line on stdin before going on; everything else
+// goes to stderr. Exit 0 when every step passes; on a failed check, print
+// why, save failure.png and exit 1.
+
+import { chromium } from 'playwright-core';
+import { createInterface } from 'node:readline';
+import { join } from 'node:path';
+import { mkdirSync } from 'node:fs';
+
+const BASE = process.env.LEASEHOLD_URL || 'http://127.0.0.1:8080';
+const TOKEN = process.env.LEASEHOLD_TOKEN || '';
+const SHOTS = process.env.LEASEHOLD_SCREENSHOTS || '.';
+const CHROMIUM = process.env.CHROMIUM || '/usr/bin/chromium';
+const S = JSON.parse(process.env.LEASEHOLD_SCENARIO || '{}');
+const T = 15_000; // every wait's timeout
+
+mkdirSync(SHOTS, { recursive: true });
+const log = (...a) => console.error('[dashboard]', ...a);
+
+// One line of stdin per SYNC.
+const lines = createInterface({ input: process.stdin })[Symbol.asyncIterator]();
+async function sync(name, data = {}) {
+  process.stdout.write(`SYNC ${name} ${JSON.stringify(data)}\n`);
+  const { done } = await withTimeout(lines.next(), 120_000, `an answer to SYNC ${name}`);
+  if (done) throw new Error(`stdin closed while waiting after SYNC ${name}`);
+}
+
+function withTimeout(promise, ms, what) {
+  let timer;
+  return Promise.race([
+    promise,
+    new Promise((_, reject) => { timer = setTimeout(() => reject(new Error(`timed out after ${ms} ms waiting for ${what}`)), ms); }),
+  ]).finally(() => clearTimeout(timer));
+}
+
+function check(cond, message) {
+  if (!cond) throw new Error(`check failed: ${message}`);
+}
+
+const browser = await chromium.launch({
+  executablePath: CHROMIUM,
+  headless: true,
+  args: ['--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run', '--disable-background-networking',
+    '--disable-component-update', '--disable-sync'],
+});
+const context = await browser.newContext({ viewport: { width: 1280, height: 900 } });
+const page = await context.newPage();
+page.setDefaultTimeout(T);
+
+// Console errors fail the run at the end, except the browser's own lines
+// for responses the steps expect (the 409 refusal) and aborted fetches.
+const problems = [];
+const expected = [/status of 409/, /net::ERR_ABORTED/, /AbortError/];
+page.on('console', (m) => {
+  if (m.type() !== 'error') return;
+  if (expected.some((re) => re.test(m.text()))) return;
+  problems.push(`console: ${m.text()}`);
+});
+page.on('pageerror', (e) => problems.push(`pageerror: ${e.message}`));
+
+const shot = (name) => page.screenshot({ path: join(SHOTS, name), fullPage: true });
+const ready = () => page.waitForSelector('body[data-ready="1"]', { state: 'attached' });
+
+// Navigates within the app and waits for the new page's first data.
+async function open(hash, pageName) {
+  await page.evaluate((h) => { location.hash = h; }, hash);
+  await page.waitForFunction((p) => document.body.dataset.page === p && document.body.dataset.ready === '1', pageName);
+}
+
+const text = (sel) => page.locator(sel).textContent({ timeout: T });
+
+// Polls `sel`'s text until `pred` holds (checked here, not in the page).
+async function waitText(sel, pred, what, timeout = T) {
+  const deadline = Date.now() + timeout;
+  let last = null;
+  for (;;) {
+    last = await page.evaluate((s) => document.querySelector(s)?.textContent ?? null, sel);
+    if (last != null && pred(last)) return last;
+    if (Date.now() > deadline) throw new Error(`timed out waiting for ${what}: ${sel} reads ${JSON.stringify(last)}`);
+    await new Promise((r) => setTimeout(r, 50));
+  }
+}
+const statusIs = (want) => waitText('#run-status', (t) => want.includes(t.trim()), `#run-status in ${want}`);
+
+let step = 'start';
+async function steps() {
+  // 1. The runs page, with the token from the fragment.
+  step = '1 runs page';
+  await page.goto(`${BASE}/#token=${encodeURIComponent(TOKEN)}`);
+  await ready();
+  check(await page.evaluate(() => document.body.dataset.page) === 'runs', 'the default page is runs');
+  check(!page.url().includes('token='), `the token left the address (${page.url()})`);
+  await page.waitForFunction(() => Number(document.querySelector('[data-status="waiting_input"]')?.textContent) >= 1);
+  await shot('runs.png');
+  log('1 runs page ok');
+
+  // 2. Filter by status, then clear the filter.
+  step = '2 filter by status';
+  await page.selectOption('#filter-status', 'waiting_input');
+  await page.click('#filter-apply');
+  await page.waitForFunction((id) => {
+    const badges = [...document.querySelectorAll('#runs-table tbody .badge')];
+    return location.hash.includes('status=waiting_input') && document.body.dataset.ready === '1'
+      && document.querySelector(`#runs-table tr[data-run="${id}"]`)
+      && badges.length > 0 && badges.every((b) => b.textContent === 'waiting_input');
+  }, S.wait_run);
+  await page.selectOption('#filter-status', '');
+  await page.click('#filter-apply');
+  await page.waitForFunction(() => !location.hash.includes('status=') && document.body.dataset.ready === '1');
+  log('2 filter ok');
+
+  // 3. Submit through the form, watch the stream arrive live.
+  step = '3 submit and stream';
+  await page.fill('#submit-plugin', S.submit.plugin);
+  await page.fill('#submit-input', JSON.stringify(S.submit.input));
+  await page.click('#submit-run');
+  await page.waitForFunction(() => /^#\/runs\/\d+$/.test(location.hash) && document.body.dataset.ready === '1');
+  const submitted = Number(new URL(page.url()).hash.split('/')[2]);
+  check(submitted > 0, `a run id in ${page.url()}`);
+  // Record, in the page, what the stream and status read at each change.
+  await page.evaluate(() => {
+    window.__seen = [];
+    const note = () => window.__seen.push([document.querySelector('#stream')?.textContent, document.querySelector('#run-status')?.textContent]);
+    new MutationObserver(note).observe(document.querySelector('main'), { subtree: true, childList: true, characterData: true });
+  });
+  await sync('submitted', { id: submitted });
+  await waitText('#stream', (t) => t.includes('hello '), 'the first delta');
+  await waitText('#stream', (t) => t.includes('hello world'), 'the whole stream');
+  await statusIs(['completed']);
+  const seen = await page.evaluate(() => window.__seen);
+  check(seen.some(([s, st]) => s && s.includes('hello ') && !s.includes('world') && st !== 'completed'),
+    '"hello " showed before the run completed (the stream is live)');
+  await shot('run.png');
+  log('3 submit and stream ok');
+
+  // 4. Deliver input to the waiting run.
+  step = '4 deliver input';
+  await open(`#/runs/${S.wait_run}`, 'run');
+  await statusIs(['waiting_input']);
+  await page.fill('#input-text', 'operator');
+  page.once('dialog', (d) => d.accept());
+  await page.click('#deliver-input');
+  await sync('input', { id: S.wait_run });
+  await statusIs(['completed']);
+  await waitText('#run-output', (t) => t.includes('hello operator'), 'the output');
+  log('4 input ok');
+
+  // 5. Cancel a queued run; a finished one refuses.
+  step = '5 cancel';
+  await open(`#/runs/${S.cancel_run}`, 'run');
+  page.once('dialog', (d) => d.accept());
+  await page.click('#cancel-run');
+  await statusIs(['cancelled']);
+  await open(`#/runs/${S.done_run}`, 'run');
+  page.once('dialog', (d) => d.accept());
+  await page.click('#cancel-run');
+  await page.locator('.error', { hasText: /finished|conflict/ }).first().waitFor({ state: 'visible' });
+  log('5 cancel ok:', await page.locator('.error', { hasText: /finished|conflict/ }).first().textContent());
+
+  // 6. A takeover: the dead worker's deltas struck through, then gone.
+  step = '6 retract after a takeover';
+  await open(`#/runs/${S.crash_run}`, 'run');
+  await waitText('#stream', (t) => t.includes('dead half '), 'the dead worker\'s deltas');
+  await sync('crash', { id: S.crash_run });
+  await page.waitForSelector('.delta.retracted', { state: 'attached', timeout: 30_000 });
+  await shot('retract.png');
+  await page.waitForFunction(() => !document.querySelector('.delta.retracted')
+    && document.querySelector('#stream').textContent.trim() === 'the whole answer', null, { timeout: 30_000 })
+    .catch(async (e) => { throw new Error(`the retracted deltas gone and the new answer whole: ${e.message.split('\n')[0]}; #stream reads ${JSON.stringify(await text('#stream'))}`); });
+  await page.waitForFunction(() => document.querySelector('#run-status').textContent !== 'running');
+  log('6 retract ok; status', await text('#run-status'));
+
+  // 7. Plugins and hosts.
+  step = '7 plugins and hosts';
+  await open('#/plugins', 'plugins');
+  check((await text('#plugins-table')).includes('testkit'), '#plugins-table lists testkit');
+  await shot('plugins.png');
+  await open('#/hosts', 'hosts');
+  await page.waitForSelector(`#takeovers a[href="#/runs/${S.crash_run}"]`, { state: 'attached' });
+  await shot('hosts.png');
+  log('7 plugins and hosts ok');
+
+  await sync('done');
+}
+
+let code = 0;
+try {
+  await steps();
+  if (problems.length) throw new Error(`errors in the page:\n  ${problems.join('\n  ')}`);
+  log('all steps passed');
+} catch (e) {
+  code = 1;
+  log(`FAILED in step ${step}:`, e.message);
+  if (problems.length) log('page errors:', problems);
+  await page.screenshot({ path: join(SHOTS, 'failure.png'), fullPage: true }).catch(() => {});
+}
+await browser.close().catch(() => {});
+process.exit(code);
