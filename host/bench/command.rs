@@ -6,6 +6,7 @@ use anyhow::Result;
 use clap::Subcommand;
 
 use super::claim::ClaimBench;
+use super::dashboard::DashboardBench;
 use super::drain::DrainBench;
 use super::e2e::E2eBench;
 use crate::store::SqliteSync;
@@ -95,6 +96,28 @@ pub enum BenchCommand {
         #[arg(long)]
         peers: Option<PathBuf>,
         /// No progress lines on stderr.
+        #[arg(long)]
+        quiet: bool,
+    },
+    /// The dashboard on a large database: loads --runs finished runs (once;
+    /// a database it loaded before is reused), then times each page's API
+    /// requests and, with Chromium and playwright-core (scripts/toolchains),
+    /// each page from navigation to its data rendered. One JSON line.
+    Dashboard {
+        /// Database URL: an empty database, or one this bench loaded.
+        #[arg(long)]
+        database_url: String,
+        #[arg(long, default_value_t = 1_000_000)]
+        runs: i64,
+        /// Timed loads of each page and request; medians are reported.
+        #[arg(long, default_value_t = 7)]
+        loads: usize,
+        #[arg(long, default_value = "target/plugins/testkit.wasm")]
+        plugin_file: PathBuf,
+        #[arg(long, default_value = "tests/browser/timings.mjs")]
+        script: PathBuf,
+        #[arg(long, env = "CHROMIUM", default_value = "/usr/bin/chromium")]
+        chromium: PathBuf,
         #[arg(long)]
         quiet: bool,
     },
@@ -195,6 +218,12 @@ impl BenchCommand {
                         println!("{out}");
                     }
                 }
+                Ok(())
+            }
+            BenchCommand::Dashboard { database_url, runs, loads, plugin_file, script, chromium, quiet } => {
+                anyhow::ensure!(runs > 0 && loads > 0, "--runs and --loads must be positive");
+                let bench = DashboardBench { database_url, runs, plugin_file, script, chromium, loads, progress: !quiet };
+                println!("{}", serde_json::to_string(&bench.run().await?)?);
                 Ok(())
             }
             BenchCommand::Claim { database_url, runs, concurrency, batch, finished, synchronous, rounds, quiet } => {

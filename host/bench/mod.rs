@@ -6,6 +6,7 @@
 
 pub mod claim;
 mod command;
+pub mod dashboard;
 pub mod drain;
 pub mod e2e;
 mod peers;

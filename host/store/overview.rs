@@ -42,10 +42,10 @@ pub struct VersionInfo {
     pub created_at: i64,
     /// The component's size in bytes.
     pub size: i64,
-    /// Runs on it not finished yet (queued, running or waiting).
+    /// Runs on it not finished yet (queued, running or waiting): while
+    /// there are any, hosts keep the version loaded. (Not all the runs it
+    /// ever had: that count is a scan of every kept run.)
     pub open_runs: i64,
-    /// Runs on it the database still keeps.
-    pub runs: i64,
 }
 
 /// How many recent runs (by id) [`Store::fenced_runs`] looks through.
@@ -111,8 +111,7 @@ impl Store {
             self,
             "SELECT v.digest, v.created_at, LENGTH(v.component) AS size, \
              (SELECT COUNT(*) FROM runs r WHERE r.plugin = v.name AND r.plugin_digest = v.digest \
-              AND r.status IN ('queued', 'running', 'waiting_input', 'waiting_takeover')) AS open_runs, \
-             (SELECT COUNT(*) FROM runs r WHERE r.plugin = v.name AND r.plugin_digest = v.digest) AS runs \
+              AND r.status IN ('queued', 'running', 'waiting_input', 'waiting_takeover')) AS open_runs \
              FROM plugin_versions v WHERE v.name = $1 ORDER BY v.created_at DESC, v.digest"
         ))
         .bind(name)
@@ -125,7 +124,6 @@ impl Store {
                     created_at: r.try_get("created_at")?,
                     size: r.try_get::<i64, _>("size").or_else(|_| r.try_get::<i32, _>("size").map(i64::from))?,
                     open_runs: r.try_get("open_runs")?,
-                    runs: r.try_get("runs")?,
                 })
             })
             .collect()

@@ -612,10 +612,9 @@ async function pluginsPage(ctx) {
     const versions = (p.versions || []).map((v) => h('tr', { class: v.digest === p.digest ? 'current' : null },
       h('td', { class: 'mono', title: v.digest, text: short(v.digest) + (v.digest === p.digest ? ' (current)' : '') }),
       h('td', {}, when(v.created_at)),
-      h('td', { text: v.open_runs }),
-      h('td', { text: v.runs })));
+      h('td', { text: v.open_runs })));
     rows.push(h('tr', { class: 'versions' }, h('td', { colspan: 7 },
-      table(null, ['version', 'created', 'open runs', 'runs'], versions))));
+      table(null, ['version', 'created', 'open runs'], versions))));
   }
   if (!plugins.length) rows.push(h('tr', {}, h('td', { colspan: 7, class: 'muted', text: 'No plugins registered.' })));
   ctx.main.append(h('h1', { text: 'Plugins' }),
