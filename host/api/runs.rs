@@ -153,7 +153,7 @@ pub enum BatchResult {
     Run {
         /// False when the idempotency key found a run made before.
         created: bool,
-        run: Run,
+        run: Box<Run>,
     },
     Refused {
         error: ErrorDetail,
@@ -221,7 +221,7 @@ pub async fn submit_batch(State(s): State<AppState>, JsonBody(req): JsonBody<Bat
                 && run.input == new.input
                 && r.thread_id.as_ref().is_none_or(|t| *t == run.thread_id));
         results.push(if same {
-            BatchResult::Run { created, run }
+            BatchResult::Run { created, run: Box::new(run) }
         } else {
             BatchResult::Refused {
                 error: ErrorDetail {
