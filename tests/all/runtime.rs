@@ -134,6 +134,20 @@ both! {
         ensure!(!task.is_finished(), "A ended before dying: {:?}", db.store.get_run(id).await?);
         task.abort();
         let _ = task.await;
+        // A renewal already in flight (its own task, never dropped half-way)
+        // may still land after the abort, under load well after it; a
+        // renewer that outlived the segment would keep landing. Wait until
+        // the heartbeat stands still for ten renewal periods.
+        let (mut last, mut still_since) = (db.store.get_run(id).await?.heartbeat_at, std::time::Instant::now());
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while still_since.elapsed() < renew_every * 10 {
+            ensure!(std::time::Instant::now() < deadline, "A's lease kept being renewed after its segment was dropped");
+            tokio::time::sleep(renew_every).await;
+            let now = db.store.get_run(id).await?.heartbeat_at;
+            if now != last {
+                (last, still_since) = (now, std::time::Instant::now());
+            }
+        }
         db.backdate_lease(id, 60_000).await?;
         tokio::time::sleep(renew_every * 5).await;
 
