@@ -47,16 +47,7 @@ impl Server {
         };
         tune(&mut config);
         let state = AppState::new(store, runtime, config, shutdown.clone());
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let base = format!("http://{}", listener.local_addr()?);
-        let mut stopped = shutdown;
-        tokio::spawn(async move {
-            let _ = axum::serve(listener, leasehold::api::router(state))
-                .with_graceful_shutdown(async move {
-                    let _ = stopped.wait_for(|s| *s).await;
-                })
-                .await;
-        });
+        let base = crate::harness::serve_api(state, shutdown).await?;
         leasehold::effects::http::install_tls();
         Ok(Server { base, http: reqwest::Client::new(), token: token.map(str::to_string), pool, stop })
     }

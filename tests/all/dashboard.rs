@@ -16,16 +16,13 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
 use leasehold::api::{ApiConfig, AppState};
-use leasehold::executor::{Executor, ExecutorConfig};
-use leasehold::effects::model::ModelConfig;
 use leasehold::plugins::PluginSettings;
-use leasehold::runtime::Runtime;
 use leasehold::store::{NewRun, RunStatus};
 use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::sync::watch;
 
-use crate::fake_model::FakeModel;
+use crate::fake_model::{FakeModel, worker};
 use crate::harness::{TestDb, both};
 use crate::plugins;
 use crate::sink::Sink;
@@ -36,21 +33,6 @@ fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
-fn worker(db: &TestDb, rt: &Arc<Runtime>, owner: &str, model: &FakeModel) -> Executor {
-    let mut config = ModelConfig::new(&model.base_url);
-    config.api_key = Some("sk-test".into());
-    config.default_model = "fake-1".into();
-    config.timeout = Duration::from_secs(20);
-    let config = ExecutorConfig {
-        owner: owner.into(),
-        lease_ttl: Duration::from_secs(30),
-        renew_every: None,
-        model: Some(Arc::new(config)),
-        reserved: vec![],
-        clock: Default::default(),
-    };
-    Executor::new(db.store.clone(), rt.clone(), config)
-}
 
 async fn submit(db: &TestDb, plugin: &str, input: Value) -> Result<i64> {
     let digest = db.store.plugin_digest(plugin).await?.context("plugin not registered")?;
@@ -108,16 +90,7 @@ both! {
         let (stop, shutdown) = watch::channel(false);
         let config = ApiConfig { token: Some(TOKEN.into()), stream_poll: Duration::from_millis(50), ..ApiConfig::default() };
         let state = AppState::new(db.store.clone(), rt.clone(), config, shutdown.clone());
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let base = format!("http://{}", listener.local_addr()?);
-        let mut stopped = shutdown;
-        tokio::spawn(async move {
-            let _ = axum::serve(listener, leasehold::api::router(state))
-                .with_graceful_shutdown(async move {
-                    let _ = stopped.wait_for(|s| *s).await;
-                })
-                .await;
-        });
+        let base = crate::harness::serve_api(state, shutdown).await?;
 
         let shots = root().join("target/dashboard").join(db.backend.name());
         let _ = std::fs::remove_dir_all(&shots); // no screenshot of an earlier run stays

@@ -144,3 +144,27 @@ async fn chat(State(s): State<Shared>, headers: HeaderMap, body: String) -> Resp
         .body(Body::from_stream(stream))
         .unwrap()
 }
+
+/// A worker whose `model.chat` goes to `model` (key `sk-test`, model
+/// `fake-1`), with a 30 s lease.
+pub fn worker(
+    db: &crate::harness::TestDb,
+    rt: &Arc<leasehold::runtime::Runtime>,
+    owner: &str,
+    model: &FakeModel,
+) -> leasehold::executor::Executor {
+    use leasehold::executor::{Executor, ExecutorConfig};
+    let mut config = leasehold::effects::model::ModelConfig::new(&model.base_url);
+    config.api_key = Some("sk-test".into());
+    config.default_model = "fake-1".into();
+    config.timeout = std::time::Duration::from_secs(20);
+    let config = ExecutorConfig {
+        owner: owner.into(),
+        lease_ttl: std::time::Duration::from_secs(30),
+        renew_every: None,
+        model: Some(Arc::new(config)),
+        reserved: vec![],
+        clock: Default::default(),
+    };
+    Executor::new(db.store.clone(), rt.clone(), config)
+}

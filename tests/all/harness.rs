@@ -136,6 +136,22 @@ pub fn init_logs() {
     });
 }
 
+/// Serves `state`'s API on a free loopback port until `shutdown` turns
+/// true; returns its base URL (`http://127.0.0.1:PORT`).
+pub async fn serve_api(state: leasehold::api::AppState, shutdown: tokio::sync::watch::Receiver<bool>) -> Result<String> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let base = format!("http://{}", listener.local_addr()?);
+    let mut stopped = shutdown;
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, leasehold::api::router(state))
+            .with_graceful_shutdown(async move {
+                let _ = stopped.wait_for(|s| *s).await;
+            })
+            .await;
+    });
+    Ok(base)
+}
+
 /// Runs `body` against a fresh database of `backend`, then drops it.
 pub async fn run_on(backend: Backend, body: impl AsyncFnOnce(&TestDb) -> Result<()>) -> Result<()> {
     init_logs();

@@ -7,14 +7,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
-use leasehold::effects::model::ModelConfig;
 use leasehold::store::log::replay_stream;
 use leasehold::executor::{Executor, ExecutorConfig, SegmentOutcome};
 use leasehold::runtime::Runtime;
 use leasehold::store::{NewRun, RunStatus, Store};
 use serde_json::{Value, json};
 
-use crate::fake_model::{FakeModel, echo};
+use crate::fake_model::{FakeModel, echo, worker};
 use crate::harness::{TestDb, both};
 use crate::plugins;
 use crate::sink::Sink;
@@ -31,21 +30,6 @@ fn runtime_with(names: &[&str], tool: &Sink) -> Result<Arc<Runtime>> {
     Ok(rt)
 }
 
-fn worker(db: &TestDb, rt: &Arc<Runtime>, owner: &str, model: &FakeModel) -> Executor {
-    let mut config = ModelConfig::new(&model.base_url);
-    config.api_key = Some("sk-test".into());
-    config.default_model = "fake-1".into();
-    config.timeout = Duration::from_secs(20);
-    let config = ExecutorConfig {
-        owner: owner.into(),
-        lease_ttl: Duration::from_secs(30),
-        renew_every: None,
-        model: Some(Arc::new(config)),
-        reserved: vec![],
-        clock: Default::default(),
-    };
-    Executor::new(db.store.clone(), rt.clone(), config)
-}
 
 async fn submit(store: &Store, plugin: &str, input: Value) -> Result<i64> {
     Ok(store.create_run(&NewRun::new(plugin, input.to_string())).await?.0.id)
