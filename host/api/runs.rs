@@ -19,7 +19,7 @@ const MAX_KEY_CHARS: usize = 256;
 #[serde(deny_unknown_fields)]
 pub struct Submit {
     /// A registered plugin's name.
-    #[schema(pattern = "^[a-z0-9_-]{1,64}$")]
+    #[schema(pattern = "^[a-z0-9_-]{1,64}$", example = "testkit")]
     plugin: String,
     /// The turn's input: any JSON (the guest receives its text). Default: null.
     #[serde(default)]
