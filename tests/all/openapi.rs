@@ -136,6 +136,12 @@ both! {
                 let status = resp.status();
                 let body = resp.text().await?;
                 ensure!(!body.contains("no such endpoint"), "{method} {path}: {status} {body}");
+                // Every POST is JSON only: another web page's form cannot send it.
+                if method == "post" {
+                    let form = http.post(&url).header("content-type", "application/x-www-form-urlencoded").body("a=1");
+                    let status = form.send().await?.status();
+                    ensure!(status == 415, "POST {path} as a form: {status}, not 415");
+                }
             }
         }
         Ok(())
