@@ -13,6 +13,10 @@ use super::{ApiError, AppState};
 use crate::runtime::GuestErrorKind;
 use crate::store::Gauges;
 
+/// `GET /metrics`: Prometheus text (docs/operations.md lists the metrics).
+#[utoipa::path(get, path = "/metrics", tag = "service",
+    responses((status = 200, description = "This host's counters and the database's gauges, in Prometheus' text format.",
+        content_type = "text/plain", body = String)))]
 pub async fn metrics(State(state): State<AppState>) -> Result<Response, ApiError> {
     let metrics = crate::metrics::global();
     let mut text = metrics.render_counters();

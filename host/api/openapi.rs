@@ -25,7 +25,7 @@ use super::{events, overview, plugins, runs};
         plugins::list, plugins::put,
         events::events,
         overview::stats, overview::leases,
-        super::healthz, openapi,
+        super::metrics::metrics, super::healthz, openapi,
     ),
     components(schemas(ErrorBody, ErrorDetail)),
     modifiers(&Common),

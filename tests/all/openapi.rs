@@ -111,7 +111,7 @@ both! {
         let documented: Vec<String> = doc["paths"].as_object().context("paths")?.keys().cloned().collect();
         for want in ["/v1/runs", "/v1/runs:batch", "/v1/runs/{id}", "/v1/runs/{id}/input", "/v1/runs/{id}/cancel",
             "/v1/runs/{id}/effects", "/v1/plugins", "/v1/plugins/{name}", "/v1/threads/{id}/events", "/v1/stats",
-            "/v1/leases", "/v1/openapi.json", "/healthz"]
+            "/v1/leases", "/v1/openapi.json", "/healthz", "/metrics"]
         {
             ensure!(documented.iter().any(|d| d == want), "{want} is not described: {documented:?}");
         }
