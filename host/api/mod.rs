@@ -105,7 +105,8 @@ pub struct AppState {
     pub(crate) streams: Arc<tokio::sync::Semaphore>,
     /// Plugin uploads compiling ([`ApiConfig::max_uploads`]).
     pub(crate) uploads: Arc<tokio::sync::Semaphore>,
-    /// `/metrics`' gauges, read at most every [`ApiConfig::metrics_ttl`].
+    /// The database's gauges, shared by `/metrics` (read again past
+    /// [`ApiConfig::metrics_ttl`]) and `/v1/stats` (past 2 s).
     pub(crate) gauges: Arc<tokio::sync::Mutex<Option<(std::time::Instant, crate::store::Gauges)>>>,
 }
 
