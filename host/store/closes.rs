@@ -28,10 +28,9 @@ use serde_json::json;
 use sqlx::Row;
 
 use crate::store::claims::claimed_rows;
-use crate::store::emits::sqlite_append_events;
-use crate::store::guard::{guarded, ms, rejected};
+use crate::store::guard::{ms, rejected};
 use crate::store::group;
-use crate::store::local::{HeldPut, held_put_json, insert_held_puts, pg_held_puts};
+use crate::store::local::{HeldPut, held_put_json, insert_held_puts_json, pg_held_puts, sqlite_held_put_json};
 use crate::store::{Backend, Claimed, Lease, Outcome, RunStatus, Store, StoreError, sql};
 
 /// Most closes written by one statement.
@@ -78,16 +77,28 @@ pub(crate) async fn close(store: &Store, close: Close) -> Result<Option<Claimed>
 }
 
 /// The next batch: queued closes in order, leaving queued any that wants
-/// its next run for another owner or lease length than the batch's.
+/// its next run for another owner or lease length than the batch's, or
+/// closes a run the batch already closes (a zombie's close and its
+/// successor's: each gets its own answer from its own batch).
 fn take(store: &Store) -> Vec<(Close, group::Reply<Option<Claimed>>)> {
     let mut next: Option<(String, Duration)> = None;
-    store.closes.take(MAX_BATCH, |close| match (&close.next, &next) {
-        (None, _) => true,
-        (Some(want), None) => {
-            next = Some(want.clone());
-            true
+    let mut runs = std::collections::HashSet::new();
+    store.closes.take(MAX_BATCH, |close| {
+        if runs.contains(&close.lease.run_id) {
+            return false;
         }
-        (Some(want), Some(taken)) => want == taken,
+        let fits = match (&close.next, &next) {
+            (None, _) => true,
+            (Some(want), None) => {
+                next = Some(want.clone());
+                true
+            }
+            (Some(want), Some(taken)) => want == taken,
+        };
+        if fits {
+            runs.insert(close.lease.run_id);
+        }
+        fits
     })
 }
 
@@ -178,26 +189,153 @@ impl Store {
     }
 
     /// SQLite: a batch of closes in one transaction and one commit (one
-    /// fsync under `synchronous=FULL`), each close its own guarded
-    /// statements. A close that fails its guard has written nothing (the
-    /// guarded update is its first statement) and gets
+    /// fsync under `synchronous=FULL`), written set-based: one guarded
+    /// `UPDATE … FROM json_each(…)` for every close, one bump of the
+    /// threads' counters, one insert of every event, the held puts, and
+    /// one claim for the closes that want a next run. Each close is matched
+    /// by its own (owner, fence) in the update: one that fails it writes
+    /// nothing (its events and puts hang off the update's result) and gets
     /// [`StoreError::LeaseLost`]; the others are written.
+    ///
+    /// A batch holds each run once ([`take`]): the update's `RETURNING`
+    /// names only the run, so two closes of one run could not be told apart.
     pub(crate) async fn close_batch_sqlite(
         &self,
         closes: &[Close],
     ) -> Result<Vec<Result<Option<Claimed>, StoreError>>, StoreError> {
+        let database = self.database_id().await?;
+        let mut list = Vec::with_capacity(closes.len());
+        let mut next: Option<(&str, Duration)> = None;
+        let mut runs = std::collections::HashSet::with_capacity(closes.len());
+        for c in closes {
+            if !runs.insert(c.lease.run_id) {
+                return Err(StoreError::Config(format!("a batch closes run {} twice", c.lease.run_id)));
+            }
+            let (status, output, error, _) = closing(&c.outcome);
+            list.push(json!({
+                "id": c.lease.run_id, "owner": c.lease.owner, "fence": c.lease.fence,
+                "status": status.as_str(), "output": output, "error": error,
+                "tail": c.deltas.concat(), "n": c.deltas.len(),
+            }));
+            if let Some((owner, ttl)) = &c.next {
+                match next {
+                    None => next = Some((owner, *ttl)),
+                    Some(n) if n == (owner.as_str(), *ttl) => {}
+                    Some(_) => {
+                        return Err(StoreError::Config("the closes of a batch want leases for different owners".into()));
+                    }
+                }
+            }
+        }
+        let list = serde_json::Value::Array(list).to_string();
+        let (list, database): (&str, &str) = (&list, &database);
         let (results, threads) = self
             .retry(|| async move {
                 let mut tx = self.writer().begin().await?;
-                let (mut results, mut threads) = (Vec::with_capacity(closes.len()), Vec::new());
+                let conn: &mut sqlx::AnyConnection = &mut tx;
+                // Statements 3 and 4 for every close, each behind its guard.
+                let rows = sqlx::query(sql!(
+                    self,
+                    "UPDATE runs SET status = b.value ->> 'status', output = b.value ->> 'output', \
+                     error = b.value ->> 'error', lease_owner = NULL, lease_expires_at = NULL, \
+                     finished_at = {now}, updated_at = {now}, partial = runs.partial || (b.value ->> 'tail'), \
+                     emit_pos = runs.emit_pos + (b.value ->> 'n') \
+                     FROM json_each($1) AS b \
+                     WHERE runs.id = b.value ->> 'id' AND runs.lease_owner = b.value ->> 'owner' \
+                     AND runs.fence = b.value ->> 'fence' AND runs.status = 'running' \
+                     RETURNING runs.id, runs.fence, runs.thread_id, runs.emit_pos"
+                ))
+                .bind(list)
+                .fetch_all(&mut *conn)
+                .await?;
+                // (run, fence) -> (thread, emit position after the close):
+                // a close is written if its lease's run and fence came back
+                // (one fence has one owner; the update checked which).
+                let mut done = std::collections::HashMap::with_capacity(rows.len());
+                for row in &rows {
+                    let key: (i64, i64) = (row.try_get("id")?, row.try_get("fence")?);
+                    done.insert(key, (row.try_get::<String, _>("thread_id")?, row.try_get::<i64, _>("emit_pos")?));
+                }
+                // Each thread's counter moves on once, by all its closes'
+                // events; each close's events then take their numbers in
+                // batch order.
+                let mut counts: std::collections::BTreeMap<&str, i64> = Default::default();
                 for c in closes {
-                    match self.sqlite_close_in(&mut tx, c).await {
-                        Ok((claimed, thread)) => {
-                            threads.push(thread);
-                            results.push(Ok(claimed));
+                    if let Some((thread, _)) = done.get(&(c.lease.run_id, c.lease.fence)) {
+                        *counts.entry(thread.as_str()).or_default() += c.deltas.len() as i64 + 1;
+                    }
+                }
+                let mut base = std::collections::HashMap::with_capacity(counts.len());
+                if !counts.is_empty() {
+                    let bumps = serde_json::to_string(&counts.iter().map(|(t, n)| json!([t, n])).collect::<Vec<_>>())
+                        .map_err(|e| StoreError::Corrupt(e.to_string()))?;
+                    let rows = sqlx::query(sql!(
+                        self,
+                        "INSERT INTO threads (id, last_seq) SELECT value ->> 0, value ->> 1 FROM json_each($1) WHERE true \
+                         ON CONFLICT (id) DO UPDATE SET last_seq = threads.last_seq + excluded.last_seq \
+                         RETURNING id, last_seq"
+                    ))
+                    .bind(bumps)
+                    .fetch_all(&mut *conn)
+                    .await?;
+                    for row in &rows {
+                        let (id, last): (String, i64) = (row.try_get("id")?, row.try_get("last_seq")?);
+                        let first = last - counts.get(id.as_str()).copied().unwrap_or(0);
+                        base.insert(id, first);
+                    }
+                }
+                let (mut events, mut puts, mut results, mut threads) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+                let mut wanted = 0;
+                for c in closes {
+                    let Some((thread, pos)) = done.get(&(c.lease.run_id, c.lease.fence)) else {
+                        results.push(Err(rejected(&c.lease)));
+                        continue;
+                    };
+                    let seq = base.get_mut(thread).ok_or_else(|| StoreError::Corrupt(format!("thread {thread} not bumped")))?;
+                    let (run, fence) = (c.lease.run_id, c.lease.fence);
+                    let first = pos - c.deltas.len() as i64;
+                    for (k, delta) in c.deltas.iter().enumerate() {
+                        *seq += 1;
+                        events.push(json!([thread, *seq, run, fence, "delta", delta, first + k as i64]));
+                    }
+                    *seq += 1;
+                    events.push(json!([thread, *seq, run, fence, "message", closing(&c.outcome).3, null]));
+                    puts.extend(c.puts.iter().map(|p| sqlite_held_put_json(database, &c.lease, p)));
+                    wanted += usize::from(c.next.is_some());
+                    threads.push(thread.clone());
+                    results.push(Ok(None));
+                }
+                if !events.is_empty() {
+                    sqlx::query(sql!(
+                        self,
+                        "INSERT INTO events (thread_id, seq, run_id, fence, kind, payload, created_at) \
+                         SELECT value ->> 0, value ->> 1, value ->> 2, value ->> 3, value ->> 4, \
+                         CASE WHEN value ->> 4 = 'delta' THEN json_object('delta', value ->> 5, 'pos', value ->> 6) \
+                         ELSE value ->> 5 END, {now} FROM json_each($1)"
+                    ))
+                    .bind(serde_json::Value::Array(events).to_string())
+                    .execute(&mut *conn)
+                    .await?;
+                }
+                if !puts.is_empty() {
+                    insert_held_puts_json(self, conn, &serde_json::Value::Array(puts).to_string()).await?;
+                }
+                if let (Some((owner, ttl)), true) = (next, wanted > 0) {
+                    // The closed runs are no longer claimable: this
+                    // transaction has just finished them.
+                    let rows = sqlx::query(crate::store::claim_sql(self, wanted as i64))
+                        .bind(owner)
+                        .bind(ms(ttl))
+                        .bind(wanted as i64)
+                        .fetch_all(&mut *conn)
+                        .await?;
+                    let mut claimed = claimed_rows(&rows, owner)?;
+                    claimed.sort_by_key(|c| c.run.id);
+                    let mut claimed = claimed.into_iter();
+                    for (c, result) in closes.iter().zip(results.iter_mut()) {
+                        if let (Ok(slot), true) = (result.as_mut(), c.next.is_some()) {
+                            *slot = claimed.next();
                         }
-                        Err(lost @ StoreError::LeaseLost(_)) => results.push(Err(lost)),
-                        Err(e) => return Err(e),
                     }
                 }
                 tx.commit().await?;
@@ -208,59 +346,6 @@ impl Store {
             self.hub().wake(&thread);
         }
         Ok(results)
-    }
-
-    /// SQLite: one close's statements on `conn`, inside the batch's
-    /// transaction. Returns the run it claimed, if any, and its thread.
-    async fn sqlite_close_in(
-        &self,
-        conn: &mut sqlx::AnyConnection,
-        close: &Close,
-    ) -> Result<(Option<Claimed>, String), StoreError> {
-        let lease = &close.lease;
-        let (status, output, error, payload) = closing(&close.outcome);
-        let joined: String = close.deltas.concat();
-        // Statements 3 and 4 in one guarded write: the tail's deltas and
-        // the final status.
-        let row = sqlx::query(sql!(
-            self,
-            concat!(
-                "UPDATE runs SET status = $4, output = $5, error = $6, lease_owner = NULL, \
-                 lease_expires_at = NULL, finished_at = {now}, updated_at = {now}, \
-                 partial = partial || $7, emit_pos = emit_pos + $8 WHERE ",
-                guarded!(),
-                " RETURNING thread_id, emit_pos - $8 AS first"
-            )
-        ))
-        .bind(lease.run_id)
-        .bind(&lease.owner)
-        .bind(lease.fence)
-        .bind(status.as_str())
-        .bind(output)
-        .bind(error)
-        .bind(joined.as_str())
-        .bind(close.deltas.len() as i64)
-        .fetch_optional(&mut *conn)
-        .await?
-        .ok_or_else(|| rejected(lease))?;
-        let thread_id: String = row.try_get("thread_id")?;
-        let first: i64 = row.try_get("first")?;
-        let deltas: Vec<&str> = close.deltas.iter().map(String::as_str).collect();
-        sqlite_append_events(self, conn, &thread_id, lease, first, &deltas, Some(payload.as_str())).await?;
-        insert_held_puts(self, conn, lease, &close.puts).await?;
-        let mut claimed = Vec::new();
-        if let Some((owner, ttl)) = &close.next {
-            // The closed run is no longer claimable: this transaction has
-            // just finished it.
-            let rows = sqlx::query(crate::store::claim_sql(self, 1))
-                .bind(owner.as_str())
-                .bind(ms(*ttl))
-                .bind(1i64)
-                .fetch_all(&mut *conn)
-                .await?;
-            claimed = claimed_rows(&rows, owner)?;
-        }
-        Ok((claimed.pop(), thread_id))
     }
 
     /// PostgreSQL: statement 4 for a batch of closes (see

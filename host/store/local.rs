@@ -91,10 +91,50 @@ pub(crate) async fn insert_held_puts(
     lease: &Lease,
     puts: &[HeldPut],
 ) -> Result<(), StoreError> {
-    for put in puts {
-        insert_row(store, conn, lease, &put.call, EffectClass::Local, EffectState::Committed, Some("null")).await?;
-        kv_put(store, conn, &put.namespace, &put.key, &put.value).await?;
+    if puts.is_empty() {
+        return Ok(());
     }
+    let database = store.database_id().await?;
+    let list: Vec<_> = puts.iter().map(|p| sqlite_held_put_json(&database, lease, p)).collect();
+    insert_held_puts_json(store, conn, &serde_json::Value::Array(list).to_string()).await
+}
+
+/// One entry of the list [`insert_held_puts_json`] reads: put `p` of the
+/// run `lease` holds.
+pub(crate) fn sqlite_held_put_json(database: &str, lease: &Lease, p: &HeldPut) -> serde_json::Value {
+    let mut put = held_put_json(0, database, lease.run_id, p);
+    put["run"] = lease.run_id.into();
+    put["fence"] = lease.fence.into();
+    put
+}
+
+/// SQLite: writes a JSON list of held puts ([`sqlite_held_put_json`]),
+/// of one run or of a batch's, inside the caller's guarded transaction,
+/// in two statements however many: their `committed` ledger rows, then
+/// the keys, in list order (a later put of a key wins). A position
+/// already recorded fails the statement, and so the transaction.
+pub(crate) async fn insert_held_puts_json(store: &Store, conn: &mut sqlx::AnyConnection, list: &str) -> Result<(), StoreError> {
+    sqlx::query(sql!(
+        store,
+        "INSERT INTO effects (run_id, seq, name, request_hash, idempotency_key, class, state, \
+         result, emit_pos, fence_started, fence_completed, created_at, updated_at, request) \
+         SELECT value ->> 'run', value ->> 'seq', value ->> 'name', value ->> 'hash', value ->> 'ikey', \
+         'local', 'committed', 'null', value ->> 'emit_pos', value ->> 'fence', value ->> 'fence', \
+         {now}, {now}, value ->> 'request' FROM json_each($1)"
+    ))
+    .bind(list)
+    .execute(&mut *conn)
+    .await?;
+    sqlx::query(sql!(
+        store,
+        "INSERT INTO kv (namespace, key, value, updated_at) \
+         SELECT l.value ->> 'ns', l.value ->> 'key', l.value ->> 'value', {now} FROM json_each($1) AS l \
+         WHERE true ORDER BY l.key \
+         ON CONFLICT (namespace, key) DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at"
+    ))
+    .bind(list)
+    .execute(&mut *conn)
+    .await?;
     Ok(())
 }
 

@@ -761,6 +761,54 @@ both! {
         Ok(())
     }
 
+    async fn a_zombies_close_made_with_its_successors_is_refused_and_the_successors_lands(db) {
+        // Closes made at the same moment go to the database together: a
+        // zombie's close and its successor's may share a batch, and the
+        // zombie's must still write nothing and be told so. Half the
+        // successors are the zombie's own owner: only the fence tells
+        // them apart.
+        let s = &db.store;
+        let mut pairs = Vec::new();
+        for i in 0..12 {
+            let id = submit(s, 5).await?;
+            let a = claim(s, "worker-a").await?;
+            ensure!(a.run.id == id, "{a:?}");
+            db.backdate_lease(id, TTL.as_millis() as i64 + 1).await?;
+            let b = claim(s, if i % 2 == 0 { "worker-a" } else { "worker-b" }).await?;
+            ensure!(b.run.id == id && b.lease.fence == a.lease.fence + 1, "{b:?}");
+            pairs.push((a.lease, b.lease));
+        }
+        let (written, commits) = s.closes_written();
+        let mut tasks = tokio::task::JoinSet::new();
+        for (a, b) in &pairs {
+            for (zombie, lease) in [(true, a.clone()), (false, b.clone())] {
+                let s = s.clone();
+                tasks.spawn(async move {
+                    let (delta, output) = if zombie { ("z", "zombie") } else { ("b", "successor") };
+                    (lease.clone(), zombie, s.close_with_deltas(&lease, &[delta], &completed(output)).await)
+                });
+            }
+        }
+        while let Some(joined) = tasks.join_next().await {
+            let (lease, zombie, got) = joined?;
+            if zombie {
+                ensure!(got.as_ref().is_err_and(|e| e.is_lease_lost()), "zombie {lease:?}: {got:?}");
+            } else {
+                got?;
+            }
+        }
+        for (_, b) in &pairs {
+            let run = s.get_run(b.run_id).await?;
+            ensure!(run.status == RunStatus::Completed && run.output.as_deref() == Some("successor") && run.partial == "b", "{run:?}");
+            let events = s.run_events(b.run_id).await?;
+            let closing: Vec<_> = events.iter().filter(|e| e.kind != "submitted").map(|e| (e.kind.as_str(), e.fence)).collect();
+            ensure!(closing == [("delta", b.fence), ("message", b.fence)], "{closing:?}");
+        }
+        let (written_now, commits_now) = s.closes_written();
+        ensure!(written_now - written == 24 && commits_now - commits < 24, "{} closes in {} commits", written_now - written, commits_now - commits);
+        Ok(())
+    }
+
     async fn renew_extends_the_lease_from_the_database_clock(db) {
         let s = &db.store;
         submit(s, 5).await?;
