@@ -6,7 +6,6 @@ use std::time::Duration;
 use serde_json::json;
 use sqlx::{AnyConnection, Row};
 
-use crate::store::log::{self, kind};
 use crate::store::submits::Submit;
 use crate::store::{Backend, Lease, NewRun, Run, RunStatus, Store, StoreError, dialect_sql, sql};
 
@@ -15,40 +14,82 @@ pub const MAX_SUBMIT_BATCH: usize = 1000;
 
 /// The `submitted` event's payload for `new`.
 fn submitted_payload(new: &NewRun) -> serde_json::Value {
-    json!({ "plugin": new.plugin, "input": new.input })
+    submitted_payload_of(&new.plugin, &new.input)
 }
 
-/// SQLite: inserts one submit's run and its `submitted` event inside the
-/// caller's transaction; a taken idempotency key returns the run holding it.
-async fn insert_run(store: &Store, conn: &mut AnyConnection, submit: &Submit) -> Result<(Run, bool), StoreError> {
-    let new = &submit.new;
-    let inserted = sqlx::query(sql!(
+fn submitted_payload_of(plugin: &str, input: &str) -> serde_json::Value {
+    json!({ "plugin": plugin, "input": input })
+}
+
+/// SQLite: writes a batch of submits inside the caller's transaction, in
+/// three statements however many: their runs (reading them from a JSON
+/// list), one bump of their threads' counters, and their `submitted`
+/// events. A submit whose idempotency key is taken inserts nothing and
+/// returns the run holding the key. Threads are distinct within a batch
+/// ([`super::submits`]), so a thread names its run.
+async fn insert_runs_sqlite(store: &Store, conn: &mut AnyConnection, submits: &[Submit]) -> Result<Vec<(Run, bool)>, StoreError> {
+    let list: Vec<serde_json::Value> = submits
+        .iter()
+        .map(|s| {
+            json!([s.thread_id, s.new.plugin, s.new.plugin_digest, s.new.input, s.new.idempotency_key, s.max_attempts, s.secret])
+        })
+        .collect();
+    let rows = sqlx::query(sql!(
         store,
         "INSERT INTO runs (thread_id, plugin, plugin_digest, input, idempotency_key, status, \
          max_attempts, not_before, created_at, updated_at, secret) \
-         VALUES ($1, $2, $3, $4, $5, 'queued', $6, {now}, {now}, {now}, $7) \
+         SELECT value ->> 0, value ->> 1, value ->> 2, value ->> 3, value ->> 4, 'queued', value ->> 5, \
+         {now}, {now}, {now}, value ->> 6 FROM json_each($1) WHERE true ORDER BY key \
          ON CONFLICT (idempotency_key) DO NOTHING RETURNING *"
     ))
-    .bind(&submit.thread_id)
-    .bind(&new.plugin)
-    .bind(&new.plugin_digest)
-    .bind(&new.input)
-    .bind(&new.idempotency_key)
-    .bind(submit.max_attempts)
-    .bind(&submit.secret)
-    .fetch_optional(&mut *conn)
+    .bind(serde_json::Value::Array(list).to_string())
+    .fetch_all(&mut *conn)
     .await?;
-    let Some(row) = inserted else {
-        // Only a taken key gets here (a NULL key never conflicts).
-        let row = sqlx::query(sql!(store, "SELECT * FROM runs WHERE idempotency_key = $1"))
-            .bind(&new.idempotency_key)
-            .fetch_one(&mut *conn)
-            .await?;
-        return Ok((Run::from_row(&row)?, false));
-    };
-    let run = Run::from_row(&row)?;
-    log::append(store, conn, &run.thread_id, run.id, 0, kind::SUBMITTED, &submitted_payload(new)).await?;
-    Ok((run, true))
+    let mut inserted = std::collections::HashMap::with_capacity(rows.len());
+    for row in &rows {
+        let run = Run::from_row(row)?;
+        inserted.insert(run.thread_id.clone(), run);
+    }
+    if !inserted.is_empty() {
+        let threads: Vec<&str> = submits.iter().map(|s| s.thread_id.as_str()).filter(|t| inserted.contains_key(*t)).collect();
+        let bumped = sqlx::query(sql!(
+            store,
+            "INSERT INTO threads (id, last_seq) SELECT value, 1 FROM json_each($1) WHERE true \
+             ON CONFLICT (id) DO UPDATE SET last_seq = threads.last_seq + 1 RETURNING id, last_seq"
+        ))
+        .bind(json!(threads).to_string())
+        .fetch_all(&mut *conn)
+        .await?;
+        let mut events = Vec::with_capacity(bumped.len());
+        for row in &bumped {
+            let (thread, seq): (String, i64) = (row.try_get("id")?, row.try_get("last_seq")?);
+            let run = inserted.get(&thread).ok_or_else(|| StoreError::Corrupt(format!("thread {thread} bumped without a run")))?;
+            events.push(json!([thread, seq, run.id, run.fence, submitted_payload_of(&run.plugin, &run.input).to_string()]));
+        }
+        sqlx::query(sql!(
+            store,
+            "INSERT INTO events (thread_id, seq, run_id, fence, kind, payload, created_at) \
+             SELECT value ->> 0, value ->> 1, value ->> 2, value ->> 3, 'submitted', value ->> 4, {now} FROM json_each($1)"
+        ))
+        .bind(serde_json::Value::Array(events).to_string())
+        .execute(&mut *conn)
+        .await?;
+    }
+    let mut created = Vec::with_capacity(submits.len());
+    for submit in submits {
+        created.push(match inserted.remove(&submit.thread_id) {
+            Some(run) => (run, true),
+            None => {
+                // Only a taken key gets here (a NULL key never conflicts).
+                let row = sqlx::query(sql!(store, "SELECT * FROM runs WHERE idempotency_key = $1"))
+                    .bind(&submit.new.idempotency_key)
+                    .fetch_one(&mut *conn)
+                    .await?;
+                (Run::from_row(&row)?, false)
+            }
+        });
+    }
+    Ok(created)
 }
 
 impl Store {
@@ -119,10 +160,7 @@ impl Store {
             (Backend::Sqlite, _) => {
                 self.retry(|| async move {
                     let mut tx = self.writer().begin().await?;
-                    let mut created = Vec::with_capacity(submits.len());
-                    for submit in submits {
-                        created.push(insert_run(self, &mut tx, submit).await?);
-                    }
+                    let created = insert_runs_sqlite(self, &mut tx, submits).await?;
                     tx.commit().await?;
                     Ok(created)
                 })
