@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use crate::store::guard::ms;
-use crate::store::{Claimed, Lease, Run, Store, StoreError, dialect_sql};
+use crate::store::{Backend, Claimed, Lease, Run, Store, StoreError, dialect_sql, group};
 
 /// A run is claimable (docs/design.md, "How claims work") when it is open (`queued`,
 /// `waiting_takeover`, `waiting_input` with its input delivered) or
@@ -63,12 +63,26 @@ impl Store {
     /// `running` with an expired lease, has attempts left, and its
     /// `not_before` has passed. Each claimed run gets `fence + 1`,
     /// `attempt + 1` and a lease of `ttl` from the database's now.
+    ///
+    /// On SQLite, which has one writer, claims made while another is being
+    /// written wait and go together, one transaction and one commit for
+    /// the lot ([`Store::claim_batch_sqlite`]); a claim on a quiet host
+    /// goes at once.
     pub async fn claim_batch(
         &self,
         owner: &str,
         ttl: Duration,
         max: i64,
     ) -> Result<Vec<Claimed>, StoreError> {
+        if self.backend() == Backend::Sqlite {
+            let want = Claim { owner: owner.to_string(), ttl, max: max.max(1) };
+            return self
+                .claims
+                .push(want, WRITERS, || {
+                    tokio::spawn(group::write_batches::<Claim>(self.clone()));
+                })
+                .await;
+        }
         let rows = self
             .retry(|| async move {
                 Ok(sqlx::query(crate::store::claim_sql(self, max))
@@ -82,6 +96,107 @@ impl Store {
         let mut claimed = claimed_rows(&rows, owner)?;
         claimed.sort_by_key(|c| c.run.id);
         Ok(claimed)
+    }
+
+    /// SQLite: a batch of claims in one transaction and one commit (one
+    /// fsync under `synchronous=FULL`): one claim statement per owner and
+    /// lease length, for all of its claims' runs, which then go to those
+    /// claims in queue order, oldest run first.
+    async fn claim_batch_sqlite(&self, claims: &[Claim]) -> Result<Vec<Result<Vec<Claimed>, StoreError>>, StoreError> {
+        if let [one] = claims {
+            // One statement needs no transaction around it.
+            let rows = self
+                .retry(|| async move {
+                    Ok(sqlx::query(crate::store::claim_sql(self, one.max))
+                        .bind(one.owner.as_str())
+                        .bind(ms(one.ttl))
+                        .bind(one.max)
+                        .fetch_all(self.writer())
+                        .await?)
+                })
+                .await?;
+            let mut claimed = claimed_rows(&rows, &one.owner)?;
+            claimed.sort_by_key(|c| c.run.id);
+            return Ok(vec![Ok(claimed)]);
+        }
+        self.retry(|| async move {
+            let mut tx = self.writer().begin().await?;
+            let mut results: Vec<Vec<Claimed>> = vec![Vec::new(); claims.len()];
+            let mut done = vec![false; claims.len()];
+            for (i, first) in claims.iter().enumerate() {
+                if done[i] {
+                    continue;
+                }
+                let group: Vec<usize> =
+                    (i..claims.len()).filter(|&k| !done[k] && claims[k].owner == first.owner && claims[k].ttl == first.ttl).collect();
+                let total: i64 = group.iter().map(|&k| claims[k].max).sum();
+                let rows = sqlx::query(crate::store::claim_sql(self, total))
+                    .bind(first.owner.as_str())
+                    .bind(ms(first.ttl))
+                    .bind(total)
+                    .fetch_all(&mut *tx)
+                    .await?;
+                let mut claimed = claimed_rows(&rows, &first.owner)?;
+                claimed.sort_by_key(|c| c.run.id);
+                let mut claimed = claimed.into_iter();
+                for k in group {
+                    done[k] = true;
+                    results[k] = claimed.by_ref().take(claims[k].max as usize).collect();
+                }
+            }
+            tx.commit().await?;
+            Ok(results.into_iter().map(Ok).collect())
+        })
+        .await
+    }
+}
+
+/// Most claims written by one SQLite transaction.
+pub(crate) const MAX_BATCH: usize = 64;
+
+/// Batches in flight at once: one (SQLite has one writer).
+pub(crate) const WRITERS: usize = 1;
+
+/// One claim waiting to be group-committed (SQLite).
+#[derive(Debug, Clone)]
+pub(crate) struct Claim {
+    owner: String,
+    ttl: Duration,
+    max: i64,
+}
+
+/// SQLite claims waiting to be group-committed.
+pub(crate) type Queue = group::Queue<Claim, Vec<Claimed>>;
+
+impl group::Batched for Claim {
+    type Out = Vec<Claimed>;
+    const WHAT: &'static str = "claims";
+
+    fn queue(store: &Store) -> &std::sync::Arc<Queue> {
+        &store.claims
+    }
+
+    fn take(store: &Store) -> Vec<(Claim, group::Reply<Vec<Claimed>>)> {
+        store.claims.take(MAX_BATCH, |_| true)
+    }
+
+    async fn write(store: &Store, claims: &[Claim]) -> Result<Vec<Result<Vec<Claimed>, StoreError>>, StoreError> {
+        store.claim_batch_sqlite(claims).await
+    }
+
+    fn written(store: &Store, n: usize) {
+        store.claims.count(n);
+    }
+
+    fn answer(&self, reply: group::Reply<Vec<Claimed>>, result: Result<Vec<Claimed>, StoreError>) {
+        if let Err(Ok(orphans)) = reply.send(result) {
+            // Its caller stopped waiting: nobody runs these runs, which wait
+            // for their leases to expire and are then claimed again, as
+            // after a crash.
+            for c in orphans {
+                tracing::warn!(run_id = c.run.id, "a claimer stopped before taking its run; it is claimable again when its lease expires");
+            }
+        }
     }
 }
 

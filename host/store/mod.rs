@@ -247,6 +247,8 @@ pub struct Store {
     pub(crate) closes: std::sync::Arc<closes::Queue>,
     /// Renewals waiting to be group-committed (see [`renewals`]).
     pub(crate) renewals: std::sync::Arc<renewals::Queue>,
+    /// SQLite claims waiting to be group-committed (see [`claims`]).
+    pub(crate) claims: std::sync::Arc<claims::Queue>,
     /// Ledger writes waiting to be group-committed (see [`ledger_writes`]).
     pub(crate) ledger_writes: std::sync::Arc<ledger_writes::Queue>,
     /// The event streams of this process, woken by its writes (see [`hub`]).
@@ -349,6 +351,7 @@ impl Store {
             submits: Default::default(),
             closes: Default::default(),
             renewals: Default::default(),
+            claims: Default::default(),
             ledger_writes: Default::default(),
             hub: Default::default(),
         };
