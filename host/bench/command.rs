@@ -9,6 +9,7 @@ use super::claim::ClaimBench;
 use super::dashboard::DashboardBench;
 use super::drain::DrainBench;
 use super::e2e::E2eBench;
+use super::submit::SubmitBench;
 use crate::store::SqliteSync;
 
 #[derive(Subcommand)]
@@ -121,6 +122,38 @@ pub enum BenchCommand {
         #[arg(long)]
         quiet: bool,
     },
+    /// How fast the HTTP API takes runs in: keep-alive clients each
+    /// submitting one run at a time while the worker pool drains, then
+    /// batch submits. Ends with one JSON line.
+    Submit {
+        /// Database URL. It must hold no runs. Default: a temporary SQLite
+        /// file, removed afterwards.
+        #[arg(long)]
+        database_url: Option<String>,
+        /// Runs per phase.
+        #[arg(long, default_value_t = 20_000)]
+        runs: i64,
+        /// Keep-alive clients, each one `POST /v1/runs` at a time.
+        #[arg(long, default_value_t = 64)]
+        clients: usize,
+        /// Runs per `POST /v1/runs:batch` in the batch phase.
+        #[arg(long, default_value_t = 1_000)]
+        batch: usize,
+        /// Clients of the batch phase.
+        #[arg(long, default_value_t = 4)]
+        batch_clients: usize,
+        /// Worker pool size, draining during the single phase.
+        #[arg(long, default_value_t = 64)]
+        workers: usize,
+        #[arg(long, default_value = "target/plugins/testkit.wasm")]
+        plugin_file: PathBuf,
+        /// SQLite only: PRAGMA synchronous, as `serve --sqlite-synchronous`.
+        #[arg(long, default_value = "full")]
+        sqlite_synchronous: SqliteSync,
+        /// No progress lines on stderr.
+        #[arg(long)]
+        quiet: bool,
+    },
     /// Claim throughput against a raw UPDATE … RETURNING baseline, in one
     /// run. Ends with one JSON line on stdout.
     Claim {
@@ -218,6 +251,30 @@ impl BenchCommand {
                         println!("{out}");
                     }
                 }
+                Ok(())
+            }
+            BenchCommand::Submit { database_url, runs, clients, batch, batch_clients, workers, plugin_file, sqlite_synchronous, quiet } => {
+                anyhow::ensure!(
+                    runs > 0 && clients > 0 && batch_clients > 0 && workers > 0,
+                    "--runs, --clients, --batch-clients and --workers must be positive"
+                );
+                anyhow::ensure!((1..=crate::store::MAX_SUBMIT_BATCH).contains(&batch), "--batch must be 1 to {}", crate::store::MAX_SUBMIT_BATCH);
+                let db = BenchDb::new(database_url.clone(), "leasehold-bench-submit");
+                let bench = SubmitBench {
+                    database_url: db.url.clone(),
+                    runs,
+                    clients,
+                    batch,
+                    batch_clients,
+                    workers,
+                    plugin_file,
+                    cache_dir: crate::runtime::default_cache_dir(),
+                    progress: !quiet,
+                    sqlite_sync: sqlite_synchronous,
+                };
+                let result = bench.run().await;
+                drop(db);
+                println!("{}", serde_json::to_string(&result?)?);
                 Ok(())
             }
             BenchCommand::Dashboard { database_url, runs, loads, plugin_file, script, chromium, quiet } => {

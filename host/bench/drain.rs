@@ -114,11 +114,11 @@ impl DrainBench {
         let mut done = Vec::with_capacity(rounds);
         for round in 0..rounds {
             if round > 0 {
-                clear(&store, false).await?;
+                clear(&store, PLUGIN, false).await?;
             }
             done.push(self.round(&store, &exec, round).await?);
         }
-        clear(&store, true).await?;
+        clear(&store, PLUGIN, true).await?;
         store.shutdown().await;
         let median = |f: fn(&Round) -> f64| super::median(&mut done.iter().map(f).collect::<Vec<_>>());
         Ok(DrainResult {
@@ -246,14 +246,14 @@ impl DrainBench {
 }
 
 /// This process's CPU time so far, all threads.
-fn cpu_time() -> Duration {
+pub(super) fn cpu_time() -> Duration {
     let t = rustix::time::clock_gettime(rustix::time::ClockId::ProcessCPUTime);
     Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
 }
 
-/// Removes the runs the bench wrote and their rows (never another
-/// plugin's), and with `plugin` its plugin too.
-async fn clear(store: &Store, plugin: bool) -> Result<(), StoreError> {
+/// Removes the runs of the bench's plugin `name` and their rows (never
+/// another plugin's), and with `plugin` the plugin too.
+pub(super) async fn clear(store: &Store, name: &str, plugin: bool) -> Result<(), StoreError> {
     for q in [
         "DELETE FROM effects WHERE run_id IN (SELECT id FROM runs WHERE plugin = $1)",
         "DELETE FROM events WHERE run_id IN (SELECT id FROM runs WHERE plugin = $1)",
@@ -261,11 +261,11 @@ async fn clear(store: &Store, plugin: bool) -> Result<(), StoreError> {
         "DELETE FROM runs WHERE plugin = $1",
         "DELETE FROM kv WHERE namespace = $1",
     ] {
-        sqlx::query(q).bind(PLUGIN).execute(store.writer()).await?;
+        sqlx::query(q).bind(name).execute(store.writer()).await?;
     }
     if plugin {
-        sqlx::query("DELETE FROM plugins WHERE name = $1").bind(PLUGIN).execute(store.writer()).await?;
-        sqlx::query("DELETE FROM plugin_versions WHERE name = $1").bind(PLUGIN).execute(store.writer()).await?;
+        sqlx::query("DELETE FROM plugins WHERE name = $1").bind(name).execute(store.writer()).await?;
+        sqlx::query("DELETE FROM plugin_versions WHERE name = $1").bind(name).execute(store.writer()).await?;
     }
     Ok(())
 }

@@ -11,6 +11,7 @@ pub mod drain;
 pub mod e2e;
 mod peers;
 pub mod progress;
+pub mod submit;
 
 use crate::store::{Store, StoreError};
 

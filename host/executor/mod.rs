@@ -115,6 +115,11 @@ impl Executor {
         &self.config
     }
 
+    /// The runtime this executor runs its guests in.
+    pub fn runtime(&self) -> &Arc<Runtime> {
+        &self.runtime
+    }
+
     /// Claims one run and runs one segment of it. `None`: nothing to claim.
     pub async fn run_once(&self) -> Result<Option<(i64, SegmentOutcome)>, StoreError> {
         let Some(claimed) = self.claim(1).await?.pop() else {
