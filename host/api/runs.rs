@@ -82,9 +82,11 @@ pub async fn submit(State(s): State<AppState>, JsonBody(req): JsonBody<Submit>) 
     if !crate::plugins::valid_name(&req.plugin) {
         return Err(ApiError::not_found(format!("no plugin named {:?}", req.plugin)));
     }
-    let Some(digest) = s.store.plugin_digest(&req.plugin).await? else {
+    // Its version is read by the statement that writes the run.
+    if !s.store.plugin_exists(&req.plugin).await? {
         return Err(ApiError::not_found(format!("no plugin named {:?}", req.plugin)));
-    };
+    }
+    let digest = NewRun::CURRENT_VERSION.to_string();
     // The guest receives the input as JSON text.
     let input = req.input.to_string();
     let new = NewRun {
@@ -178,7 +180,6 @@ pub async fn submit_batch(State(s): State<AppState>, JsonBody(req): JsonBody<Bat
             req.runs.len()
         )));
     }
-    let mut digests = std::collections::HashMap::new();
     let mut news = Vec::with_capacity(req.runs.len());
     for (i, r) in req.runs.iter().enumerate() {
         let at = |e: ApiError| e.prefixed(&format!("runs[{i}]: "));
@@ -194,19 +195,13 @@ pub async fn submit_batch(State(s): State<AppState>, JsonBody(req): JsonBody<Bat
         {
             return Err(at(ApiError::bad_request("max_attempts must be between 1 and 1000")));
         }
-        let digest = match digests.get(&r.plugin) {
-            Some(d) => d,
-            None => {
-                let d = if crate::plugins::valid_name(&r.plugin) { s.store.plugin_digest(&r.plugin).await? } else { None };
-                digests.entry(r.plugin.clone()).or_insert(d)
-            }
-        };
-        let Some(digest) = digest.clone() else {
+        if !(crate::plugins::valid_name(&r.plugin) && s.store.plugin_exists(&r.plugin).await?) {
             return Err(at(ApiError::not_found(format!("no plugin named {:?}", r.plugin))));
-        };
+        }
         news.push(NewRun {
             plugin: r.plugin.clone(),
-            plugin_digest: digest,
+            // Read by the statement that writes the batch: one version for all.
+            plugin_digest: NewRun::CURRENT_VERSION.to_string(),
             input: r.input.to_string(),
             thread_id: r.thread_id.clone(),
             max_attempts: r.max_attempts,

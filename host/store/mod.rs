@@ -253,6 +253,9 @@ pub struct Store {
     pub(crate) ledger_writes: std::sync::Arc<ledger_writes::Queue>,
     /// The event streams of this process, woken by its writes (see [`hub`]).
     hub: std::sync::Arc<hub::Hub>,
+    /// Plugin names this process has seen registered (see
+    /// [`Store::plugin_exists`]).
+    known_plugins: std::sync::Arc<std::sync::RwLock<std::collections::HashSet<String>>>,
 }
 
 /// The PostgreSQL `LISTEN`/`NOTIFY` channel announcing new work.
@@ -354,6 +357,7 @@ impl Store {
             claims: Default::default(),
             ledger_writes: Default::default(),
             hub: Default::default(),
+            known_plugins: Default::default(),
         };
         if opts.migrate {
             store.migrate().await?;

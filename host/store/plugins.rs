@@ -128,6 +128,24 @@ impl Store {
             .collect()
     }
 
+    /// Whether plugin `name` is registered. The service never removes a
+    /// plugin (it keeps every version while runs may use it), so a name
+    /// once seen is remembered and later calls ask the database nothing:
+    /// a submit names its plugin's version as
+    /// [`crate::store::NewRun::CURRENT_VERSION`],
+    /// which the statement that writes the run reads, rather than reading
+    /// it first in a round trip of its own.
+    pub async fn plugin_exists(&self, name: &str) -> Result<bool, StoreError> {
+        if self.known_plugins.read().expect("known plugins lock").contains(name) {
+            return Ok(true);
+        }
+        let found = self.plugin_digest(name).await?.is_some();
+        if found {
+            self.known_plugins.write().expect("known plugins lock").insert(name.to_string());
+        }
+        Ok(found)
+    }
+
     /// The digest of plugin `name`, if registered.
     pub async fn plugin_digest(&self, name: &str) -> Result<Option<String>, StoreError> {
         Ok(sqlx::query_scalar(sql!(self, "SELECT digest FROM plugins WHERE name = $1"))

@@ -24,7 +24,9 @@ fn submitted_payload_of(plugin: &str, input: &str) -> serde_json::Value {
 /// SQLite: writes a batch of submits inside the caller's transaction, in
 /// three statements however many: their runs (reading them from a JSON
 /// list), one bump of their threads' counters, and their `submitted`
-/// events. A submit whose idempotency key is taken inserts nothing and
+/// events. A digest of `'current'` ([`NewRun::CURRENT_VERSION`]) is the
+/// plugin's current version, read by the insert. A submit whose
+/// idempotency key is taken inserts nothing and
 /// returns the run holding the key. Threads are distinct within a batch
 /// ([`super::submits`]), so a thread names its run.
 async fn insert_runs_sqlite(store: &Store, conn: &mut AnyConnection, submits: &[Submit]) -> Result<Vec<(Run, bool)>, StoreError> {
@@ -38,7 +40,9 @@ async fn insert_runs_sqlite(store: &Store, conn: &mut AnyConnection, submits: &[
         store,
         "INSERT INTO runs (thread_id, plugin, plugin_digest, input, idempotency_key, status, \
          max_attempts, not_before, created_at, updated_at, secret) \
-         SELECT value ->> 0, value ->> 1, value ->> 2, value ->> 3, value ->> 4, 'queued', value ->> 5, \
+         SELECT value ->> 0, value ->> 1, \
+         CASE WHEN value ->> 2 = 'current' THEN (SELECT p.digest FROM plugins p WHERE p.name = value ->> 1) \
+         ELSE value ->> 2 END, value ->> 3, value ->> 4, 'queued', value ->> 5, \
          {now}, {now}, {now}, value ->> 6 FROM json_each($1) WHERE true ORDER BY key \
          ON CONFLICT (idempotency_key) DO NOTHING RETURNING *"
     ))
@@ -179,7 +183,8 @@ impl Store {
     }
 
     /// PostgreSQL: the submits' runs and `submitted` events in one
-    /// statement, reading them from a JSON list (bind parameters are per
+    /// statement (`'current'` as a digest: [`NewRun::CURRENT_VERSION`]),
+    /// reading them from a JSON list (bind parameters are per
     /// statement, not per row), one submit or many. Other hosts hear of new
     /// runs by a `NOTIFY` that this statement carries, or that a later one
     /// (or one sent on its own) does (see [`Store::carry_announcement`]).
@@ -210,7 +215,9 @@ impl Store {
                      plugin text, digest text, input text, key text, max_attempts bigint, payload text, secret text)), \
                      r AS (INSERT INTO runs (thread_id, plugin, plugin_digest, input, idempotency_key, \
                      status, max_attempts, not_before, created_at, updated_at, secret) \
-                     SELECT thread_id, plugin, digest, input, key, 'queued', max_attempts, {now}, {now}, {now}, secret \
+                     SELECT thread_id, plugin, \
+                     CASE WHEN digest = 'current' THEN (SELECT p.digest FROM plugins p WHERE p.name = l.plugin) ELSE digest END, \
+                     input, key, 'queued', max_attempts, {now}, {now}, {now}, secret \
                      FROM l ORDER BY i ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING RETURNING *), \
                      t AS (INSERT INTO threads (id, last_seq) SELECT thread_id, 1 FROM r ORDER BY thread_id \
                      ON CONFLICT (id) DO UPDATE SET last_seq = threads.last_seq + 1 RETURNING id, last_seq), \

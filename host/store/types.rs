@@ -152,6 +152,10 @@ impl Run {
 #[derive(Debug, Clone)]
 pub struct NewRun {
     pub plugin: String,
+    /// The version the run keeps: a digest; [`NewRun::CURRENT_VERSION`],
+    /// the plugin's current version as the statement that writes the run
+    /// reads it; or empty, whatever version is current when a segment
+    /// starts (tests and benches). Default: empty.
     pub plugin_digest: String,
     /// JSON text. The store does not interpret it.
     pub input: String,
@@ -166,6 +170,11 @@ pub struct NewRun {
 impl NewRun {
     /// Consecutive failed segments allowed before a run is aborted.
     pub const DEFAULT_MAX_ATTEMPTS: i64 = 3;
+
+    /// As `plugin_digest`: the plugin's current version, read by the
+    /// statement that writes the run (no digest starts so). A plugin that
+    /// is not registered then fails the write.
+    pub const CURRENT_VERSION: &'static str = "current";
 
     pub fn new(plugin: impl Into<String>, input: impl Into<String>) -> NewRun {
         NewRun {

@@ -809,6 +809,35 @@ both! {
         Ok(())
     }
 
+    async fn a_run_submitted_on_the_current_version_keeps_the_one_its_write_read(db) {
+        // The API names no digest: the statement that writes the runs reads
+        // the plugin's current version, for a single submit and a batch.
+        let s = &db.store;
+        let settings = leasehold::plugins::PluginSettings::default();
+        ensure!(!s.plugin_exists("versioned").await?);
+        s.put_plugin("versioned", "sha256:one", b"1", &settings).await?;
+        ensure!(s.plugin_exists("versioned").await?);
+        let current = |k: &str| NewRun {
+            plugin_digest: NewRun::CURRENT_VERSION.into(),
+            idempotency_key: Some(k.into()),
+            ..NewRun::new("versioned", "{}")
+        };
+        let (first, _) = s.create_run(&current("a")).await?;
+        s.put_plugin("versioned", "sha256:two", b"2", &settings).await?;
+        let (second, _) = s.create_run(&current("b")).await?;
+        let batch = s.create_runs(&[current("c"), current("d")]).await?;
+        ensure!(first.plugin_digest == "sha256:one" && second.plugin_digest == "sha256:two", "{first:?} {second:?}");
+        ensure!(batch.iter().all(|(r, new)| *new && r.plugin_digest == "sha256:two"), "{batch:?}");
+        ensure!(s.get_run(first.id).await?.plugin_digest == "sha256:one");
+        // A plugin nobody registered fails the write, and writes nothing.
+        let unknown = NewRun { plugin_digest: NewRun::CURRENT_VERSION.into(), ..NewRun::new("nobody", "{}") };
+        ensure!(s.create_run(&unknown).await.is_err());
+        ensure!(s.create_runs(&[unknown.clone(), current("e")]).await.is_err());
+        let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM runs").fetch_one(s.pool()).await?;
+        ensure!(n == 4, "{n} runs");
+        Ok(())
+    }
+
     async fn renew_extends_the_lease_from_the_database_clock(db) {
         let s = &db.store;
         submit(s, 5).await?;
