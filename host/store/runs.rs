@@ -218,7 +218,7 @@ impl Store {
                      SELECT thread_id, plugin, \
                      CASE WHEN digest = 'current' THEN (SELECT p.digest FROM plugins p WHERE p.name = l.plugin) ELSE digest END, \
                      input, key, 'queued', max_attempts, {now}, {now}, {now}, secret \
-                     FROM l ORDER BY i ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING RETURNING *), \
+                     FROM l ORDER BY i ON CONFLICT (idempotency_key) DO NOTHING RETURNING *), \
                      t AS (INSERT INTO threads (id, last_seq) SELECT thread_id, 1 FROM r ORDER BY thread_id \
                      ON CONFLICT (id) DO UPDATE SET last_seq = threads.last_seq + 1 RETURNING id, last_seq), \
                      e AS (INSERT INTO events (thread_id, seq, run_id, fence, kind, payload, created_at) \
