@@ -83,15 +83,20 @@ impl Store {
                 })
                 .await;
         }
-        let rows = self
-            .retry(|| async move {
-                Ok(sqlx::query(crate::store::claim_sql(self, max))
-                    .bind(owner)
-                    .bind(ms(ttl))
-                    .bind(max)
-                    .fetch_all(self.writer())
-                    .await?)
-            })
+        self.retry(|| self.claim_on(self.writer(), owner, ttl, max)).await
+    }
+
+    /// The claim statement for up to `max` runs on `conn` (a pool, or a
+    /// batch's transaction): the runs claimed for `owner`, oldest id first.
+    pub(crate) async fn claim_on<'c, E>(&self, conn: E, owner: &str, ttl: Duration, max: i64) -> Result<Vec<Claimed>, StoreError>
+    where
+        E: sqlx::Executor<'c, Database = sqlx::Any>,
+    {
+        let rows = sqlx::query(crate::store::claim_sql(self, max))
+            .bind(owner)
+            .bind(ms(ttl))
+            .bind(max)
+            .fetch_all(conn)
             .await?;
         let mut claimed = claimed_rows(&rows, owner)?;
         claimed.sort_by_key(|c| c.run.id);
@@ -105,18 +110,7 @@ impl Store {
     async fn claim_batch_sqlite(&self, claims: &[Claim]) -> Result<Vec<Result<Vec<Claimed>, StoreError>>, StoreError> {
         if let [one] = claims {
             // One statement needs no transaction around it.
-            let rows = self
-                .retry(|| async move {
-                    Ok(sqlx::query(crate::store::claim_sql(self, one.max))
-                        .bind(one.owner.as_str())
-                        .bind(ms(one.ttl))
-                        .bind(one.max)
-                        .fetch_all(self.writer())
-                        .await?)
-                })
-                .await?;
-            let mut claimed = claimed_rows(&rows, &one.owner)?;
-            claimed.sort_by_key(|c| c.run.id);
+            let claimed = self.retry(|| self.claim_on(self.writer(), &one.owner, one.ttl, one.max)).await?;
             return Ok(vec![Ok(claimed)]);
         }
         self.retry(|| async move {
@@ -130,15 +124,7 @@ impl Store {
                 let group: Vec<usize> =
                     (i..claims.len()).filter(|&k| !done[k] && claims[k].owner == first.owner && claims[k].ttl == first.ttl).collect();
                 let total: i64 = group.iter().map(|&k| claims[k].max).sum();
-                let rows = sqlx::query(crate::store::claim_sql(self, total))
-                    .bind(first.owner.as_str())
-                    .bind(ms(first.ttl))
-                    .bind(total)
-                    .fetch_all(&mut *tx)
-                    .await?;
-                let mut claimed = claimed_rows(&rows, &first.owner)?;
-                claimed.sort_by_key(|c| c.run.id);
-                let mut claimed = claimed.into_iter();
+                let mut claimed = self.claim_on(&mut *tx, &first.owner, first.ttl, total).await?.into_iter();
                 for k in group {
                     done[k] = true;
                     results[k] = claimed.by_ref().take(claims[k].max as usize).collect();

@@ -149,6 +149,21 @@ fn closing(outcome: &Outcome) -> (RunStatus, Option<&str>, Option<&str>, String)
     (status, output, error, payload)
 }
 
+/// The owner and lease length the batch's closes that want a next run
+/// share (a host's workers all do); closes wanting different ones never
+/// share a batch ([`take`]).
+fn wanted_next(closes: &[Close]) -> Result<Option<(&str, Duration)>, StoreError> {
+    let mut next: Option<(&str, Duration)> = None;
+    for (owner, ttl) in closes.iter().filter_map(|c| c.next.as_ref()) {
+        match next {
+            None => next = Some((owner, *ttl)),
+            Some(n) if n == (owner.as_str(), *ttl) => {}
+            Some(_) => return Err(StoreError::Config("the closes of a batch want leases for different owners".into())),
+        }
+    }
+    Ok(next)
+}
+
 impl Store {
     /// Statement 4: finishes the turn. Sets the final status and output (or
     /// error), appends the final `message` event and clears the lease, in one
@@ -204,31 +219,23 @@ impl Store {
         closes: &[Close],
     ) -> Result<Vec<Result<Option<Claimed>, StoreError>>, StoreError> {
         let database = self.database_id().await?;
-        let mut list = Vec::with_capacity(closes.len());
-        let mut next: Option<(&str, Duration)> = None;
+        let next = wanted_next(closes)?;
+        let (mut list, mut payloads) = (Vec::with_capacity(closes.len()), Vec::with_capacity(closes.len()));
         let mut runs = std::collections::HashSet::with_capacity(closes.len());
         for c in closes {
             if !runs.insert(c.lease.run_id) {
                 return Err(StoreError::Config(format!("a batch closes run {} twice", c.lease.run_id)));
             }
-            let (status, output, error, _) = closing(&c.outcome);
+            let (status, output, error, payload) = closing(&c.outcome);
+            payloads.push(payload);
             list.push(json!({
                 "id": c.lease.run_id, "owner": c.lease.owner, "fence": c.lease.fence,
                 "status": status.as_str(), "output": output, "error": error,
                 "tail": c.deltas.concat(), "n": c.deltas.len(),
             }));
-            if let Some((owner, ttl)) = &c.next {
-                match next {
-                    None => next = Some((owner, *ttl)),
-                    Some(n) if n == (owner.as_str(), *ttl) => {}
-                    Some(_) => {
-                        return Err(StoreError::Config("the closes of a batch want leases for different owners".into()));
-                    }
-                }
-            }
         }
         let list = serde_json::Value::Array(list).to_string();
-        let (list, database): (&str, &str) = (&list, &database);
+        let (list, database, payloads): (&str, &str, &[String]) = (&list, &database, &payloads);
         let (results, threads) = self
             .retry(|| async move {
                 let mut tx = self.writer().begin().await?;
@@ -286,7 +293,7 @@ impl Store {
                 }
                 let (mut events, mut puts, mut results, mut threads) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
                 let mut wanted = 0;
-                for c in closes {
+                for (c, payload) in closes.iter().zip(payloads) {
                     let Some((thread, pos)) = done.get(&(c.lease.run_id, c.lease.fence)) else {
                         results.push(Err(rejected(&c.lease)));
                         continue;
@@ -299,7 +306,7 @@ impl Store {
                         events.push(json!([thread, *seq, run, fence, "delta", delta, first + k as i64]));
                     }
                     *seq += 1;
-                    events.push(json!([thread, *seq, run, fence, "message", closing(&c.outcome).3, null]));
+                    events.push(json!([thread, *seq, run, fence, "message", payload, null]));
                     puts.extend(c.puts.iter().map(|p| sqlite_held_put_json(database, &c.lease, p)));
                     wanted += usize::from(c.next.is_some());
                     threads.push(thread.clone());
@@ -323,15 +330,7 @@ impl Store {
                 if let (Some((owner, ttl)), true) = (next, wanted > 0) {
                     // The closed runs are no longer claimable: this
                     // transaction has just finished them.
-                    let rows = sqlx::query(crate::store::claim_sql(self, wanted as i64))
-                        .bind(owner)
-                        .bind(ms(ttl))
-                        .bind(wanted as i64)
-                        .fetch_all(&mut *conn)
-                        .await?;
-                    let mut claimed = claimed_rows(&rows, owner)?;
-                    claimed.sort_by_key(|c| c.run.id);
-                    let mut claimed = claimed.into_iter();
+                    let mut claimed = self.claim_on(&mut *conn, owner, ttl, wanted as i64).await?.into_iter();
                     for (c, result) in closes.iter().zip(results.iter_mut()) {
                         if let (Ok(slot), true) = (result.as_mut(), c.next.is_some()) {
                             *slot = claimed.next();
@@ -362,8 +361,8 @@ impl Store {
     /// length.
     pub(crate) async fn close_batch(&self, closes: &[Close]) -> Result<Vec<Result<Option<Claimed>, StoreError>>, StoreError> {
         let database = self.database_id().await?;
+        let next = wanted_next(closes)?;
         let (mut list, mut held) = (Vec::with_capacity(closes.len()), Vec::new());
-        let mut next: Option<(&str, Duration)> = None;
         for (i, c) in closes.iter().enumerate() {
             let (status, output, error, payload) = closing(&c.outcome);
             list.push(json!({
@@ -372,15 +371,6 @@ impl Store {
                 "deltas": c.deltas, "n": c.deltas.len(), "want": c.next.is_some(),
             }));
             held.extend(c.puts.iter().map(|p| held_put_json(i, &database, c.lease.run_id, p)));
-            if let Some((owner, ttl)) = &c.next {
-                match next {
-                    None => next = Some((owner, *ttl)),
-                    Some(n) if n == (owner.as_str(), *ttl) => {}
-                    Some(_) => {
-                        return Err(StoreError::Config("the closes of a batch want leases for different owners".into()));
-                    }
-                }
-            }
         }
         // In run order (each close keeps its place `i`): PostgreSQL locks
         // the rows as it meets them, so batches that share runs (a
