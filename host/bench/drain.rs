@@ -82,6 +82,8 @@ pub struct DrainResult {
     pub cpu_us_per_run: f64,
     /// How long loading the backlog took, in seconds.
     pub load_s: f64,
+    /// Closes written per commit: how full the group-commit batches ran.
+    pub closes_per_commit: f64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sqlite_synchronous: Option<SqliteSync>,
     /// PostgreSQL: the vacuum loop's threshold, and the vacuums it ran.
@@ -99,6 +101,7 @@ struct Round {
     last: f64,
     cpu_us: f64,
     load_s: f64,
+    closes_per_commit: f64,
 }
 
 impl DrainBench {
@@ -135,6 +138,7 @@ impl DrainBench {
             last_tenth_per_sec: median(|r| r.last).round(),
             cpu_us_per_run: (median(|r| r.cpu_us) * 10.0).round() / 10.0,
             load_s: (median(|r| r.load_s) * 100.0).round() / 100.0,
+            closes_per_commit: (median(|r| r.closes_per_commit) * 10.0).round() / 10.0,
             sqlite_synchronous: (store.backend() == crate::store::Backend::Sqlite).then_some(self.sqlite_sync),
             pg_vacuum_dead_rows: (store.backend() == crate::store::Backend::Postgres).then_some(self.pg_vacuum_dead_rows),
             pg_vacuums: (store.backend() == crate::store::Backend::Postgres).then(|| done.iter().map(|r| r.vacuums).sum()),
@@ -161,6 +165,7 @@ impl DrainBench {
         .await?;
 
         let cpu = cpu_time();
+        let closes = store.closes_written();
         let started = Instant::now();
         let pool = WorkerPool::start(
             store.clone(),
@@ -177,6 +182,8 @@ impl DrainBench {
         let _ = vacuum.await;
         let vacuums = crate::metrics::global().runs_vacuums.load(std::sync::atomic::Ordering::Relaxed) - vacuums;
         let cpu_us = (cpu_time() - cpu).as_secs_f64() * 1e6 / self.runs as f64;
+        let (written, commits) = store.closes_written();
+        let closes_per_commit = (written - closes.0) as f64 / ((commits - closes.1).max(1) as f64);
         let wall = started.elapsed();
         pool.shutdown(Duration::from_secs(10)).await;
 
@@ -207,7 +214,7 @@ impl DrainBench {
             "drained {} runs in {wall:?}: {rate:.0}/s (first tenth {first:.0}/s, last tenth {last:.0}/s), {cpu_us:.1} µs CPU per run",
             self.runs
         ));
-        Ok(Round { rate, first, last, cpu_us, load_s, vacuums })
+        Ok(Round { rate, first, last, cpu_us, load_s, vacuums, closes_per_commit })
     }
 
     fn input(&self, round: usize, i: i64) -> String {

@@ -32,6 +32,7 @@ both! {
         let result = bench.run().await?;
         ensure!(result.runs == 1_200 && result.rounds == 2 && result.runs_per_sec > 0.0, "{result:?}");
         ensure!(result.first_tenth_per_sec > 0.0 && result.last_tenth_per_sec > 0.0 && result.cpu_us_per_run > 0.0, "{result:?}");
+        ensure!(result.closes_per_commit >= 1.0, "{result:?}");
         let left: i64 = sqlx::query_scalar("SELECT (SELECT COUNT(*) FROM runs) + (SELECT COUNT(*) FROM events) + (SELECT COUNT(*) FROM effects) + (SELECT COUNT(*) FROM kv) + (SELECT COUNT(*) FROM plugins)")
             .fetch_one(db.store.pool())
             .await?;
