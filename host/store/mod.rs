@@ -303,6 +303,7 @@ impl Store {
                             }
                         }
                         conn.execute(pragmas).await?;
+                        conn.execute(sqlite::cache_size(writer)).await?;
                         Ok(())
                     })
                 });

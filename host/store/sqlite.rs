@@ -93,6 +93,26 @@ pub(super) fn normalize_url(url: &str) -> String {
 /// its whole lease).
 pub(super) const NEW_DATABASE: &str = "PRAGMA auto_vacuum = INCREMENTAL";
 
+/// The page cache of each connection (`PRAGMA cache_size`, in KiB when
+/// negative): 64 MiB for the writer, 16 MiB for each reader, against
+/// SQLite's 2 MiB. With 2 MiB, a batch of claims and closes over a runs
+/// table of a few thousand rows read its pages again statement after
+/// statement: the same SQL, replayed outside the host in batches of 8,
+/// spent half as long per claim with 64 MiB. Memory is taken only as
+/// pages are read, so a small database costs no more than before.
+///
+/// The writer also keeps its temporary files in memory (`temp_store`):
+/// the statement journal of a multi-row update, and an `IN (…)` list,
+/// otherwise went to a file in `/var/tmp` (about one write a run in a
+/// drain). Its statements touch bounded batches; readers, whose sorts can
+/// span the whole table, keep the default.
+///
+/// In `bench drain` (20,000 runs, 16 workers) the writer's page reads per
+/// run halved, and the drain rate stayed within the machine's noise.
+pub(super) fn cache_size(writer: bool) -> &'static str {
+    if writer { "PRAGMA cache_size = -65536; PRAGMA temp_store = MEMORY;" } else { "PRAGMA cache_size = -16384;" }
+}
+
 pub(super) fn pragmas(sync: SqliteSync, busy: Duration) -> &'static str {
     // busy_timeout is rounded to one of a few fixed values so the statement
     // text stays a constant (no SQL is built from configuration).

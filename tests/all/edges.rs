@@ -52,6 +52,24 @@ both! {
         Ok(())
     }
 
+    async fn sqlite_connections_keep_a_page_cache_sized_for_batches(db) {
+        // SQLite's default cache (2 MiB) made every statement of a batch
+        // read its pages again once the runs table grew; the writer also
+        // spilled statement journals to a file in /var/tmp.
+        if db.backend != leasehold::store::Backend::Sqlite {
+            return Ok(());
+        }
+        let s = &db.store;
+        let writer: (i64, i64) = (
+            sqlx::query_scalar("PRAGMA cache_size").fetch_one(s.writer()).await?,
+            sqlx::query_scalar("PRAGMA temp_store").fetch_one(s.writer()).await?,
+        );
+        ensure!(writer == (-65536, 2), "writer: cache_size, temp_store = {writer:?}");
+        let reader: i64 = sqlx::query_scalar("PRAGMA cache_size").fetch_one(s.pool()).await?;
+        ensure!(reader == -16384, "reader cache_size {reader}");
+        Ok(())
+    }
+
     async fn a_deliberate_suspension_never_uses_up_an_attempt(db) {
         // max_attempts bounds consecutive failed segments. A segment that
         // suspends on purpose (wait-input, sleep, a slice, a shutdown
