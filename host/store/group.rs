@@ -227,7 +227,7 @@ pub(crate) async fn write_batches<B: Batched>(store: Store) {
 /// faster in 7 of 8 pairs, by about a half at the median, with a quarter
 /// less CPU per run. PostgreSQL, whose batch goes to another process, ran
 /// 2–10% slower with it, so it does not gather.
-pub(crate) async fn gather<T, R>(queue: &Queue<T, R>) {
+async fn gather<T, R>(queue: &Queue<T, R>) {
     let mut queued = queue.waiting();
     for _ in 0..GATHER_YIELDS {
         tokio::task::yield_now().await;

@@ -303,7 +303,7 @@ impl Store {
                             }
                         }
                         conn.execute(pragmas).await?;
-                        conn.execute(sqlite::cache_size(writer)).await?;
+                        conn.execute(sqlite::memory_pragmas(writer)).await?;
                         Ok(())
                     })
                 });

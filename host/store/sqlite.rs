@@ -109,7 +109,7 @@ pub(super) const NEW_DATABASE: &str = "PRAGMA auto_vacuum = INCREMENTAL";
 ///
 /// In `bench drain` (20,000 runs, 16 workers) the writer's page reads per
 /// run halved, and the drain rate stayed within the machine's noise.
-pub(super) fn cache_size(writer: bool) -> &'static str {
+pub(super) fn memory_pragmas(writer: bool) -> &'static str {
     if writer { "PRAGMA cache_size = -65536; PRAGMA temp_store = MEMORY;" } else { "PRAGMA cache_size = -16384;" }
 }
 
