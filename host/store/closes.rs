@@ -247,7 +247,7 @@ impl Store {
                      error = b.value ->> 'error', lease_owner = NULL, lease_expires_at = NULL, \
                      finished_at = {now}, updated_at = {now}, partial = runs.partial || (b.value ->> 'tail'), \
                      emit_pos = runs.emit_pos + (b.value ->> 'n') \
-                     FROM json_each($1) AS b \
+                     FROM jsonb_each($1) AS b \
                      WHERE runs.id = b.value ->> 'id' AND runs.lease_owner = b.value ->> 'owner' \
                      AND runs.fence = b.value ->> 'fence' AND runs.status = 'running' \
                      RETURNING runs.id, runs.fence, runs.thread_id, runs.emit_pos"
@@ -278,7 +278,7 @@ impl Store {
                         .map_err(|e| StoreError::Corrupt(e.to_string()))?;
                     let rows = sqlx::query(sql!(
                         self,
-                        "INSERT INTO threads (id, last_seq) SELECT value ->> 0, value ->> 1 FROM json_each($1) WHERE true \
+                        "INSERT INTO threads (id, last_seq) SELECT value ->> 0, value ->> 1 FROM jsonb_each($1) WHERE true \
                          ON CONFLICT (id) DO UPDATE SET last_seq = threads.last_seq + excluded.last_seq \
                          RETURNING id, last_seq"
                     ))
@@ -318,7 +318,7 @@ impl Store {
                         "INSERT INTO events (thread_id, seq, run_id, fence, kind, payload, created_at) \
                          SELECT value ->> 0, value ->> 1, value ->> 2, value ->> 3, value ->> 4, \
                          CASE WHEN value ->> 4 = 'delta' THEN json_object('delta', value ->> 5, 'pos', value ->> 6) \
-                         ELSE value ->> 5 END, {now} FROM json_each($1)"
+                         ELSE value ->> 5 END, {now} FROM jsonb_each($1)"
                     ))
                     .bind(serde_json::Value::Array(events).to_string())
                     .execute(&mut *conn)

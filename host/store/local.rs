@@ -120,7 +120,7 @@ pub(crate) async fn insert_held_puts_json(store: &Store, conn: &mut sqlx::AnyCon
          result, emit_pos, fence_started, fence_completed, created_at, updated_at, request) \
          SELECT value ->> 'run', value ->> 'seq', value ->> 'name', value ->> 'hash', value ->> 'ikey', \
          'local', 'committed', 'null', value ->> 'emit_pos', value ->> 'fence', value ->> 'fence', \
-         {now}, {now}, value ->> 'request' FROM json_each($1)"
+         {now}, {now}, value ->> 'request' FROM jsonb_each($1)"
     ))
     .bind(list)
     .execute(&mut *conn)
@@ -128,7 +128,7 @@ pub(crate) async fn insert_held_puts_json(store: &Store, conn: &mut sqlx::AnyCon
     sqlx::query(sql!(
         store,
         "INSERT INTO kv (namespace, key, value, updated_at) \
-         SELECT l.value ->> 'ns', l.value ->> 'key', l.value ->> 'value', {now} FROM json_each($1) AS l \
+         SELECT l.value ->> 'ns', l.value ->> 'key', l.value ->> 'value', {now} FROM jsonb_each($1) AS l \
          WHERE true ORDER BY l.key \
          ON CONFLICT (namespace, key) DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at"
     ))

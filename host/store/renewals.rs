@@ -103,7 +103,7 @@ impl Store {
                 self,
                 "UPDATE runs SET lease_expires_at = {now} + r.ttl, heartbeat_at = {now}, updated_at = {now} \
                  FROM (SELECT json_extract(value, '$.id') AS id, json_extract(value, '$.owner') AS owner, \
-                 json_extract(value, '$.fence') AS fence, json_extract(value, '$.ttl') AS ttl FROM json_each($1)) AS r \
+                 json_extract(value, '$.fence') AS fence, json_extract(value, '$.ttl') AS ttl FROM jsonb_each($1)) AS r \
                  WHERE runs.id = r.id AND runs.lease_owner = r.owner AND runs.fence = r.fence \
                  AND runs.status = 'running' \
                  RETURNING runs.id, runs.lease_owner, runs.fence, runs.lease_expires_at"

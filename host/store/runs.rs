@@ -43,7 +43,7 @@ async fn insert_runs_sqlite(store: &Store, conn: &mut AnyConnection, submits: &[
          SELECT value ->> 0, value ->> 1, \
          CASE WHEN value ->> 2 = 'current' THEN (SELECT p.digest FROM plugins p WHERE p.name = value ->> 1) \
          ELSE value ->> 2 END, value ->> 3, value ->> 4, 'queued', value ->> 5, \
-         {now}, {now}, {now}, value ->> 6 FROM json_each($1) WHERE true ORDER BY key \
+         {now}, {now}, {now}, value ->> 6 FROM jsonb_each($1) WHERE true ORDER BY key \
          ON CONFLICT (idempotency_key) DO NOTHING RETURNING *"
     ))
     .bind(serde_json::Value::Array(list).to_string())
@@ -73,7 +73,7 @@ async fn insert_runs_sqlite(store: &Store, conn: &mut AnyConnection, submits: &[
         sqlx::query(sql!(
             store,
             "INSERT INTO events (thread_id, seq, run_id, fence, kind, payload, created_at) \
-             SELECT value ->> 0, value ->> 1, value ->> 2, value ->> 3, 'submitted', value ->> 4, {now} FROM json_each($1)"
+             SELECT value ->> 0, value ->> 1, value ->> 2, value ->> 3, 'submitted', value ->> 4, {now} FROM jsonb_each($1)"
         ))
         .bind(serde_json::Value::Array(events).to_string())
         .execute(&mut *conn)

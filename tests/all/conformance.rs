@@ -761,6 +761,75 @@ both! {
         Ok(())
     }
 
+    async fn batched_submits_and_closes_keep_text_byte_for_byte(db) {
+        // The batch statements read each run's fields out of one JSON list;
+        // whatever form the database parses that list into, what comes out
+        // is exactly what went in: quotes, backslashes, escape-looking
+        // text, control characters, astral-plane and bidi characters.
+        let s = &db.store;
+        let odd = [
+            "q\"uote", "back\\slash", "\\u0041 is not A", "line\nbreak\ttab\r", "\u{7f}\u{1b}[0m", "😀 \u{202e}rtl",
+            "{\"json\": [1, \"two\"]}", "", "   ", "'; --", "%s %n",
+        ];
+        let mut tasks = tokio::task::JoinSet::new();
+        for (i, text) in odd.iter().enumerate() {
+            let s = s.clone();
+            let input = serde_json::json!({ "text": text }).to_string();
+            tasks.spawn(async move {
+                let mut new = NewRun::new("p", &input);
+                new.thread_id = Some(format!("odd-{i}"));
+                s.create_run(&new).await.map(|(run, _)| (i, run, input))
+            });
+        }
+        let mut runs = Vec::new();
+        while let Some(joined) = tasks.join_next().await {
+            let (i, run, input) = joined??;
+            ensure!(run.input == input, "{i}: {:?} != {input:?}", run.input);
+            runs.push((i, run.id));
+        }
+        let mut leases = std::collections::HashMap::new();
+        for _ in 0..odd.len() {
+            let c = claim(s, "w").await?;
+            leases.insert(c.run.id, c.lease);
+        }
+        let mut tasks = tokio::task::JoinSet::new();
+        for (i, id) in &runs {
+            let (s, i, text) = (s.clone(), *i, odd[*i]);
+            let lease = leases[id].clone();
+            tasks.spawn(async move {
+                let put = HeldPut { call: call(0, "kv.put"), namespace: "odd".into(), key: format!("k{i}\u{1}{text}"), value: text.into() };
+                s.close_and_claim(&lease, &[text, "·"], &[put], &completed(text), None).await.map(|_| i)
+            });
+        }
+        while let Some(joined) = tasks.join_next().await {
+            joined??;
+        }
+        for (i, id) in &runs {
+            let text = odd[*i];
+            let run = s.get_run(*id).await?;
+            ensure!(run.status == RunStatus::Completed && run.output.as_deref() == Some(text), "{i}: {run:?}");
+            ensure!(run.partial == format!("{text}·"), "{i}: {:?}", run.partial);
+            let events = s.events_after(&format!("odd-{i}"), 0, 10).await?;
+            let deltas: Vec<String> = events
+                .iter()
+                .filter(|e| e.kind == "delta")
+                .map(|e| serde_json::from_str::<serde_json::Value>(&e.payload).map(|v| v["delta"].as_str().unwrap_or_default().to_string()))
+                .collect::<Result<_, _>>()?;
+            ensure!(deltas == [text, "·"], "{i}: {deltas:?}");
+            let message = events.iter().find(|e| e.kind == "message").ok_or_else(|| anyhow::anyhow!("{i}: no message"))?;
+            let message: serde_json::Value = serde_json::from_str(&message.payload)?;
+            ensure!(message["output"] == text, "{i}: {message}");
+            let value: String = sqlx::query_scalar("SELECT value FROM kv WHERE namespace = 'odd' AND key = $1")
+                .bind(format!("k{i}\u{1}{text}"))
+                .fetch_one(s.pool())
+                .await?;
+            ensure!(value == text, "{i}: {value:?}");
+        }
+        let (written, commits) = s.closes_written();
+        ensure!(commits < written, "the closes were not batched: {written} in {commits} commits");
+        Ok(())
+    }
+
     async fn a_zombies_close_made_with_its_successors_is_refused_and_the_successors_lands(db) {
         // Closes made at the same moment go to the database together: a
         // zombie's close and its successor's may share a batch, and the
