@@ -94,23 +94,28 @@ pub(super) fn normalize_url(url: &str) -> String {
 pub(super) const NEW_DATABASE: &str = "PRAGMA auto_vacuum = INCREMENTAL";
 
 /// The page cache of each connection (`PRAGMA cache_size`, in KiB when
-/// negative): 64 MiB for the writer, 16 MiB for each reader, against
-/// SQLite's 2 MiB. With 2 MiB, a batch of claims and closes over a runs
-/// table of a few thousand rows read its pages again statement after
-/// statement: the same SQL, replayed outside the host in batches of 8,
-/// spent half as long per claim with 64 MiB. Memory is taken only as
-/// pages are read, so a small database costs no more than before.
+/// negative): SQLite's own 2 MiB for the writer, 16 MiB for each reader.
 ///
-/// The writer also keeps its temporary files in memory (`temp_store`):
-/// the statement journal of a multi-row update, and an `IN (…)` list,
+/// Not more for the writer: every commit that split or merged a b-tree
+/// page makes SQLite walk the writer's whole page cache. Its b-tree
+/// balance renumbers pages through a spare page number (the lock-byte
+/// page, 262,145 with 4 KiB pages), which leaves the cache's highest page
+/// number there, and the commit's truncation of the cache to the
+/// database's size then visits every slot of its hash table. With 64 MiB
+/// (16,384 slots over the whole database) that walk was 6–8% of the
+/// process's CPU in a no-op drain, on the writer's thread, the drain's
+/// bottleneck; with 2 MiB, 1.9%. (Seen with `perf` and `gdb` on SQLite
+/// 3.51.) A reader's cache is emptied at the start of every read after a
+/// write, so it helps only while the database is quiet: a dashboard page
+/// over a large table.
+///
+/// The writer keeps its temporary files in memory (`temp_store`): the
+/// statement journal of a multi-row update, and an `IN (…)` list,
 /// otherwise went to a file in `/var/tmp` (about one write a run in a
 /// drain). Its statements touch bounded batches; readers, whose sorts can
 /// span the whole table, keep the default.
-///
-/// In `bench drain` (20,000 runs, 16 workers) the writer's page reads per
-/// run halved, and the drain rate stayed within the machine's noise.
 pub(super) fn memory_pragmas(writer: bool) -> &'static str {
-    if writer { "PRAGMA cache_size = -65536; PRAGMA temp_store = MEMORY;" } else { "PRAGMA cache_size = -16384;" }
+    if writer { "PRAGMA temp_store = MEMORY;" } else { "PRAGMA cache_size = -16384;" }
 }
 
 pub(super) fn pragmas(sync: SqliteSync, busy: Duration) -> &'static str {
