@@ -205,7 +205,7 @@ impl Store {
 
     /// SQLite: a batch of closes in one transaction and one commit (one
     /// fsync under `synchronous=FULL`), written set-based: one guarded
-    /// `UPDATE … FROM json_each(…)` for every close, one bump of the
+    /// `UPDATE … FROM jsonb_each(…)` for every close, one bump of the
     /// threads' counters, one insert of every event, the held puts, and
     /// one claim for the closes that want a next run. Each close is matched
     /// by its own (owner, fence) in the update: one that fails it writes
