@@ -4,7 +4,7 @@
 //! (its tail, its puts, its final status and the next claim; see
 //! [`Store::close_and_claim`]). On a small machine most of that
 //! statement's cost is being a statement: the round trip, starting its
-//! executor nodes, the commit. So a close made while [`WRITERS`] batches
+//! executor nodes, the commit. So a close made while [`writers`] batches
 //! are in flight waits, and the waiting closes go together as one statement
 //! ([`Store::close_batch`]) with one commit. A close on a quiet host goes
 //! at once.
@@ -33,21 +33,40 @@ use crate::store::group;
 use crate::store::local::{HeldPut, held_put_json, insert_held_puts_json, pg_held_puts, sqlite_held_put_json};
 use crate::store::{Backend, Claimed, Lease, Outcome, RunStatus, Store, StoreError, sql};
 
-/// Most closes written by one statement.
-pub(crate) const MAX_BATCH: usize = 32;
+/// Most closes written by one statement: 64 on PostgreSQL, 32 on SQLite.
+pub(crate) fn max_batch(backend: Backend) -> usize {
+    match backend {
+        Backend::Postgres => 64,
+        Backend::Sqlite => 32,
+    }
+}
 
-/// Batches in flight at once: one. Batches grow with the load (up to
-/// [`MAX_BATCH`]), so one writer keeps up with more workers by writing
-/// more closes per statement. Measured with `bench e2e` (5000 runs, 8
-/// workers, 3 rounds, 2 cores, 4 submit batches in flight): one close per
-/// statement ran at 739 and 800 runs/s; two batches in flight wrote about
-/// 2.5 closes per statement and ran at 947 and 973; one in flight wrote
-/// about 4 and ran at 1009 and 1040. (Those runs also carried a bench
-/// bug that added up to a second to each peak. Measured again without it,
-/// 5000 runs, 8 workers: one in flight gave ratios 0.537 and 0.526, two
-/// gave 0.525 and 0.529, no difference; with 64 workers batches hold
-/// about 31 closes.)
-pub(crate) const WRITERS: usize = 1;
+/// Batches in flight at once: two on PostgreSQL, one on SQLite. Batches
+/// grow with the load (up to [`max_batch`]), so few writers keep up with
+/// many workers by writing more closes per statement.
+///
+/// PostgreSQL: with one batch in flight its statement was running in 86%
+/// of 300 samples of `pg_stat_activity` during a 64-worker drain, while
+/// the machine stood 40% idle: the drain waited on one backend's work, in
+/// series with the round trip and the host's part of each batch. With two,
+/// one batch executes while the other commits, travels or is being
+/// answered. `bench drain --runs 40000` (no-op turns), one against two,
+/// alternating, 64 workers: 6,702/9,046, 7,297/8,945, 5,929/6,849,
+/// 6,348/8,489, 7,796/7,493 runs/s; at 128 workers (claim batch 64) two
+/// writers with batches of at most 64 ran 9,320–11,965, of at most 32
+/// 8,117–9,350. Two batches lock what they share in one order (runs by
+/// id, threads by id, kv keys by key; claims skip locked rows), as a
+/// stalled batch and the writer started behind it always could. A batch
+/// held up by a row lock no longer holds up every close behind it until
+/// the stall rescue ([`group::STALLED`]).
+///
+/// SQLite has one writer connection: a second batch would only wait for it.
+pub(crate) fn writers(backend: Backend) -> usize {
+    match backend {
+        Backend::Postgres => 2,
+        Backend::Sqlite => 1,
+    }
+}
 
 /// One close: [`Store::close_and_claim`]'s arguments, owned.
 #[derive(Debug, Clone)]
@@ -68,7 +87,7 @@ pub(crate) type Queue = group::Queue<Close, Option<Claimed>>;
 pub(crate) async fn close(store: &Store, close: Close) -> Result<Option<Claimed>, StoreError> {
     store
         .closes
-        .push(close, WRITERS, || {
+        .push(close, writers(store.backend()), || {
             // Its own task: a caller that gives up must not stop the batch
             // that carries other callers' closes.
             tokio::spawn(group::write_batches::<Close>(store.clone()));
@@ -83,7 +102,7 @@ pub(crate) async fn close(store: &Store, close: Close) -> Result<Option<Claimed>
 fn take(store: &Store) -> Vec<(Close, group::Reply<Option<Claimed>>)> {
     let mut next: Option<(String, Duration)> = None;
     let mut runs = std::collections::HashSet::new();
-    store.closes.take(MAX_BATCH, |close| {
+    store.closes.take(max_batch(store.backend()), |close| {
         if runs.contains(&close.lease.run_id) {
             return false;
         }

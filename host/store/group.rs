@@ -33,6 +33,8 @@ pub(crate) struct Queue<T, R> {
     /// Writes written, and the commits that wrote them.
     written: AtomicU64,
     commits: AtomicU64,
+    /// Writers started for writes left waiting behind a slow batch.
+    stalls: AtomicU64,
 }
 
 #[derive(Debug)]
@@ -48,6 +50,7 @@ impl<T, R> Default for Queue<T, R> {
             state: Mutex::new(State { waiting: Vec::new(), writers: 0 }),
             written: AtomicU64::new(0),
             commits: AtomicU64::new(0),
+            stalls: AtomicU64::new(0),
         }
     }
 }
@@ -98,6 +101,7 @@ impl<T: Send + 'static, R: Send + 'static> Queue<T, R> {
                         start
                     };
                     if start {
+                        self.stalls.fetch_add(1, Relaxed);
                         tracing::debug!(writers = max_writers, "a batch is slow; starting another writer for the writes queued behind it");
                         spawn_writer();
                     }
@@ -138,6 +142,11 @@ impl<T: Send + 'static, R: Send + 'static> Queue<T, R> {
     /// Writes written through this queue, and the commits that wrote them.
     pub(crate) fn written(&self) -> (u64, u64) {
         (self.written.load(Relaxed), self.commits.load(Relaxed))
+    }
+
+    /// Writers started because writes waited [`STALLED`] behind a batch.
+    pub(crate) fn stalls(&self) -> u64 {
+        self.stalls.load(Relaxed)
     }
 }
 

@@ -463,6 +463,12 @@ impl Store {
         self.closes.written()
     }
 
+    /// Close batch writers this store started because closes waited
+    /// behind a slow batch (one held up by a row lock, say) for 200 ms.
+    pub fn closes_stalled(&self) -> u64 {
+        self.closes.stalls()
+    }
+
     /// Renewals this store has written, and the statements that wrote
     /// them: fewer statements when concurrent renewals were batched (see
     /// `renewals`).

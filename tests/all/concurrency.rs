@@ -48,3 +48,53 @@ both! {
         Ok(())
     }
 }
+
+/// PostgreSQL runs two close batches at once: a batch held up in the
+/// database (here by a row lock another session holds) does not hold up
+/// the closes queued behind it, which go in a second batch at once rather
+/// than after the 200 ms stall rescue. Also what lets one batch execute
+/// while the other commits or travels, so the server's second core works.
+/// PostgreSQL only: SQLite has one writer, and its batches take turns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_writes_a_second_close_batch_while_the_first_waits_on_a_row_lock() -> anyhow::Result<()> {
+    use leasehold::store::{NewRun, Outcome};
+    crate::harness::run_on(leasehold::Backend::Postgres, async |db: &crate::harness::TestDb| {
+        let (a, _) = db.store.create_run(&NewRun::new("p", "{}")).await?;
+        let (b, _) = db.store.create_run(&NewRun::new("p", "{}")).await?;
+        let claimed = db.store.claim_batch("w", TTL, 2).await?;
+        let lease = |id: i64| claimed.iter().find(|c| c.run.id == id).map(|c| c.lease.clone()).expect("claimed");
+        let (lease_a, lease_b) = (lease(a.id), lease(b.id));
+        // Another session holds run A's row: A's batch waits for it.
+        let mut holder = db.store.pool().begin().await?;
+        sqlx::query("SELECT id FROM runs WHERE id = $1 FOR UPDATE").bind(a.id).execute(&mut *holder).await?;
+        let store = db.store.clone();
+        let first = tokio::spawn(async move { store.close(&lease_a, &Outcome::Completed { output: "a".into() }).await });
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        loop {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            )
+            .fetch_one(db.store.pool())
+            .await?;
+            if waiting > 0 {
+                break;
+            }
+            ensure!(std::time::Instant::now() < deadline, "A's batch never waited on the row lock");
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        db.store.close(&lease_b, &Outcome::Completed { output: "b".into() }).await?;
+        ensure!(!first.is_finished(), "A's close finished while its row was held");
+        ensure!(
+            db.store.closes_stalled() == 0,
+            "B's close waited behind A's batch for the stall rescue ({} stalled writers started)",
+            db.store.closes_stalled()
+        );
+        holder.rollback().await?;
+        first.await??;
+        let status = |id: i64| sqlx::query_scalar::<_, String>("SELECT status FROM runs WHERE id = $1").bind(id);
+        ensure!(status(a.id).fetch_one(db.store.pool()).await? == "completed");
+        ensure!(status(b.id).fetch_one(db.store.pool()).await? == "completed");
+        Ok(())
+    })
+    .await
+}
