@@ -50,13 +50,17 @@ pub(crate) fn max_batch(backend: Backend) -> usize {
 /// the machine stood 40% idle: the drain waited on one backend's work, in
 /// series with the round trip and the host's part of each batch. With two,
 /// one batch executes while the other commits, travels or is being
-/// answered. `bench drain --runs 40000` (no-op turns), one against two,
-/// alternating, 64 workers: 6,702/9,046, 7,297/8,945, 5,929/6,849,
-/// 6,348/8,489, 7,796/7,493 runs/s; at 128 workers (claim batch 64) two
-/// writers with batches of at most 64 ran 9,320–11,965, of at most 32
-/// 8,117–9,350. Two batches lock what they share in one order (runs by
-/// id, threads by id, kv keys by key; claims skip locked rows), as a
-/// stalled batch and the writer started behind it always could. A batch
+/// answered. `bench drain` (no-op turns), two writers over one,
+/// alternating: at 64 workers 1.35, 1.23, 1.16, 1.34, 0.96 (40,000 runs)
+/// and 1.16, 1.04, 0.93 (20,000), where batches halve (about 17 closes
+/// a commit, not 32); at 128 workers (claim batch 64, batches of at most
+/// 64) 1.19, 1.15, 1.00. More workers in flight count for more: at 128
+/// workers batches of at most 64 ran 9,320–11,965 runs/s where batches of
+/// at most 32 ran 8,117–9,350 (40,000 runs).
+///
+/// Two batches lock what they share in one order (runs by id, threads by
+/// id, kv keys by key; claims skip locked rows), as a stalled batch and
+/// the writer started behind it always could. A batch
 /// held up by a row lock no longer holds up every close behind it until
 /// the stall rescue ([`group::STALLED`]).
 ///
