@@ -69,19 +69,12 @@ async fn postgres_writes_a_second_close_batch_while_the_first_waits_on_a_row_loc
         sqlx::query("SELECT id FROM runs WHERE id = $1 FOR UPDATE").bind(a.id).execute(&mut *holder).await?;
         let store = db.store.clone();
         let first = tokio::spawn(async move { store.close(&lease_a, &Outcome::Completed { output: "a".into() }).await });
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-        loop {
-            let waiting: i64 = sqlx::query_scalar(
-                "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
-            )
-            .fetch_one(db.store.pool())
-            .await?;
-            if waiting > 0 {
-                break;
-            }
-            ensure!(std::time::Instant::now() < deadline, "A's batch never waited on the row lock");
-            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-        }
+        crate::harness::wait_for_count(
+            db,
+            "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            "A's batch waits on the row lock",
+        )
+        .await?;
         db.store.close(&lease_b, &Outcome::Completed { output: "b".into() }).await?;
         ensure!(!first.is_finished(), "A's close finished while its row was held");
         ensure!(

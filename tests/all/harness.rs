@@ -152,6 +152,21 @@ pub async fn serve_api(state: leasehold::api::AppState, shutdown: tokio::sync::w
     Ok(base)
 }
 
+/// Waits up to 30 s, polling every 5 ms, until `count` (a PostgreSQL
+/// query returning one `COUNT(*)`, e.g. of `pg_stat_activity`) is above
+/// zero; `what` names the awaited state in the error.
+pub async fn wait_for_count(db: &TestDb, count: &'static str, what: &str) -> Result<()> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let n: i64 = sqlx::query_scalar(count).fetch_one(db.store.pool()).await?;
+        if n > 0 {
+            return Ok(());
+        }
+        anyhow::ensure!(std::time::Instant::now() < deadline, "not within 30 s: {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 /// Runs `body` against a fresh database of `backend`, then drops it.
 pub async fn run_on(backend: Backend, body: impl AsyncFnOnce(&TestDb) -> Result<()>) -> Result<()> {
     init_logs();

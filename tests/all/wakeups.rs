@@ -19,19 +19,12 @@ use crate::plugins;
 /// `NOTIFY` sent before it would be lost, and the test would wait for the
 /// poll.
 async fn wait_listening(db: &TestDb) -> Result<()> {
-    let started = Instant::now();
-    loop {
-        let listening: i64 = sqlx::query_scalar(
-            "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database() AND query LIKE 'LISTEN%'",
-        )
-        .fetch_one(db.store.pool())
-        .await?;
-        if listening > 0 {
-            return Ok(());
-        }
-        ensure!(started.elapsed() < Duration::from_secs(30), "the pool never ran LISTEN");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    crate::harness::wait_for_count(
+        db,
+        "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database() AND query LIKE 'LISTEN%'",
+        "the pool ran LISTEN",
+    )
+    .await
 }
 
 async fn submit_and_wait(submitter: &Store, db: &TestDb, what: &str) -> Result<()> {
