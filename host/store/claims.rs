@@ -103,38 +103,64 @@ impl Store {
         Ok(claimed)
     }
 
-    /// SQLite: a batch of claims in one transaction and one commit (one
-    /// fsync under `synchronous=FULL`): one claim statement per owner and
-    /// lease length, for all of its claims' runs, which then go to those
-    /// claims in queue order, oldest run first.
+    /// SQLite: a batch of claims in one statement and one commit (one
+    /// fsync under `synchronous=FULL`). Claims that share an owner and a
+    /// lease length take their runs from one claim statement; a batch with
+    /// several owners or lease lengths gives every wanted run a slot
+    /// `[owner, ttl]` and leases each run it claims to its slot's owner
+    /// ([`super::sqlite::CLAIM_SLOTS`]). Each claim then takes its own
+    /// owner's and lease length's runs, in queue order, oldest run first.
     async fn claim_batch_sqlite(&self, claims: &[Claim]) -> Result<Vec<Result<Vec<Claimed>, StoreError>>, StoreError> {
-        if let [one] = claims {
-            // One statement needs no transaction around it.
-            let claimed = self.retry(|| self.claim_on(self.writer(), &one.owner, one.ttl, one.max)).await?;
-            return Ok(vec![Ok(claimed)]);
+        let first = &claims[0];
+        if claims.iter().all(|c| c.owner == first.owner && c.ttl == first.ttl) {
+            let total: i64 = claims.iter().map(|c| c.max).sum();
+            let claimed = self.retry(|| self.claim_on(self.writer(), &first.owner, first.ttl, total)).await?;
+            return Ok(deal(claims, claimed));
         }
-        self.retry(|| async move {
-            let mut tx = self.writer().begin().await?;
-            let mut results: Vec<Vec<Claimed>> = vec![Vec::new(); claims.len()];
-            let mut done = vec![false; claims.len()];
-            for (i, first) in claims.iter().enumerate() {
-                if done[i] {
-                    continue;
-                }
-                let group: Vec<usize> =
-                    (i..claims.len()).filter(|&k| !done[k] && claims[k].owner == first.owner && claims[k].ttl == first.ttl).collect();
-                let total: i64 = group.iter().map(|&k| claims[k].max).sum();
-                let mut claimed = self.claim_on(&mut *tx, &first.owner, first.ttl, total).await?.into_iter();
-                for k in group {
-                    done[k] = true;
-                    results[k] = claimed.by_ref().take(claims[k].max as usize).collect();
-                }
-            }
-            tx.commit().await?;
-            Ok(results.into_iter().map(Ok).collect())
-        })
-        .await
+        let slots: Vec<serde_json::Value> = claims
+            .iter()
+            .flat_map(|c| std::iter::repeat_n(serde_json::json!([c.owner, ms(c.ttl)]), c.max as usize))
+            .collect();
+        let (total, slots) = (slots.len() as i64, serde_json::Value::Array(slots).to_string());
+        let slots = slots.as_str();
+        let rows = self
+            .retry(|| async move {
+                Ok(sqlx::query(crate::store::sql!(self, super::sqlite::CLAIM_SLOTS))
+                    .bind(slots)
+                    .bind(total)
+                    .fetch_all(self.writer())
+                    .await?)
+            })
+            .await?;
+        let mut claimed = Vec::with_capacity(rows.len());
+        for row in &rows {
+            let run = Run::from_row(row)?;
+            let owner = run.lease_owner.clone().ok_or_else(|| StoreError::Corrupt(format!("claimed run {} has no lease owner", run.id)))?;
+            claimed.push(Claimed { lease: Lease { run_id: run.id, owner, fence: run.fence }, run });
+        }
+        claimed.sort_by_key(|c| c.run.id);
+        Ok(deal(claims, claimed))
     }
+}
+
+/// Deals `claimed` (oldest run first) to `claims` in queue order: each
+/// claim takes up to its `max` of the runs leased to its owner for its
+/// lease length.
+fn deal(claims: &[Claim], claimed: Vec<Claimed>) -> Vec<Result<Vec<Claimed>, StoreError>> {
+    let ttl_of = |c: &Claimed| c.run.lease_expires_at.zip(c.run.heartbeat_at).map(|(e, h)| e - h);
+    let mut left: Vec<Option<Claimed>> = claimed.into_iter().map(Some).collect();
+    claims
+        .iter()
+        .map(|want| {
+            let mine: Vec<Claimed> = left
+                .iter_mut()
+                .filter(|c| c.as_ref().is_some_and(|c| c.lease.owner == want.owner && ttl_of(c) == Some(ms(want.ttl))))
+                .take(want.max as usize)
+                .filter_map(Option::take)
+                .collect();
+            Ok(mine)
+        })
+        .collect()
 }
 
 /// Most claims written by one SQLite transaction.

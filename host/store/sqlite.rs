@@ -70,6 +70,26 @@ pub static DIALECT: Dialect = Dialect {
     ),
 };
 
+/// The claims of several owners or lease lengths in one statement (a
+/// group-committed batch, [`crate::store::Store::claim_batch`]): `$1` is a
+/// JSON list with one `[owner, ttl_ms]` slot per run wanted, `$2` its
+/// length. The k-th run the claim index yields takes the k-th slot; which
+/// claim gets which run does not matter, only that each gets its own.
+/// One statement, not one per owner: a statement's own cost (its trip to
+/// the connection's thread, its start-up, its `RETURNING` rows) was most
+/// of a single claim's.
+pub(super) const CLAIM_SLOTS: &str = concat!(
+    "WITH w AS (SELECT key AS k, value ->> 0 AS owner, value ->> 1 AS ttl FROM json_each($1)), ",
+    "p AS (SELECT id, row_number() OVER () - 1 AS k FROM (",
+    "SELECT id FROM runs INDEXED BY runs_claim WHERE ", crate::claimable!(),
+    " AND ", crate::eligible_at!(), " <= {now} AND attempt < max_attempts",
+    " ORDER BY ", crate::eligible_at!(), ", id LIMIT $2)) ",
+    "UPDATE runs SET status = 'running', lease_owner = w.owner, fence = fence + 1, attempt = attempt + 1, ",
+    "lease_expires_at = {now} + w.ttl, heartbeat_at = {now}, updated_at = {now}, ",
+    "started_at = COALESCE(started_at, {now}) ",
+    "FROM p JOIN w ON w.k = p.k WHERE runs.id = p.id RETURNING *"
+);
+
 /// Adds `mode=rwc` so the database file is created when missing.
 pub(super) fn normalize_url(url: &str) -> String {
     if url.contains("mode=") || url.contains(":memory:") {

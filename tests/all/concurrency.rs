@@ -49,6 +49,51 @@ both! {
     }
 }
 
+both! {
+    // On SQLite the claims made at once go to the database together (one
+    // statement for several owners and lease lengths); each must still get
+    // runs leased to its own owner, for its own lease length.
+    async fn claims_made_at_once_by_several_owners_each_lease_to_their_own_owner_and_length(db) {
+        const RUNS: i64 = 100;
+        ensure!(db.store.bulk_load_queued(RUNS, "p").await? == RUNS as u64);
+        for round in 0..3 {
+            let mut tasks = tokio::task::JoinSet::new();
+            for w in 0..12u64 {
+                let store = db.store.clone();
+                let (owner, ttl, max) = (format!("owner-{}", w % 4), TTL + std::time::Duration::from_millis(w % 3), 1 + (w % 3) as i64);
+                tasks.spawn(async move {
+                    let got = store.claim_batch(&owner, ttl, max).await?;
+                    Ok::<_, StoreError>((owner, ttl, max, got))
+                });
+            }
+            let mut ids = HashSet::new();
+            while let Some(r) = tasks.join_next().await {
+                let (owner, ttl, max, got) = r??;
+                ensure!(got.len() as i64 == max, "round {round}: {owner} asked for {max} runs and got {}", got.len());
+                for c in got {
+                    ensure!(ids.insert(c.run.id), "round {round}: run {} claimed twice", c.run.id);
+                    ensure!(c.lease.owner == owner && c.lease.fence == 1 && c.run.fence == 1);
+                    let (row_owner, expires, heartbeat): (String, i64, i64) =
+                        sqlx::query_as("SELECT lease_owner, lease_expires_at, heartbeat_at FROM runs WHERE id = $1")
+                            .bind(c.run.id)
+                            .fetch_one(db.store.pool())
+                            .await?;
+                    ensure!(row_owner == owner, "round {round}: run {} leased to {row_owner}, claimed by {owner}", c.run.id);
+                    ensure!(
+                        expires - heartbeat == ttl.as_millis() as i64,
+                        "round {round}: run {} leased for {} ms, asked {} ms",
+                        c.run.id,
+                        expires - heartbeat,
+                        ttl.as_millis()
+                    );
+                }
+            }
+            ensure!(ids.len() == 24, "round {round}: {} runs claimed", ids.len());
+        }
+        Ok(())
+    }
+}
+
 /// PostgreSQL runs two close batches at once: a batch held up in the
 /// database (here by a row lock another session holds) does not hold up
 /// the closes queued behind it, which go in a second batch at once rather
