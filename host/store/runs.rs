@@ -13,12 +13,34 @@ use crate::store::{Backend, Lease, NewRun, Run, RunStatus, Store, StoreError, di
 pub const MAX_SUBMIT_BATCH: usize = 1000;
 
 /// The `submitted` event's payload for `new`.
-fn submitted_payload(new: &NewRun) -> serde_json::Value {
+fn submitted_payload(new: &NewRun) -> String {
     submitted_payload_of(&new.plugin, &new.input)
 }
 
-fn submitted_payload_of(plugin: &str, input: &str) -> serde_json::Value {
-    json!({ "plugin": plugin, "input": input })
+/// Its fields in name order, as a `json!` object wrote them.
+fn submitted_payload_of(plugin: &str, input: &str) -> String {
+    #[derive(serde::Serialize)]
+    struct Submitted<'a> {
+        input: &'a str,
+        plugin: &'a str,
+    }
+    serde_json::to_string(&Submitted { input, plugin }).expect("a submitted payload serializes")
+}
+
+/// A submit as PostgreSQL's insert reads it (`jsonb_to_recordset`),
+/// serialized straight from the submit rather than through a `json!`
+/// object per run.
+#[derive(serde::Serialize)]
+struct PgSubmit<'a> {
+    i: usize,
+    thread_id: &'a str,
+    plugin: &'a str,
+    digest: &'a str,
+    input: &'a str,
+    key: Option<&'a str>,
+    max_attempts: i64,
+    payload: String,
+    secret: &'a str,
 }
 
 /// SQLite: writes a batch of submits inside the caller's transaction, in
@@ -68,7 +90,7 @@ async fn insert_runs_sqlite(store: &Store, conn: &mut AnyConnection, submits: &[
         for row in &bumped {
             let (thread, seq): (String, i64) = (row.try_get("id")?, row.try_get("last_seq")?);
             let run = inserted.get(&thread).ok_or_else(|| StoreError::Corrupt(format!("thread {thread} bumped without a run")))?;
-            events.push(json!([thread, seq, run.id, run.fence, submitted_payload_of(&run.plugin, &run.input).to_string()]));
+            events.push(json!([thread, seq, run.id, run.fence, submitted_payload_of(&run.plugin, &run.input)]));
         }
         sqlx::query(sql!(
             store,
@@ -192,19 +214,22 @@ impl Store {
     /// locks them, so two batches sharing threads wait rather than
     /// deadlock.
     async fn insert_runs_pg(&self, submits: &[Submit]) -> Result<Vec<(Run, bool)>, StoreError> {
-        let list: Vec<serde_json::Value> = submits
+        let list: Vec<PgSubmit> = submits
             .iter()
             .enumerate()
-            .map(|(i, s)| {
-                json!({
-                    "i": i, "thread_id": s.thread_id, "plugin": s.new.plugin,
-                    "digest": s.new.plugin_digest, "input": s.new.input,
-                    "key": s.new.idempotency_key, "max_attempts": s.max_attempts,
-                    "payload": submitted_payload(&s.new).to_string(), "secret": s.secret,
-                })
+            .map(|(i, s)| PgSubmit {
+                i,
+                thread_id: &s.thread_id,
+                plugin: &s.new.plugin,
+                digest: &s.new.plugin_digest,
+                input: &s.new.input,
+                key: s.new.idempotency_key.as_deref(),
+                max_attempts: s.max_attempts,
+                payload: submitted_payload(&s.new),
+                secret: &s.secret,
             })
             .collect();
-        let list = serde_json::Value::Array(list).to_string();
+        let list = serde_json::to_string(&list).map_err(|e| StoreError::Corrupt(format!("a submit batch: {e}")))?;
         let list = list.as_str();
         let carry = self.carry_announcement();
         let rows = self
