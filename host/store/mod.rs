@@ -210,9 +210,25 @@ impl Default for StoreOptions {
     }
 }
 
-/// A handle to the run store. Cheap to clone.
+/// A handle to the run store. Cheap to clone: one reference count, as
+/// every segment, request and batch writer holds a clone (cloning each
+/// pool, queue and the URL one by one was a measurable part of a submit's
+/// CPU).
 #[derive(Clone, Debug)]
-pub struct Store {
+pub struct Store(std::sync::Arc<StoreShared>);
+
+impl std::ops::Deref for Store {
+    type Target = StoreShared;
+
+    fn deref(&self) -> &StoreShared {
+        &self.0
+    }
+}
+
+/// What the clones of a [`Store`] share.
+#[doc(hidden)]
+#[derive(Debug)]
+pub struct StoreShared {
     /// Reads (and, on PostgreSQL, everything).
     pool: AnyPool,
     /// Writes. On SQLite a one-connection pool: SQLite has one writer at a
@@ -342,7 +358,7 @@ impl Store {
                 (pool.clone(), pool, maint)
             }
         };
-        let store = Store {
+        let store = Store(std::sync::Arc::new(StoreShared {
             pool,
             writer,
             maint,
@@ -359,7 +375,7 @@ impl Store {
             ledger_writes: Default::default(),
             hub: Default::default(),
             known_plugins: Default::default(),
-        };
+        }));
         if opts.migrate {
             store.migrate().await?;
         }
