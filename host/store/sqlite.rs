@@ -79,7 +79,7 @@ pub static DIALECT: Dialect = Dialect {
 /// the connection's thread, its start-up, its `RETURNING` rows) was most
 /// of a single claim's.
 pub(super) const CLAIM_SLOTS: &str = concat!(
-    "WITH w AS (SELECT key AS k, value ->> 0 AS owner, value ->> 1 AS ttl FROM json_each($1)), ",
+    "WITH w AS (SELECT key AS k, value ->> 0 AS owner, value ->> 1 AS ttl FROM jsonb_each($1)), ",
     "p AS (SELECT id, row_number() OVER () - 1 AS k FROM (",
     "SELECT id FROM runs INDEXED BY runs_claim WHERE ", crate::claimable!(),
     " AND ", crate::eligible_at!(), " <= {now} AND attempt < max_attempts",
