@@ -104,15 +104,15 @@ impl Store {
     }
 
     /// SQLite: a batch of claims in one statement and one commit (one
-    /// fsync under `synchronous=FULL`). Claims that share an owner and a
-    /// lease length take their runs from one claim statement; a batch with
-    /// several owners or lease lengths gives every wanted run a slot
-    /// `[owner, ttl]` and leases each run it claims to its slot's owner
-    /// ([`super::sqlite::CLAIM_SLOTS`]). Each claim then takes its own
-    /// owner's and lease length's runs, in queue order, oldest run first.
+    /// fsync under `synchronous=FULL`). Claims of one owner take their runs
+    /// from one claim statement; a batch with several owners gives every
+    /// wanted run a slot `[owner, ttl]` and leases each run it claims to
+    /// its slot's owner ([`super::sqlite::CLAIM_SLOTS`]). Each claim then
+    /// takes its own owner's runs, in queue order, oldest run first (a
+    /// batch holds one lease length per owner: `Claim`'s `take`).
     async fn claim_batch_sqlite(&self, claims: &[Claim]) -> Result<Vec<Result<Vec<Claimed>, StoreError>>, StoreError> {
         let first = &claims[0];
-        if claims.iter().all(|c| c.owner == first.owner && c.ttl == first.ttl) {
+        if claims.iter().all(|c| c.owner == first.owner) {
             let total: i64 = claims.iter().map(|c| c.max).sum();
             let claimed = self.retry(|| self.claim_on(self.writer(), &first.owner, first.ttl, total)).await?;
             return Ok(deal(claims, claimed));
@@ -144,17 +144,15 @@ impl Store {
 }
 
 /// Deals `claimed` (oldest run first) to `claims` in queue order: each
-/// claim takes up to its `max` of the runs leased to its owner for its
-/// lease length.
+/// claim takes up to its `max` of the runs leased to its owner.
 fn deal(claims: &[Claim], claimed: Vec<Claimed>) -> Vec<Result<Vec<Claimed>, StoreError>> {
-    let ttl_of = |c: &Claimed| c.run.lease_expires_at.zip(c.run.heartbeat_at).map(|(e, h)| e - h);
     let mut left: Vec<Option<Claimed>> = claimed.into_iter().map(Some).collect();
     claims
         .iter()
         .map(|want| {
             let mine: Vec<Claimed> = left
                 .iter_mut()
-                .filter(|c| c.as_ref().is_some_and(|c| c.lease.owner == want.owner && ttl_of(c) == Some(ms(want.ttl))))
+                .filter(|c| c.as_ref().is_some_and(|c| c.lease.owner == want.owner))
                 .take(want.max as usize)
                 .filter_map(Option::take)
                 .collect();
@@ -188,8 +186,12 @@ impl group::Batched for Claim {
         &store.claims
     }
 
+    /// One lease length per owner in a batch (a host's claims all share
+    /// one): a claimed run then belongs to its owner's claims, whatever
+    /// lease it got. A claim with another length waits for the next batch.
     fn take(store: &Store) -> Vec<(Claim, group::Reply<Vec<Claimed>>)> {
-        store.claims.take(MAX_BATCH, |_| true)
+        let mut ttls: std::collections::HashMap<String, Duration> = Default::default();
+        store.claims.take(MAX_BATCH, |c| *ttls.entry(c.owner.clone()).or_insert(c.ttl) == c.ttl)
     }
 
     async fn write(store: &Store, claims: &[Claim]) -> Result<Vec<Result<Vec<Claimed>, StoreError>>, StoreError> {
