@@ -627,7 +627,15 @@ async fn chaos(backend: Backend) -> Result<()> {
     drop(cluster);
     store.shutdown().await;
     if result.is_err() {
-        // Keep the host logs for a failed run.
+        // Keep the host logs for a failed run, and print their warnings:
+        // CI keeps only this output, not the directory.
+        for h in 0..HOSTS {
+            let text = std::fs::read_to_string(dir.path().join(format!("host-{h}.log"))).unwrap_or_default();
+            let warnings: Vec<&str> = text.lines().filter(|l| l.contains("WARN") || l.contains("ERROR")).collect();
+            for l in &warnings[warnings.len().saturating_sub(15)..] {
+                eprintln!("chaos host-{h}.log: {l}");
+            }
+        }
         let kept = dir.keep();
         eprintln!("chaos {}: host logs kept in {}", backend.name(), kept.display());
     }
@@ -1022,6 +1030,8 @@ async fn inject(
                 if tested || rounds == 3 {
                     break round;
                 }
+                // Logged, so a run that fails after three rounds shows why each was retried.
+                eprintln!("chaos: zombie {owner} round {rounds} tested nothing ({round:?}); again");
             };
             let mut unbitten = counters.unbitten.lock().unwrap();
             let Some((held, taken, rejected, after)) = stopped else {
