@@ -238,8 +238,8 @@ pub struct StoreShared {
     /// `pool`.
     writer: AnyPool,
     /// Renewals and the reaper. On PostgreSQL a small pool of its own whose
-    /// sessions have a `lock_timeout` (see [`StoreOptions::pg_lock_timeout`]);
-    /// on SQLite the writer.
+    /// sessions have a `lock_timeout` (see [`StoreOptions::pg_lock_timeout`])
+    /// and are pinged before each use; on SQLite the writer.
     maint: AnyPool,
     backend: Backend,
     /// This database's random id (table `deployment`), read once: the first
@@ -354,7 +354,12 @@ impl Store {
             }
             Backend::Postgres => {
                 let pool = pg_session(pool_options(max, false), None).connect_with(connect.clone()).await?;
-                let maint = pg_session(pool_options(4, false), Some(opts.pg_lock_timeout)).connect_with(connect).await?;
+                // Renewals and the reaper do test each session first: they
+                // are few, and a segment's last renewal before it gives its
+                // run up must not fail on a session a restart left dead.
+                let maint = pg_session(pool_options(4, false).test_before_acquire(true), Some(opts.pg_lock_timeout))
+                    .connect_with(connect)
+                    .await?;
                 (pool.clone(), pool, maint)
             }
         };

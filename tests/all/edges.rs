@@ -52,6 +52,34 @@ both! {
         Ok(())
     }
 
+    async fn a_renewal_after_the_database_dropped_its_sessions_is_not_lost_to_a_dead_connection(db) {
+        // After a PostgreSQL restart every idle pooled session is dead, and
+        // the pool finds out only by using it. A segment past its local
+        // deadline asks once before it gives its run up: that ask failed on
+        // a dead session (seen in the chaos suite after a restart) and the
+        // run was given up though its lease was still good.
+        let s = &db.store;
+        submit(s, 3).await?;
+        let a = s.claim("a", TTL).await?.ok_or_else(|| anyhow::anyhow!("nothing to claim"))?;
+        // Renewals' sessions are open and idle.
+        s.renew(&a.lease, TTL).await?;
+        if db.backend == leasehold::store::Backend::Postgres {
+            use sqlx::Connection;
+            let mut outside = sqlx::PgConnection::connect(db.url()).await?;
+            let ended: Vec<bool> = sqlx::query_scalar(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+                 WHERE datname = current_database() AND pid <> pg_backend_pid()",
+            )
+            .fetch_all(&mut outside)
+            .await?;
+            ensure!(!ended.is_empty(), "no session to end");
+            outside.close().await?;
+        }
+        let renewed = s.renew(&a.lease, TTL).await;
+        ensure!(renewed.is_ok(), "the renewal failed: {renewed:?}");
+        Ok(())
+    }
+
     async fn the_sqlite_writer_keeps_a_small_page_cache_and_its_temporary_files_in_memory(db) {
         // The writer keeps SQLite's 2 MiB: a larger cache is walked whole
         // by every commit that split a b-tree page. Without temp_store it
