@@ -56,8 +56,8 @@ both! {
         // After a PostgreSQL restart every idle pooled session is dead, and
         // the pool finds out only by using it. A segment past its local
         // deadline asks once before it gives its run up: that ask failed on
-        // a dead session (seen in the chaos suite after a restart) and the
-        // run was given up though its lease was still good.
+        // a dead session, so a zombie in the chaos suite gave its run up
+        // with no refusal seen, and a live host would give a good lease up.
         let s = &db.store;
         submit(s, 3).await?;
         let a = s.claim("a", TTL).await?.ok_or_else(|| anyhow::anyhow!("nothing to claim"))?;
