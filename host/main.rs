@@ -127,6 +127,8 @@ fn init_logs(format: LogFormat) {
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        // Colour on a terminal only: a log file or journal gets plain text.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_timer(leasehold::clock::LogTime);
     match format {
         LogFormat::Text => builder.init(),

@@ -185,4 +185,22 @@ both! {
         ensure!(status == "waiting_takeover" && owner.is_none(), "after SIGTERM the run is {status}, owner {owner:?}");
         Ok(())
     }
+
+    async fn logs_written_to_a_file_are_plain_text_without_colour_codes(db) {
+        // An operator's log file or journal must not fill with terminal
+        // escapes; colour is for a terminal only.
+        leasehold::effects::http::install_tls();
+        let dir = tempfile::tempdir()?;
+        let http = crate::serve_proc::client(reqwest::Client::builder())?;
+        let mut args = ServeArgs::new(db.url(), dir.path(), "host-log".into())?;
+        // Test hosts log at warn; a clock skew is warned of at start.
+        args.extra = vec!["--test-clock-skew-ms=1".into()];
+        let host = ServeProc::spawn(&args)?;
+        host.wait_healthy(&http, Duration::from_secs(60)).await?;
+        drop(host);
+        let log = std::fs::read_to_string(&args.log)?;
+        ensure!(log.contains("WARN"), "no log lines: {log:?}");
+        ensure!(!log.contains('\x1b'), "colour codes in a log file: {:?}", &log[..log.len().min(300)]);
+        Ok(())
+    }
 }
