@@ -25,6 +25,11 @@ use leasehold::runtime::replay::Recorded;
 use leasehold::runtime::{Limits, Plugin, Runtime, RuntimeConfig};
 use leasehold::store::{EffectRow, Lease, NewRun, Store};
 
+/// The service's allocator (see `host/main.rs`), so these figures are the
+/// service's.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
 }
