@@ -853,19 +853,34 @@ async fn deliver_twice(cluster: &Cluster<'_>, counters: &Counters, id: i64) -> R
     }
     ensure!(accepted == 1 || [&a, &b].iter().all(|(s, _)| *s == 409), "run {id}: deliveries answered {a:?} and {b:?}");
     if accepted == 0 {
-        // Both refused: the run was not waiting at either moment (it was
-        // being resumed); try once more until it takes.
+        // Both refused: either the run was not waiting at either moment (it
+        // was being resumed), or one delivery was taken and its answer lost
+        // (`call` re-sends to another host when a host dies after its
+        // commit, and that re-send is refused as already delivered). Try
+        // again until one takes or the run shows it has its input; the
+        // audit checks that it completed with it.
         loop {
             let (s, body) = send(3).await?;
             if s == 200 {
                 break;
             }
             ensure!(s == 409, "run {id}: input answered {s} {body}");
-            ensure!(Instant::now() < deadline, "run {id}: input never accepted");
+            let (_, run) = call(cluster, id as u64, |http, base| http.get(format!("{base}/v1/runs/{id}"))).await?;
+            if input_taken(&run) {
+                break;
+            }
+            ensure!(Instant::now() < deadline, "run {id}: input never accepted; last answer 409 {body}, the run {run}");
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
     }
     Ok(())
+}
+
+/// Whether a `wait` run's JSON shows it has its input: pending, or the run
+/// ended (the audit then checks that it completed with it).
+fn input_taken(run: &Value) -> bool {
+    let ended = matches!(run["status"].as_str(), Some("completed" | "failed" | "aborted" | "cancelled"));
+    ended || !run["pending_input"].is_null()
 }
 
 async fn wait_recoveries(counters: &Counters) {
