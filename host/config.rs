@@ -69,10 +69,12 @@ pub struct ServeOptions {
     /// [default: 16]
     #[arg(long, env = "LEASEHOLD_CLAIM_BATCH")]
     pub claim_batch: Option<usize>,
-    /// Runs claimed ahead of free workers and queued on this host, so a
-    /// worker that frees finds a run already leased. Queued runs hold
-    /// leases: one that waits a third of --lease-ttl-ms is given back, and
-    /// so are all at shutdown. 0 turns the queue off. [default: 0]
+    /// Most runs claimed ahead of free workers and queued on this host, so
+    /// a worker that frees finds a run already leased and its close is
+    /// written behind it. The queue holds about a second of the workers'
+    /// pace, up to this. Queued runs hold leases: one that waits a third
+    /// of --lease-ttl-ms is given back, and so are all at shutdown. 0
+    /// turns the queue off. [default: 4 × --workers, at least 64]
     #[arg(long, env = "LEASEHOLD_PREFETCH")]
     pub prefetch: Option<usize>,
     /// Lease length in ms: how long a dead host's runs wait before another
@@ -190,6 +192,7 @@ impl ServeOptions {
             (None, true) => (None, None),
             (None, false) => (Some(load_or_create_token(&token_file)?), Some(token_file)),
         };
+        let workers = self.workers.or(file.workers).unwrap_or(4);
         let serve = Serve {
             listen: self.listen.or(file.listen).unwrap_or_else(|| "127.0.0.1:8080".parse().unwrap()),
             api_token,
@@ -200,9 +203,9 @@ impl ServeOptions {
             retention: parse_duration(self.retention.or(file.retention).as_deref().unwrap_or("7d"))
                 .context("--retention")?,
             database_url,
-            workers: self.workers.or(file.workers).unwrap_or(4),
+            workers,
             claim_batch: self.claim_batch.or(file.claim_batch).unwrap_or(16),
-            prefetch: self.prefetch.or(file.prefetch).unwrap_or(0),
+            prefetch: self.prefetch.or(file.prefetch).unwrap_or_else(|| leasehold::pool::PoolConfig::default_prefetch(workers)),
             lease_ttl: ms(self.lease_ttl_ms.or(file.lease_ttl_ms).unwrap_or(30_000)),
             reaper_interval: ms(self.reaper_interval_ms.or(file.reaper_interval_ms).unwrap_or(5_000)),
             poll: ms(self.poll_ms.or(file.poll_ms).unwrap_or(1_000)),

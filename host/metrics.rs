@@ -76,6 +76,9 @@ pub struct Metrics {
     /// Runs the local queue gave back unstarted: at shutdown, or after
     /// waiting too long for a worker.
     pub prefetch_given_back: AtomicU64,
+    /// Closes being written behind the workers that made them, which have
+    /// gone on to queued runs (a gauge; see `pool`).
+    pub closes_behind: AtomicU64,
     /// Vacuums of `runs` this host ran (PostgreSQL; see `vacuum`).
     pub runs_vacuums: AtomicU64,
     /// Rows the retention cleaner deleted (see `cleaner`).
@@ -160,6 +163,12 @@ impl Metrics {
             "# HELP leasehold_prefetched_runs Runs claimed ahead of free workers, waiting in the local queue.\n\
              # TYPE leasehold_prefetched_runs gauge\nleasehold_prefetched_runs {}",
             self.prefetched.load(Relaxed)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP leasehold_closes_behind Closes being written behind workers that went on to queued runs.\n\
+             # TYPE leasehold_closes_behind gauge\nleasehold_closes_behind {}",
+            self.closes_behind.load(Relaxed)
         );
         counter(
             &mut out,

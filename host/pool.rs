@@ -14,6 +14,14 @@
 //! runs are queued locally, which go first; the slot returns to the
 //! dispatcher when a close finds nothing to claim.
 //!
+//! With a local queue, a slot does not wait for its close either: once its
+//! guest has returned it starts a queued run, and the close (with the next
+//! claim it carries, which refills the queue) is written behind it. So the
+//! closes waiting to be written are not bounded by the slots, and a batch
+//! of closes fills with every turn that ended while the last was written,
+//! as a job queue's batched completions do. At most [`closes_behind_max`]
+//! closes are behind their slots at once.
+//!
 //! Why one claimer rather than one per slot: under load, slots free up
 //! while a claim is in flight, so the next claim takes them together, one
 //! round trip for several runs; and an announcement wakes one claimer,
@@ -21,8 +29,9 @@
 //!
 //! Shutdown: [`WorkerPool::shutdown`] stops claiming, lets running segments
 //! finish for the grace period, then stops the rest, which suspend their
-//! runs as `waiting_takeover` and so release their leases; queued runs are
-//! given back unstarted. Segment futures
+//! runs as `waiting_takeover` and so release their leases; closes behind
+//! their slots are written, and queued runs are given back unstarted.
+//! Segment futures
 //! are awaited, never cancelled: a store future dropped half-way could leave
 //! its pooled connection inside an open transaction.
 
@@ -48,15 +57,28 @@ pub struct PoolConfig {
     /// Most runs taken by one claim statement (never more than the free
     /// slots plus the room in the local queue). Default: 16.
     pub claim_batch: usize,
-    /// Runs claimed ahead of free workers and held in a local queue, so a
-    /// worker that frees finds a run already leased (see [`Local`]).
-    /// Default: 0, none.
+    /// Most runs claimed ahead of free workers and held in a local queue,
+    /// so a worker that frees finds a run already leased and leaves its
+    /// close to be written behind it (see [`Local`]); the queue holds
+    /// about a second of the workers' pace, up to this. 0 turns it off.
+    /// Default: [`PoolConfig::default_prefetch`], 64 for 4 workers.
     pub prefetch: usize,
+}
+
+impl PoolConfig {
+    /// The default `prefetch` for `workers`: four runs a worker, at least
+    /// 64. Short turns drain fastest with a queue this deep (a PostgreSQL
+    /// drain of no-op turns at 64 workers ran about 1.5 times as fast
+    /// with 256 as with none; see docs/benchmarks.md), and the pace
+    /// keeps it short for long turns.
+    pub fn default_prefetch(workers: usize) -> usize {
+        (4 * workers).max(64)
+    }
 }
 
 impl Default for PoolConfig {
     fn default() -> Self {
-        PoolConfig { workers: 4, poll: Duration::from_secs(1), claim_batch: 16, prefetch: 0 }
+        PoolConfig { workers: 4, poll: Duration::from_secs(1), claim_batch: 16, prefetch: PoolConfig::default_prefetch(4) }
     }
 }
 
@@ -64,6 +86,7 @@ pub struct WorkerPool {
     executor: Arc<Executor>,
     stop_claiming: watch::Sender<bool>,
     tasks: JoinSet<()>,
+    local: Arc<Local>,
 }
 
 impl WorkerPool {
@@ -73,8 +96,14 @@ impl WorkerPool {
         if store.backend() == Backend::Postgres {
             tasks.spawn(listen(store.clone(), stopping.clone()));
         }
-        tasks.spawn(dispatch(store, executor.clone(), config, stopping));
-        WorkerPool { executor, stop_claiming, tasks }
+        let local = Arc::new(Local::new(executor.config().lease_ttl, config.prefetch, closes_behind_max(store.backend())));
+        tasks.spawn(dispatch(store, executor.clone(), config, local.clone(), stopping));
+        WorkerPool { executor, stop_claiming, tasks, local }
+    }
+
+    /// Closes being written behind the workers that made them, now.
+    pub fn closes_behind(&self) -> usize {
+        self.local.behind.load(Ordering::Relaxed)
     }
 
     /// Stops claiming, waits up to `grace` for running segments, then stops
@@ -101,19 +130,129 @@ impl WorkerPool {
 /// than run with its lease at risk; so are the runs still queued at
 /// shutdown ([`Store::give_back`]). A host that dies with runs queued
 /// leaves them to expire and be reclaimed, as with any claim.
+///
+/// The queue holds about [`QUEUE_HORIZON`] of this host's work, and never
+/// more than `prefetch` runs: a host with long turns queues a few, one
+/// with short turns many ([`Local::target`]).
+///
+/// It also bounds the closes written behind their slots: each holds one of
+/// `closing`'s permits, and a close that will claim a run for the queue is
+/// counted in `wanting` until it is written, so the queue and the claims on
+/// their way to it stay within the target.
 struct Local {
     queue: std::sync::Mutex<std::collections::VecDeque<(Claimed, Instant)>>,
     /// Longest a queued run may wait: a third of the lease.
     max_wait: Duration,
+    /// The queue's length, with `wanting`, at most.
+    prefetch: usize,
+    /// Segments ended, which the pace counts.
+    ended: std::sync::atomic::AtomicU64,
+    pace: std::sync::Mutex<Pace>,
+    /// Closes behind their slots that claim a run for the queue.
+    wanting: std::sync::atomic::AtomicUsize,
+    /// Permits for closes behind their slots ([`closes_behind_max`]).
+    closing: Arc<Semaphore>,
+    closing_max: u32,
+    /// Woken when a run joins the queue from a close behind its slot.
+    pushed: tokio::sync::Notify,
+    /// Woken when the queue has room for a claim of its own: half of it is
+    /// free, counting the claims on their way.
+    room_grew: tokio::sync::Notify,
+    /// Closes behind their slots now.
+    behind: std::sync::atomic::AtomicUsize,
 }
 
 impl Local {
-    fn new(lease_ttl: Duration) -> Local {
-        Local { queue: Default::default(), max_wait: lease_ttl / 3 }
+    fn new(lease_ttl: Duration, prefetch: usize, closes_behind: usize) -> Local {
+        let closing_max = if prefetch == 0 { 0 } else { closes_behind.min(Semaphore::MAX_PERMITS) as u32 };
+        Local {
+            queue: Default::default(),
+            max_wait: lease_ttl / 3,
+            prefetch,
+            ended: Default::default(),
+            // Until a pace is measured, the whole of `prefetch`.
+            pace: std::sync::Mutex::new(Pace {
+                since: Instant::now(),
+                ended: 0,
+                per_sec: (prefetch as f64) / QUEUE_HORIZON.as_secs_f64(),
+                target: prefetch,
+            }),
+            wanting: Default::default(),
+            closing: Arc::new(Semaphore::new(closing_max as usize)),
+            closing_max,
+            pushed: tokio::sync::Notify::new(),
+            room_grew: tokio::sync::Notify::new(),
+            behind: Default::default(),
+        }
     }
 
     fn len(&self) -> usize {
         self.queue.lock().expect("local queue lock").len()
+    }
+
+    /// How many runs the queue should hold, with the claims on their way:
+    /// what the workers get through in [`QUEUE_HORIZON`] at their pace (a
+    /// moving average over windows of at least [`PACE_WINDOW`]), at most
+    /// `prefetch`. A target that grows wakes the dispatcher to fill it.
+    fn target(&self) -> usize {
+        if self.prefetch == 0 {
+            return 0;
+        }
+        let mut pace = self.pace.lock().expect("pace lock");
+        let elapsed = pace.since.elapsed();
+        if elapsed >= PACE_WINDOW {
+            let ended = self.ended.load(Ordering::Relaxed);
+            let per_sec = (ended - pace.ended) as f64 / elapsed.as_secs_f64();
+            // Half the last window, half the ones before: a window that a
+            // long turn's end missed does not empty the queue.
+            pace.per_sec = (pace.per_sec + per_sec) / 2.0;
+            let target = ((pace.per_sec * QUEUE_HORIZON.as_secs_f64()).round() as usize).min(self.prefetch);
+            if target > pace.target {
+                self.room_grew.notify_one();
+            }
+            (pace.since, pace.ended, pace.target) = (Instant::now(), ended, target);
+        }
+        pace.target
+    }
+
+    /// Room in the queue, less the claims on their way to it.
+    fn room(&self) -> usize {
+        self.target().saturating_sub(self.len() + self.wanting.load(Ordering::Relaxed))
+    }
+
+    /// Counts a segment that ended, for the pace.
+    fn ended(&self) {
+        self.ended.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A close that is to claim a run for the queue, if it has room.
+    fn reserve(&self) -> bool {
+        let room = self.room() > 0;
+        if room {
+            self.wanting.fetch_add(1, Ordering::Relaxed);
+        }
+        room
+    }
+
+    fn unreserve(&self, reserved: bool) {
+        if reserved {
+            self.wanting.fetch_sub(1, Ordering::Relaxed);
+            self.freed();
+        }
+    }
+
+    /// Tells the dispatcher when the queue is half free, so it tops it up
+    /// with one claim statement though no slot is free.
+    fn freed(&self) {
+        let room = self.room();
+        if room > 0 && room * 2 >= self.target() {
+            self.room_grew.notify_one();
+        }
+    }
+
+    /// Waits for every close behind its slot to be written.
+    async fn closes_written(&self) {
+        let _all = self.closing.acquire_many(self.closing_max).await;
     }
 
     fn push(&self, claimed: Claimed) {
@@ -125,6 +264,7 @@ impl Local {
         let popped = self.queue.lock().expect("local queue lock").pop_front();
         if popped.is_some() {
             crate::metrics::global().prefetched.fetch_sub(1, Ordering::Relaxed);
+            self.freed();
         }
         popped
     }
@@ -166,24 +306,51 @@ async fn give_back(store: &Store, claimed: &Claimed) {
     }
 }
 
+/// About how much work the local queue holds: a second of what the
+/// workers get through. Long turns then queue a few runs (another host
+/// may be idle), short ones enough that a worker never waits for a claim.
+const QUEUE_HORIZON: Duration = Duration::from_secs(1);
+
+/// The shortest time over which the workers' pace is measured: 250 ms.
+const PACE_WINDOW: Duration = Duration::from_millis(250);
+
+/// The workers' pace: segments ended by `since`, their moving rate, and
+/// the queue's target.
+struct Pace {
+    since: Instant,
+    ended: u64,
+    per_sec: f64,
+    target: usize,
+}
+
+/// Most closes behind their slots at once: a full batch for each of the
+/// backend's batch writers and one more waiting (PostgreSQL 3 × 64,
+/// SQLite 2 × 32), however few the workers, so that batches fill.
+fn closes_behind_max(backend: Backend) -> usize {
+    crate::store::closes_max_batch(backend) * (crate::store::close_writers(backend) + 1)
+}
+
 /// Claims runs for free slots (and, with `prefetch`, for the local queue)
 /// and runs each in its own task until told to stop; then gives back the
 /// queued runs and waits for the running segments.
-async fn dispatch(store: Store, exec: Arc<Executor>, config: PoolConfig, mut stopping: watch::Receiver<bool>) {
+async fn dispatch(store: Store, exec: Arc<Executor>, config: PoolConfig, local: Arc<Local>, mut stopping: watch::Receiver<bool>) {
     let slots = Arc::new(Semaphore::new(config.workers.max(1)));
-    let local = Arc::new(Local::new(exec.config().lease_ttl));
     let mut running: JoinSet<()> = JoinSet::new();
     let mut backoff = Duration::from_millis(100);
     let batch = config.claim_batch.max(1);
     while !*stopping.borrow() {
         while running.try_join_next().is_some() {}
-        let room = config.prefetch.saturating_sub(local.len());
-        // A free slot; with room in the local queue, claim without one.
-        let first = if room > 0 {
+        let room = local.room();
+        // A free slot; with room in the local queue, claim without one. A
+        // queue less than half empty is left to the closes behind their
+        // slots, which refill it a run each: topping it up here would be a
+        // claim statement for a run or two.
+        let first = if room > 0 && room * 2 >= local.target() {
             slots.clone().try_acquire_owned().ok()
         } else {
             tokio::select! {
                 permit = slots.clone().acquire_owned() => Some(permit.expect("the slot semaphore is never closed")),
+                _ = local.room_grew.notified(), if config.prefetch > 0 => continue,
                 _ = stopping.changed() => break,
             }
         };
@@ -223,9 +390,15 @@ async fn dispatch(store: Store, exec: Arc<Executor>, config: PoolConfig, mut sto
                     // now, so wait for a signal rather than ask again at
                     // once. A signal sent while the claim ran is kept as a
                     // permit of the `Notify` (see `Store::signal_work`), so
-                    // it is not lost.
+                    // it is not lost. Runs this claim queued may have found
+                    // every slot busy and the slots gone idle since, having
+                    // looked at the queue before they came: a slot that
+                    // frees takes them.
+                    let queued = local.len() > 0;
                     tokio::select! {
                         _ = store.work_signal().notified() => {}
+                        _ = local.pushed.notified() => {}
+                        _ = slots.clone().acquire_owned(), if queued => {}
                         _ = tokio::time::sleep(config.poll) => {}
                         _ = stopping.changed() => {}
                     }
@@ -246,8 +419,10 @@ async fn dispatch(store: Store, exec: Arc<Executor>, config: PoolConfig, mut sto
     }
     local.give_back_all(&store).await;
     while running.join_next().await.is_some() {}
+    local.closes_written().await;
     // A segment that ended after the stop may have found the queue empty
-    // and a run the dispatcher queued after; nothing is queued now.
+    // and a run the dispatcher queued after, and a close behind its slot
+    // may have claimed one; nothing is queued now.
     local.give_back_all(&store).await;
 }
 
@@ -255,7 +430,9 @@ async fn dispatch(store: Store, exec: Arc<Executor>, config: PoolConfig, mut sto
 /// task then runs a queued run if there is one; if not, a segment that
 /// finishes its turn claims the next run in its close (one round trip for
 /// both) and the task runs that one, until a close finds nothing to claim
-/// or the pool stops claiming.
+/// or the pool stops claiming. With a local queue, a segment whose guest
+/// has returned while a run is queued leaves its close to be written
+/// behind the slot ([`behind`]), and the slot starts the queued run.
 fn spawn_segment(
     running: &mut JoinSet<()>,
     exec: &Arc<Executor>,
@@ -270,23 +447,107 @@ fn spawn_segment(
     running.spawn(async move {
         let mut next = Some(claimed);
         while let Some(claimed) = next.take() {
-            let run_id = claimed.run.id;
             let go_on = !*stopping.borrow();
-            // With runs queued here, the close claims nothing more.
-            let take_next = go_on && local.len() == 0;
-            match exec.run_claimed_then(claimed, take_next).await {
-                Ok((outcome, then)) => {
-                    tracing::debug!(run_id, ?outcome, "segment done");
-                    next = then;
+            let closing = if go_on { local.closing.clone().try_acquire_owned().ok() } else { None };
+            next = match closing {
+                Some(permit) => behind(&exec, &store, &local, claimed, permit, &stopping).await,
+                None => {
+                    let run_id = claimed.run.id;
+                    // With runs queued here, the close claims nothing more.
+                    let take_next = go_on && local.len() == 0;
+                    settled(&local, run_id, Ok(exec.run_claimed_then(claimed, take_next).await))
                 }
-                Err(e) => tracing::warn!(run_id, error = %e, "segment abandoned: the database failed"),
-            }
+            };
             if next.is_none() && !*stopping.borrow() {
                 next = local.take(&store).await;
             }
         }
         drop(slot);
     });
+}
+
+/// One segment whose close may be written behind its slot: runs it in a
+/// task of its own and, once its guest has returned, returns a queued run
+/// for the slot if there is one, leaving the segment to finish (its close,
+/// and the run that claims for the queue) under `permit`. With nothing
+/// queued, waits for the segment and returns the run its close claimed.
+async fn behind(
+    exec: &Arc<Executor>,
+    store: &Store,
+    local: &Arc<Local>,
+    claimed: Claimed,
+    permit: OwnedSemaphorePermit,
+    stopping: &watch::Receiver<bool>,
+) -> Option<Claimed> {
+    let run_id = claimed.run.id;
+    // Claims for the queue if it has room; with nothing queued, this run's
+    // own next run is the one its slot takes.
+    let reserved = local.reserve();
+    let take_next = reserved || local.len() == 0;
+    let (done, guest_returned) = tokio::sync::oneshot::channel();
+    let exec = exec.clone();
+    let mut segment = tokio::spawn(async move { exec.run_claimed_signalling(claimed, take_next, Some(done)).await });
+    let ended = tokio::select! {
+        biased;
+        r = &mut segment => Some(r),
+        // Sent, or dropped by a segment that ran no guest and is ending.
+        _ = guest_returned => None,
+    };
+    let queued = match ended {
+        Some(_) => None,
+        None if *stopping.borrow() => None,
+        None => local.take(store).await,
+    };
+    let Some(queued) = queued else {
+        // The run this close claims, if any, is this slot's, not the queue's.
+        local.unreserve(reserved);
+        let result = match ended {
+            Some(r) => r,
+            None => segment.await,
+        };
+        drop(permit);
+        return settled(local, run_id, result);
+    };
+    let local = local.clone();
+    let gauge = &crate::metrics::global().closes_behind;
+    gauge.fetch_add(1, Ordering::Relaxed);
+    local.behind.fetch_add(1, Ordering::Relaxed);
+    tokio::spawn(async move {
+        let got = settled(&local, run_id, segment.await);
+        gauge.fetch_sub(1, Ordering::Relaxed);
+        local.behind.fetch_sub(1, Ordering::Relaxed);
+        local.unreserve(reserved);
+        if let Some(claimed) = got {
+            local.push(claimed);
+            local.pushed.notify_one();
+        }
+        drop(permit);
+    });
+    Some(queued)
+}
+
+/// A segment's end, logged and counted for the pace: the run its close
+/// claimed, if any.
+fn settled(
+    local: &Local,
+    run_id: i64,
+    result: Result<Result<(crate::executor::SegmentOutcome, Option<Claimed>), crate::store::StoreError>, tokio::task::JoinError>,
+) -> Option<Claimed> {
+    local.ended();
+    match result {
+        Ok(Ok((outcome, then))) => {
+            tracing::debug!(run_id, ?outcome, "segment done");
+            then
+        }
+        Ok(Err(e)) => {
+            tracing::warn!(run_id, error = %e, "segment abandoned: the database failed");
+            None
+        }
+        Err(e) => {
+            tracing::error!(run_id, error = %e, "segment task failed; the run is claimable again when its lease expires");
+            None
+        }
+    }
 }
 
 /// PostgreSQL: relays `NOTIFY leasehold_work` from other hosts to this

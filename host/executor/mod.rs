@@ -159,9 +159,24 @@ impl Executor {
         claimed: Claimed,
         take_next: bool,
     ) -> Result<(SegmentOutcome, Option<Claimed>), StoreError> {
+        self.run_claimed_signalling(claimed, take_next, None).await
+    }
+
+    /// [`Executor::run_claimed_then`], sending `guest_done` once the guest
+    /// has returned and its instance is gone, before the segment's last
+    /// write: from then on the segment holds no Wasm instance, only its
+    /// close in flight, so the worker pool may start another guest while
+    /// it is written. Dropped unsent when no guest ran (an unknown plugin,
+    /// a lost lease before the call).
+    pub async fn run_claimed_signalling(
+        &self,
+        claimed: Claimed,
+        take_next: bool,
+        guest_done: Option<tokio::sync::oneshot::Sender<()>>,
+    ) -> Result<(SegmentOutcome, Option<Claimed>), StoreError> {
         let metrics = crate::metrics::global();
         let started = Instant::now();
-        let mut next = Handoff { want: take_next, got: None };
+        let mut next = Handoff { want: take_next, got: None, guest_done };
         let (run_id, fence) = (claimed.run.id, claimed.lease.fence);
         let outcome = self.segment(claimed, &mut next).await;
         if let Ok(SegmentOutcome::LeaseLost) = &outcome {
@@ -194,7 +209,7 @@ impl Executor {
 
     /// Runs one segment of a run this worker has claimed.
     pub async fn run_segment(&self, claimed: Claimed) -> Result<SegmentOutcome, StoreError> {
-        self.segment(claimed, &mut Handoff { want: false, got: None }).await
+        self.segment(claimed, &mut Handoff { want: false, got: None, guest_done: None }).await
     }
 
     async fn segment(&self, claimed: Claimed, next: &mut Handoff) -> Result<SegmentOutcome, StoreError> {
@@ -270,6 +285,9 @@ impl Executor {
         let result = self
             .guest_call(&plugin, init, &run.input, lease_expires_at - claimed_at)
             .await;
+        if let Some(done) = next.guest_done.take() {
+            let _ = done.send(());
+        }
         self.settle(&plugin, &lease, result, next).await
     }
 
@@ -449,9 +467,10 @@ impl Executor {
     }
 }
 
-/// Whether a closing segment should claim the next run in its close, and
-/// the run it claimed.
+/// Whether a closing segment should claim the next run in its close, the
+/// run it claimed, and who to tell when its guest has returned.
 struct Handoff {
     want: bool,
     got: Option<Claimed>,
+    guest_done: Option<tokio::sync::oneshot::Sender<()>>,
 }

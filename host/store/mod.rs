@@ -43,6 +43,7 @@ use std::time::Duration;
 use sqlx::any::{AnyConnectOptions, AnyPoolOptions};
 use sqlx::{AnyPool, Executor};
 
+pub(crate) use closes::{max_batch as closes_max_batch, writers as close_writers};
 pub use claims::{baseline_sql, claim_sql};
 pub use ledger::{Completion, EffectCall, LedgerSummary, REQUEST_PREVIEW, Streamed, idempotency_key};
 pub use local::{HeldPut, LocalOp};

@@ -35,6 +35,43 @@ async fn submit_sleepers(store: &Store, n: usize, ms: u64) -> Result<Vec<i64>> {
     Ok(ids)
 }
 
+/// Holds up writes to run `id` from another session until dropped or
+/// released: PostgreSQL locks its row; SQLite, which has one writer, takes
+/// the write lock, so every write waits (and is retried, within the
+/// store's retry window).
+enum Hold {
+    Row(sqlx::Transaction<'static, sqlx::Any>),
+    Writer(sqlx::SqliteConnection),
+}
+
+impl Hold {
+    async fn start(db: &TestDb, id: i64) -> Result<Hold> {
+        use sqlx::Connection;
+        Ok(match db.backend {
+            leasehold::Backend::Postgres => {
+                let mut tx = db.store.pool().begin().await?;
+                sqlx::query("SELECT id FROM runs WHERE id = $1 FOR UPDATE").bind(id).execute(&mut *tx).await?;
+                Hold::Row(tx)
+            }
+            leasehold::Backend::Sqlite => {
+                let mut conn = sqlx::SqliteConnection::connect(db.url()).await?;
+                sqlx::raw_sql("BEGIN IMMEDIATE").execute(&mut conn).await?;
+                Hold::Writer(conn)
+            }
+        })
+    }
+
+    async fn release(self) -> Result<()> {
+        match self {
+            Hold::Row(tx) => tx.rollback().await?,
+            Hold::Writer(mut conn) => {
+                sqlx::raw_sql("ROLLBACK").execute(&mut conn).await?;
+            }
+        }
+        Ok(())
+    }
+}
+
 async fn held_by(store: &Store, owner: &str) -> Result<i64> {
     Ok(sqlx::query_scalar("SELECT COUNT(*) FROM runs WHERE lease_owner = $1 AND status = 'running'")
         .bind(owner)
@@ -76,6 +113,87 @@ both! {
         // Any host takes them at once.
         let again = db.store.claim_batch("other", Duration::from_secs(30), 10).await?;
         ensure!(again.len() == 5, "{} of 5 claimable after shutdown", again.len());
+        Ok(())
+    }
+
+    async fn a_worker_starts_a_queued_run_while_its_last_close_is_held_up(db) {
+        // One worker: A holds it for a second, B and C wait in the queue.
+        let a = submit_sleepers(&db.store, 1, 1_000).await?[0];
+        let mut rest = Vec::new();
+        for _ in 0..2 {
+            rest.push(db.store.create_run(&NewRun::new("testkit", r#"{"steps": 0}"#)).await?.0.id);
+        }
+        let pool = pool(db, "behind", Duration::from_secs(30)).await?;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while db.store.get_run(a).await?.lease_owner.as_deref() != Some("behind") || held_by(&db.store, "behind").await? < 3 {
+            ensure!(Instant::now() < deadline, "the pool never took A and queued B and C");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        // A's close cannot be written while this holds; the worker goes on
+        // to a queued run instead of waiting for it.
+        let hold = Hold::start(db, a).await?;
+        let deadline = Instant::now() + Duration::from_secs(3);
+        while pool.closes_behind() == 0 {
+            ensure!(Instant::now() < deadline, "the worker waited for its held-up close instead of starting a queued run");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        ensure!(db.store.get_run(a).await?.status == RunStatus::Running, "A closed while its close was held up");
+        hold.release().await?;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        for id in std::iter::once(a).chain(rest) {
+            loop {
+                let run = db.store.get_run(id).await?;
+                if run.status == RunStatus::Completed {
+                    ensure!(run.fence == 1 && run.attempt == 1, "run {id} ran more than once: {run:?}");
+                    break;
+                }
+                ensure!(Instant::now() < deadline, "run {id} did not complete: {run:?}");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+        // The last close behind counts itself out just after it is written.
+        while pool.closes_behind() > 0 {
+            ensure!(Instant::now() < deadline, "{} closes still behind after every run completed", pool.closes_behind());
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        pool.shutdown(Duration::from_secs(5)).await;
+        ensure!(held_by(&db.store, "behind").await? == 0, "shutdown left leases behind");
+        Ok(())
+    }
+
+    async fn with_long_turns_the_queue_holds_about_a_second_of_work_not_all_of_prefetch(db) {
+        let runtime = plugins::runtime()?;
+        leasehold::plugins::register(&db.store, &runtime, "testkit", plugins::rust_plugin("testkit")?, PluginSettings::default()).await?;
+        let config = ExecutorConfig { owner: "paced".into(), model: None, ..ExecutorConfig::default() };
+        let exec = Arc::new(Executor::new(db.store.clone(), runtime, config));
+        let pool = WorkerPool::start(
+            db.store.clone(),
+            exec,
+            PoolConfig { workers: 1, poll: Duration::from_millis(50), claim_batch: 32, prefetch: 20 },
+        );
+        // Idle for more than one pace window: nothing ended, so nothing is
+        // queued ahead until the worker has shown its pace.
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        // 300 ms turns: about 3.3 a second for its one worker.
+        let ids = submit_sleepers(&db.store, 12, 300).await?;
+        let (mut most, deadline) = (0, Instant::now() + Duration::from_secs(30));
+        loop {
+            most = most.max(held_by(&db.store, "paced").await?);
+            let mut done = 0;
+            for id in &ids {
+                done += usize::from(db.store.get_run(*id).await?.status == RunStatus::Completed);
+            }
+            if done == ids.len() {
+                break;
+            }
+            ensure!(Instant::now() < deadline, "{done} of {} runs completed", ids.len());
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        pool.shutdown(Duration::from_secs(5)).await;
+        // One running, about four queued (a second's work), and the claim
+        // on its way in a close.
+        ensure!(most <= 7, "the host held {most} runs at once with a pace of about 3 a second");
+        ensure!(most >= 2, "the host never queued a run ahead of its worker");
         Ok(())
     }
 
