@@ -76,7 +76,8 @@ pub enum BenchCommand {
         #[arg(long, default_value_t = 64)]
         claim_batch: usize,
         /// The pool's local queue, as `serve --prefetch`. [default: as
-        /// serve's, 4 × --workers, at least 64]
+        /// serve's: PostgreSQL 4 × --workers, at least 64; SQLite 64 below 32
+        /// workers, else 0]
         #[arg(long)]
         prefetch: Option<usize>,
         /// Rounds; medians are reported.
@@ -232,7 +233,10 @@ impl BenchCommand {
                     gets,
                     workers,
                     claim_batch,
-                    prefetch: prefetch.unwrap_or_else(|| crate::pool::PoolConfig::default_prefetch(workers)),
+                    prefetch: prefetch.unwrap_or_else(|| {
+                        let backend = crate::store::Backend::from_url(&url).unwrap_or(crate::store::Backend::Sqlite);
+                        crate::pool::PoolConfig::default_prefetch(workers, backend)
+                    }),
                     rounds,
                     plugin_file,
                     cache_dir: crate::runtime::default_cache_dir(),

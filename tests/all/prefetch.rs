@@ -171,9 +171,10 @@ both! {
             exec,
             PoolConfig { workers: 1, poll: Duration::from_millis(50), claim_batch: 32, prefetch: 20 },
         );
-        // Idle for more than one pace window: nothing ended, so nothing is
-        // queued ahead until the worker has shown its pace.
-        tokio::time::sleep(Duration::from_millis(400)).await;
+        // Idle for eight pace windows: the pace it starts with (all of
+        // prefetch) halves with each window in which nothing ends, so
+        // nothing is queued ahead until the worker has shown its pace.
+        tokio::time::sleep(Duration::from_secs(2)).await;
         // 300 ms turns: about 3.3 a second for its one worker.
         let ids = submit_sleepers(&db.store, 12, 300).await?;
         let (mut most, deadline) = (0, Instant::now() + Duration::from_secs(30));
