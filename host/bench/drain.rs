@@ -46,8 +46,7 @@ pub struct DrainBench {
     pub workers: usize,
     /// Most runs per claim statement. [64]
     pub claim_batch: usize,
-    /// The pool's local queue ([`PoolConfig::prefetch`]). [as `serve`'s,
-    /// [`PoolConfig::default_prefetch`]]
+    /// The pool's local queue ([`PoolConfig::prefetch`]). [0]
     pub prefetch: usize,
     /// Rounds; medians are reported. [1]
     pub rounds: usize,
