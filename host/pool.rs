@@ -205,9 +205,11 @@ impl Local {
         pace.target
     }
 
-    /// Room in the queue, less the claims on their way to it.
-    fn room(&self) -> usize {
-        self.target().saturating_sub(self.len() + self.wanting.load(Ordering::Relaxed))
+    /// Room in the queue, less the claims on their way to it, and the
+    /// target it is room under (one reading of the pace for both).
+    fn room(&self) -> (usize, usize) {
+        let target = self.target();
+        (target.saturating_sub(self.len() + self.wanting.load(Ordering::Relaxed)), target)
     }
 
     /// Counts a segment that ended, for the pace.
@@ -217,7 +219,7 @@ impl Local {
 
     /// A close that is to claim a run for the queue, if it has room.
     fn reserve(&self) -> bool {
-        let room = self.room() > 0;
+        let room = self.room().0 > 0;
         if room {
             self.wanting.fetch_add(1, Ordering::Relaxed);
         }
@@ -234,8 +236,8 @@ impl Local {
     /// Tells the dispatcher when the queue is half free, so it tops it up
     /// with one claim statement though no slot is free.
     fn freed(&self) {
-        let room = self.room();
-        if room > 0 && room * 2 >= self.target() {
+        let (room, target) = self.room();
+        if room > 0 && room * 2 >= target {
             self.room_grew.notify_one();
         }
     }
@@ -330,12 +332,12 @@ async fn dispatch(store: Store, exec: Arc<Executor>, config: PoolConfig, local: 
     let batch = config.claim_batch.max(1);
     while !*stopping.borrow() {
         while running.try_join_next().is_some() {}
-        let room = local.room();
+        let (room, target) = local.room();
         // A free slot; with room in the local queue, claim without one. A
         // queue less than half empty is left to the closes behind their
         // slots, which refill it a run each: topping it up here would be a
         // claim statement for a run or two.
-        let first = if room > 0 && room * 2 >= local.target() {
+        let first = if room > 0 && room * 2 >= target {
             slots.clone().try_acquire_owned().ok()
         } else {
             tokio::select! {
