@@ -36,7 +36,8 @@
 //! and the same seed replays the same schedule and load),
 //! `LEASEHOLD_CHAOS_RUNS` (200), `LEASEHOLD_CHAOS_KILLS` (10),
 //! `LEASEHOLD_CHAOS_ZOMBIES` (kills / 5, at least 2),
-//! `LEASEHOLD_CHAOS_DB_FAULTS` (kills / 5, at least 3). The long mode is
+//! `LEASEHOLD_CHAOS_DB_FAULTS` (kills / 5, at least 3),
+//! `LEASEHOLD_CHAOS_PREFETCH` (each host's `--prefetch`; `serve`'s default). The long mode is
 //! `LEASEHOLD_CHAOS_RUNS=10000 LEASEHOLD_CHAOS_KILLS=200`. Each run ends with
 //! one JSON line on stderr, also written to `target/chaos/`.
 
@@ -415,6 +416,9 @@ impl<'a> Cluster<'a> {
             "--segment-budget-ms=2000".into(),
             "--shutdown-grace-ms=1000".into(),
         ];
+        if let Some(n) = env_num("LEASEHOLD_CHAOS_PREFETCH") {
+            a.extra.push(format!("--prefetch={n}"));
+        }
         Ok(a)
     }
 

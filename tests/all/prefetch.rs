@@ -198,6 +198,44 @@ both! {
         Ok(())
     }
 
+    async fn a_queued_run_is_given_back_before_its_lease_runs_out_though_no_worker_frees(db) {
+        // A holds the one worker for 3 s, twice its 1.5 s lease (which its
+        // segment renews); B and C, queued behind it, may wait 0.5 s.
+        let a = submit_sleepers(&db.store, 1, 3_000).await?[0];
+        let rest = submit_sleepers(&db.store, 2, 10).await?;
+        let pool = pool(db, "busy", Duration::from_millis(1_500)).await?;
+        let (mut queued, deadline) = (false, Instant::now() + Duration::from_secs(20));
+        while db.store.get_run(a).await?.status != RunStatus::Completed {
+            for id in &rest {
+                let run = db.store.get_run(*id).await?;
+                let now = db.store.now_ms().await?;
+                if run.status == RunStatus::Running && run.lease_owner.as_deref() == Some("busy") {
+                    queued = true;
+                    // 200 ms for the two reads.
+                    let left = run.lease_expires_at.unwrap_or(0) - now;
+                    ensure!(left > -200, "run {id} stayed queued {} ms past its lease while A ran: {run:?}", -left);
+                }
+            }
+            ensure!(Instant::now() < deadline, "A did not complete");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        ensure!(queued, "B and C were never queued behind A");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        for id in &rest {
+            loop {
+                let run = db.store.get_run(*id).await?;
+                if run.status == RunStatus::Completed {
+                    ensure!(run.attempt == 1, "a give-back counted as an attempt: {run:?}");
+                    break;
+                }
+                ensure!(Instant::now() < deadline, "run {id} did not complete: {run:?}");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        pool.shutdown(Duration::from_secs(5)).await;
+        Ok(())
+    }
+
     async fn a_prefetched_run_that_waited_a_third_of_its_lease_is_given_back_not_run(db) {
         // A 1.5 s lease: a queued run may wait 0.5 s; each turn holds the
         // one worker for 0.7 s.
@@ -233,3 +271,4 @@ both! {
         Ok(())
     }
 }
+

@@ -63,7 +63,9 @@ impl ServeProc {
             .arg("--cache-dir")
             .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("target/component-cache"))
             .args(&a.extra)
-            .env("LEASEHOLD_LOG", "warn")
+            // `LEASEHOLD_TEST_HOST_LOG` (default `warn`) sets the hosts' log
+            // filter, e.g. `warn,leasehold::pool=debug` to follow a queue.
+            .env("LEASEHOLD_LOG", std::env::var("LEASEHOLD_TEST_HOST_LOG").unwrap_or_else(|_| "warn".into()))
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()

@@ -37,13 +37,17 @@
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tokio::task::JoinSet;
 
 use crate::executor::Executor;
 use crate::store::{Backend, Claimed, Store, WORK_CHANNEL};
+
+mod queue;
+
+use queue::{Local, closes_behind_max};
 
 /// Pool settings. Every field documents its default.
 #[derive(Debug, Clone)]
@@ -112,216 +116,6 @@ impl WorkerPool {
     }
 }
 
-/// The local queue: runs claimed ahead of free workers, oldest first.
-///
-/// A queued run's lease is running, and its segment measures its lease
-/// from the claim, so the queue is kept short (`prefetch`) and a run that
-/// waited more than a third of its lease is given back unstarted rather
-/// than run with its lease at risk; so are the runs still queued at
-/// shutdown ([`Store::give_back`]). A host that dies with runs queued
-/// leaves them to expire and be reclaimed, as with any claim.
-///
-/// The queue holds about [`QUEUE_HORIZON`] of this host's work, and never
-/// more than `prefetch` runs: a host with long turns queues a few, one
-/// with short turns many ([`Local::target`]).
-///
-/// It also bounds the closes written behind their slots: each holds one of
-/// `closing`'s permits, and a close that will claim a run for the queue is
-/// counted in `wanting` until it is written, so the queue and the claims on
-/// their way to it stay within the target.
-struct Local {
-    queue: std::sync::Mutex<std::collections::VecDeque<(Claimed, Instant)>>,
-    /// Longest a queued run may wait: a third of the lease.
-    max_wait: Duration,
-    /// The queue's length, with `wanting`, at most.
-    prefetch: usize,
-    /// Segments ended, which the pace counts.
-    ended: std::sync::atomic::AtomicU64,
-    pace: std::sync::Mutex<Pace>,
-    /// Closes behind their slots that claim a run for the queue.
-    wanting: std::sync::atomic::AtomicUsize,
-    /// Permits for closes behind their slots ([`closes_behind_max`]).
-    closing: Arc<Semaphore>,
-    closing_max: u32,
-    /// Woken when a run joins the queue from a close behind its slot.
-    pushed: tokio::sync::Notify,
-    /// Woken when the queue has room for a claim of its own: half of it is
-    /// free, counting the claims on their way.
-    room_grew: tokio::sync::Notify,
-    /// Closes behind their slots now.
-    behind: std::sync::atomic::AtomicUsize,
-}
-
-impl Local {
-    fn new(lease_ttl: Duration, prefetch: usize, closes_behind: usize) -> Local {
-        let closing_max = if prefetch == 0 { 0 } else { closes_behind.min(Semaphore::MAX_PERMITS) as u32 };
-        Local {
-            queue: Default::default(),
-            max_wait: lease_ttl / 3,
-            prefetch,
-            ended: Default::default(),
-            // Until a pace is measured, the whole of `prefetch`.
-            pace: std::sync::Mutex::new(Pace {
-                since: Instant::now(),
-                ended: 0,
-                per_sec: (prefetch as f64) / QUEUE_HORIZON.as_secs_f64(),
-                target: prefetch,
-            }),
-            wanting: Default::default(),
-            closing: Arc::new(Semaphore::new(closing_max as usize)),
-            closing_max,
-            pushed: tokio::sync::Notify::new(),
-            room_grew: tokio::sync::Notify::new(),
-            behind: Default::default(),
-        }
-    }
-
-    fn len(&self) -> usize {
-        self.queue.lock().expect("local queue lock").len()
-    }
-
-    /// How many runs the queue should hold, with the claims on their way:
-    /// what the workers get through in [`QUEUE_HORIZON`] at their pace (a
-    /// moving average over windows of at least [`PACE_WINDOW`]), at most
-    /// `prefetch`. A target that grows wakes the dispatcher to fill it.
-    fn target(&self) -> usize {
-        if self.prefetch == 0 {
-            return 0;
-        }
-        let mut pace = self.pace.lock().expect("pace lock");
-        let elapsed = pace.since.elapsed();
-        if elapsed >= PACE_WINDOW {
-            let ended = self.ended.load(Ordering::Relaxed);
-            let per_sec = (ended - pace.ended) as f64 / elapsed.as_secs_f64();
-            // Half the last window, half the ones before: a window that a
-            // long turn's end missed does not empty the queue.
-            pace.per_sec = (pace.per_sec + per_sec) / 2.0;
-            let target = ((pace.per_sec * QUEUE_HORIZON.as_secs_f64()).round() as usize).min(self.prefetch);
-            if target > pace.target {
-                self.room_grew.notify_one();
-            }
-            (pace.since, pace.ended, pace.target) = (Instant::now(), ended, target);
-        }
-        pace.target
-    }
-
-    /// Room in the queue, less the claims on their way to it, and the
-    /// target it is room under (one reading of the pace for both).
-    fn room(&self) -> (usize, usize) {
-        let target = self.target();
-        (target.saturating_sub(self.len() + self.wanting.load(Ordering::Relaxed)), target)
-    }
-
-    /// Counts a segment that ended, for the pace.
-    fn ended(&self) {
-        self.ended.fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// A close that is to claim a run for the queue, if it has room.
-    fn reserve(&self) -> bool {
-        let room = self.room().0 > 0;
-        if room {
-            self.wanting.fetch_add(1, Ordering::Relaxed);
-        }
-        room
-    }
-
-    fn unreserve(&self, reserved: bool) {
-        if reserved {
-            self.wanting.fetch_sub(1, Ordering::Relaxed);
-            self.freed();
-        }
-    }
-
-    /// Tells the dispatcher when the queue is half free, so it tops it up
-    /// with one claim statement though no slot is free.
-    fn freed(&self) {
-        let (room, target) = self.room();
-        if room > 0 && room * 2 >= target {
-            self.room_grew.notify_one();
-        }
-    }
-
-    /// Waits for every close behind its slot to be written.
-    async fn closes_written(&self) {
-        let _all = self.closing.acquire_many(self.closing_max).await;
-    }
-
-    fn push(&self, claimed: Claimed) {
-        self.queue.lock().expect("local queue lock").push_back((claimed, Instant::now()));
-        crate::metrics::global().prefetched.fetch_add(1, Ordering::Relaxed);
-    }
-
-    fn pop(&self) -> Option<(Claimed, Instant)> {
-        let popped = self.queue.lock().expect("local queue lock").pop_front();
-        if popped.is_some() {
-            crate::metrics::global().prefetched.fetch_sub(1, Ordering::Relaxed);
-            self.freed();
-        }
-        popped
-    }
-
-    /// The oldest queued run that may still start, its lease budget cut by
-    /// its wait; older ones are given back.
-    async fn take(&self, store: &Store) -> Option<Claimed> {
-        loop {
-            let (mut claimed, at) = self.pop()?;
-            let waited = at.elapsed();
-            if waited > self.max_wait {
-                give_back(store, &claimed).await;
-                continue;
-            }
-            // A segment's lease budget runs from its claim (`heartbeat_at`):
-            // it has what it waited here less.
-            if let Some(h) = claimed.run.heartbeat_at.as_mut() {
-                *h += waited.as_millis() as i64;
-            }
-            return Some(claimed);
-        }
-    }
-
-    /// Gives back every queued run (shutdown).
-    async fn give_back_all(&self, store: &Store) {
-        loop {
-            let Some((claimed, _)) = self.pop() else { return };
-            give_back(store, &claimed).await;
-        }
-    }
-}
-
-async fn give_back(store: &Store, claimed: &Claimed) {
-    crate::metrics::global().prefetch_given_back.fetch_add(1, Ordering::Relaxed);
-    match store.give_back(&claimed.lease).await {
-        Ok(()) => tracing::debug!(run_id = claimed.run.id, "prefetched run given back unstarted"),
-        // Its lease expires and it is claimed again, as after a crash.
-        Err(e) => tracing::warn!(run_id = claimed.run.id, error = %e, "could not give back a prefetched run"),
-    }
-}
-
-/// About how much work the local queue holds: a second of what the
-/// workers get through. Long turns then queue a few runs (another host
-/// may be idle), short ones enough that a worker never waits for a claim.
-const QUEUE_HORIZON: Duration = Duration::from_secs(1);
-
-/// The shortest time over which the workers' pace is measured: 250 ms.
-const PACE_WINDOW: Duration = Duration::from_millis(250);
-
-/// The workers' pace: segments ended by `since`, their moving rate, and
-/// the queue's target.
-struct Pace {
-    since: Instant,
-    ended: u64,
-    per_sec: f64,
-    target: usize,
-}
-
-/// Most closes behind their slots at once: a full batch for each of the
-/// backend's batch writers and one more waiting (PostgreSQL 3 × 64,
-/// SQLite 2 × 32), however few the workers, so that batches fill.
-fn closes_behind_max(backend: Backend) -> usize {
-    crate::store::closes_max_batch(backend) * (crate::store::close_writers(backend) + 1)
-}
-
 /// Claims runs for free slots (and, with `prefetch`, for the local queue)
 /// and runs each in its own task until told to stop; then gives back the
 /// queued runs and waits for the running segments.
@@ -332,6 +126,9 @@ async fn dispatch(store: Store, exec: Arc<Executor>, config: PoolConfig, local: 
     let batch = config.claim_batch.max(1);
     while !*stopping.borrow() {
         while running.try_join_next().is_some() {}
+        // Queued runs that waited too long are given back whether or not a
+        // worker has freed; each wait below ends when the oldest will have.
+        local.give_back_stale(&store).await;
         let (room, target) = local.room();
         // A free slot; with room in the local queue, claim without one. A
         // queue less than half empty is left to the closes behind their
@@ -340,9 +137,14 @@ async fn dispatch(store: Store, exec: Arc<Executor>, config: PoolConfig, local: 
         let first = if room > 0 && room * 2 >= target {
             slots.clone().try_acquire_owned().ok()
         } else {
+            let stale = local.stale_in();
             tokio::select! {
                 permit = slots.clone().acquire_owned() => Some(permit.expect("the slot semaphore is never closed")),
                 _ = local.room_grew.notified(), if config.prefetch > 0 => continue,
+                _ = tokio::time::sleep(stale.unwrap_or_default()), if stale.is_some() => continue,
+                // An empty queue that a close fills: its oldest run's wait
+                // is timed from the next turn of the loop.
+                _ = local.pushed.notified(), if config.prefetch > 0 && stale.is_none() => continue,
                 _ = stopping.changed() => break,
             }
         };
@@ -387,11 +189,13 @@ async fn dispatch(store: Store, exec: Arc<Executor>, config: PoolConfig, local: 
                     // looked at the queue before they came: a slot that
                     // frees takes them.
                     let queued = local.len() > 0;
+                    let stale = local.stale_in();
                     tokio::select! {
                         _ = store.work_signal().notified() => {}
                         _ = local.pushed.notified() => {}
                         _ = slots.clone().acquire_owned(), if queued => {}
                         _ = tokio::time::sleep(config.poll) => {}
+                        _ = tokio::time::sleep(stale.unwrap_or_default()), if stale.is_some() => {}
                         _ = stopping.changed() => {}
                     }
                 }

@@ -1,0 +1,249 @@
+//! The local queue: runs claimed ahead of free workers (`--prefetch`),
+//! its pace, and the closes written behind their slots.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use tokio::sync::Semaphore;
+
+use crate::store::{Backend, Claimed, Store};
+
+/// The local queue: runs claimed ahead of free workers, oldest first.
+///
+/// A queued run's lease is running, and its segment measures its lease
+/// from the claim, so the queue is kept short (`prefetch`) and a run that
+/// has waited a third of its lease is given back unstarted rather than run
+/// with its lease at risk, whether or not a worker is free by then (the
+/// dispatcher times the oldest); so are the runs still queued at shutdown
+/// ([`Store::give_back`]). A host that dies with runs queued
+/// leaves them to expire and be reclaimed, as with any claim.
+///
+/// The queue holds about [`QUEUE_HORIZON`] of this host's work, and never
+/// more than `prefetch` runs: a host with long turns queues a few, one
+/// with short turns many ([`Local::target`]).
+///
+/// It also bounds the closes written behind their slots: each holds one of
+/// `closing`'s permits, and a close that will claim a run for the queue is
+/// counted in `wanting` until it is written, so the queue and the claims on
+/// their way to it stay within the target.
+pub(super) struct Local {
+    queue: std::sync::Mutex<std::collections::VecDeque<(Claimed, Instant)>>,
+    /// Longest a queued run may wait: a third of the lease.
+    max_wait: Duration,
+    /// The queue's length, with `wanting`, at most.
+    prefetch: usize,
+    /// Segments ended, which the pace counts.
+    ended: std::sync::atomic::AtomicU64,
+    pace: std::sync::Mutex<Pace>,
+    /// Closes behind their slots that claim a run for the queue.
+    wanting: std::sync::atomic::AtomicUsize,
+    /// Permits for closes behind their slots ([`closes_behind_max`]).
+    pub(super) closing: Arc<Semaphore>,
+    closing_max: u32,
+    /// Woken when a run joins the queue from a close behind its slot.
+    pub(super) pushed: tokio::sync::Notify,
+    /// Woken when the queue has room for a claim of its own: half of it is
+    /// free, counting the claims on their way.
+    pub(super) room_grew: tokio::sync::Notify,
+    /// Closes behind their slots now.
+    pub(super) behind: std::sync::atomic::AtomicUsize,
+}
+
+impl Local {
+    pub(super) fn new(lease_ttl: Duration, prefetch: usize, closes_behind: usize) -> Local {
+        let closing_max = if prefetch == 0 { 0 } else { closes_behind.min(Semaphore::MAX_PERMITS) as u32 };
+        Local {
+            queue: Default::default(),
+            max_wait: lease_ttl / 3,
+            prefetch,
+            ended: Default::default(),
+            // Until a pace is measured, the whole of `prefetch`.
+            pace: std::sync::Mutex::new(Pace {
+                since: Instant::now(),
+                ended: 0,
+                per_sec: (prefetch as f64) / QUEUE_HORIZON.as_secs_f64(),
+                target: prefetch,
+            }),
+            wanting: Default::default(),
+            closing: Arc::new(Semaphore::new(closing_max as usize)),
+            closing_max,
+            pushed: tokio::sync::Notify::new(),
+            room_grew: tokio::sync::Notify::new(),
+            behind: Default::default(),
+        }
+    }
+
+    pub(super) fn len(&self) -> usize {
+        self.queue.lock().expect("local queue lock").len()
+    }
+
+    /// How many runs the queue should hold, with the claims on their way:
+    /// what the workers get through in [`QUEUE_HORIZON`] at their pace (a
+    /// moving average over windows of at least [`PACE_WINDOW`]), at most
+    /// `prefetch`. A target that grows wakes the dispatcher to fill it.
+    fn target(&self) -> usize {
+        if self.prefetch == 0 {
+            return 0;
+        }
+        let mut pace = self.pace.lock().expect("pace lock");
+        let elapsed = pace.since.elapsed();
+        if elapsed >= PACE_WINDOW {
+            let ended = self.ended.load(Ordering::Relaxed);
+            let per_sec = (ended - pace.ended) as f64 / elapsed.as_secs_f64();
+            // Half the last window, half the ones before: a window that a
+            // long turn's end missed does not empty the queue.
+            pace.per_sec = (pace.per_sec + per_sec) / 2.0;
+            let target = ((pace.per_sec * QUEUE_HORIZON.as_secs_f64()).round() as usize).min(self.prefetch);
+            if target > pace.target {
+                self.room_grew.notify_one();
+            }
+            (pace.since, pace.ended, pace.target) = (Instant::now(), ended, target);
+        }
+        pace.target
+    }
+
+    /// Room in the queue, less the claims on their way to it, and the
+    /// target it is room under (one reading of the pace for both).
+    pub(super) fn room(&self) -> (usize, usize) {
+        let target = self.target();
+        (target.saturating_sub(self.len() + self.wanting.load(Ordering::Relaxed)), target)
+    }
+
+    /// Counts a segment that ended, for the pace.
+    pub(super) fn ended(&self) {
+        self.ended.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A close that is to claim a run for the queue, if it has room.
+    pub(super) fn reserve(&self) -> bool {
+        let room = self.room().0 > 0;
+        if room {
+            self.wanting.fetch_add(1, Ordering::Relaxed);
+        }
+        room
+    }
+
+    pub(super) fn unreserve(&self, reserved: bool) {
+        if reserved {
+            self.wanting.fetch_sub(1, Ordering::Relaxed);
+            self.freed();
+        }
+    }
+
+    /// Tells the dispatcher when the queue is half free, so it tops it up
+    /// with one claim statement though no slot is free.
+    fn freed(&self) {
+        let (room, target) = self.room();
+        if room > 0 && room * 2 >= target {
+            self.room_grew.notify_one();
+        }
+    }
+
+    /// Waits for every close behind its slot to be written.
+    pub(super) async fn closes_written(&self) {
+        let _all = self.closing.acquire_many(self.closing_max).await;
+    }
+
+    pub(super) fn push(&self, claimed: Claimed) {
+        self.queue.lock().expect("local queue lock").push_back((claimed, Instant::now()));
+        crate::metrics::global().prefetched.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn pop(&self) -> Option<(Claimed, Instant)> {
+        let popped = self.queue.lock().expect("local queue lock").pop_front();
+        if popped.is_some() {
+            crate::metrics::global().prefetched.fetch_sub(1, Ordering::Relaxed);
+            self.freed();
+        }
+        popped
+    }
+
+    /// The oldest queued run that may still start, its lease budget cut by
+    /// its wait; older ones are given back.
+    pub(super) async fn take(&self, store: &Store) -> Option<Claimed> {
+        loop {
+            let (mut claimed, at) = self.pop()?;
+            let waited = at.elapsed();
+            if waited > self.max_wait {
+                give_back(store, &claimed).await;
+                continue;
+            }
+            // A segment's lease budget runs from its claim (`heartbeat_at`):
+            // it has what it waited here less.
+            if let Some(h) = claimed.run.heartbeat_at.as_mut() {
+                *h += waited.as_millis() as i64;
+            }
+            return Some(claimed);
+        }
+    }
+
+    /// How long until the oldest queued run has waited `max_wait`, if any
+    /// is queued.
+    pub(super) fn stale_in(&self) -> Option<Duration> {
+        let queue = self.queue.lock().expect("local queue lock");
+        // A millisecond past it, so the wait ends with the run stale, not just short of it.
+        queue.front().map(|(_, at)| self.max_wait.saturating_sub(at.elapsed()) + Duration::from_millis(1))
+    }
+
+    /// Gives back the queued runs that have waited more than `max_wait`,
+    /// though no worker is free to look at them: a host whose workers are
+    /// all busy for longer than a lease would otherwise let them expire
+    /// queued, unstarted and claimable by no one until then.
+    pub(super) async fn give_back_stale(&self, store: &Store) {
+        loop {
+            let stale = {
+                let mut queue = self.queue.lock().expect("local queue lock");
+                match queue.front() {
+                    Some((_, at)) if at.elapsed() > self.max_wait => queue.pop_front(),
+                    _ => None,
+                }
+            };
+            let Some((claimed, _)) = stale else { return };
+            crate::metrics::global().prefetched.fetch_sub(1, Ordering::Relaxed);
+            give_back(store, &claimed).await;
+            self.freed();
+        }
+    }
+
+    /// Gives back every queued run (shutdown).
+    pub(super) async fn give_back_all(&self, store: &Store) {
+        loop {
+            let Some((claimed, _)) = self.pop() else { return };
+            give_back(store, &claimed).await;
+        }
+    }
+}
+
+pub(super) async fn give_back(store: &Store, claimed: &Claimed) {
+    crate::metrics::global().prefetch_given_back.fetch_add(1, Ordering::Relaxed);
+    match store.give_back(&claimed.lease).await {
+        Ok(()) => tracing::debug!(run_id = claimed.run.id, "prefetched run given back unstarted"),
+        // Its lease expires and it is claimed again, as after a crash.
+        Err(e) => tracing::warn!(run_id = claimed.run.id, error = %e, "could not give back a prefetched run"),
+    }
+}
+
+/// About how much work the local queue holds: a second of what the
+/// workers get through. Long turns then queue a few runs (another host
+/// may be idle), short ones enough that a worker never waits for a claim.
+const QUEUE_HORIZON: Duration = Duration::from_secs(1);
+
+/// The shortest time over which the workers' pace is measured: 250 ms.
+const PACE_WINDOW: Duration = Duration::from_millis(250);
+
+/// The workers' pace: segments ended by `since`, their moving rate, and
+/// the queue's target.
+struct Pace {
+    since: Instant,
+    ended: u64,
+    per_sec: f64,
+    target: usize,
+}
+
+/// Most closes behind their slots at once: a full batch for each of the
+/// backend's batch writers and one more waiting (PostgreSQL 3 × 64,
+/// SQLite 2 × 32), however few the workers, so that batches fill.
+pub(super) fn closes_behind_max(backend: Backend) -> usize {
+    crate::store::closes_max_batch(backend) * (crate::store::close_writers(backend) + 1)
+}
