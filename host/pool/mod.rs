@@ -254,7 +254,15 @@ fn spawn_segment(
                     settled(&local, run_id, Ok(exec.run_claimed_then(claimed, take_next).await))
                 }
             };
-            if next.is_none() && !*stopping.borrow() {
+            if *stopping.borrow() {
+                // A close that ended after the stop may still have claimed
+                // the next run: it is handed back unstarted, not run.
+                if let Some(late) = next.take() {
+                    queue::give_back(&store, &late).await;
+                }
+                break;
+            }
+            if next.is_none() {
                 next = local.take(&store).await;
             }
         }

@@ -272,3 +272,27 @@ both! {
     }
 }
 
+both! {
+    async fn a_run_a_close_claims_after_shutdown_began_is_given_back_not_started(db) {
+        // One worker, no local queue: A's close claims B in its own
+        // statement, after the shutdown has begun.
+        let a = submit_sleepers(&db.store, 1, 1_000).await?[0];
+        let b = db.store.create_run(&NewRun::new("testkit", r#"{"steps": 0}"#)).await?.0.id;
+        let runtime = plugins::runtime()?;
+        leasehold::plugins::register(&db.store, &runtime, "testkit", plugins::rust_plugin("testkit")?, PluginSettings::default()).await?;
+        let config = ExecutorConfig { owner: "stopping".into(), model: None, ..ExecutorConfig::default() };
+        let exec = Arc::new(Executor::new(db.store.clone(), runtime, config));
+        let pool = WorkerPool::start(db.store.clone(), exec, PoolConfig { workers: 1, poll: Duration::from_millis(50), claim_batch: 1, prefetch: 0 });
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while db.store.get_run(a).await?.lease_owner.as_deref() != Some("stopping") {
+            ensure!(Instant::now() < deadline, "the pool never took A");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        pool.shutdown(Duration::from_secs(10)).await;
+        ensure!(db.store.get_run(a).await?.status == RunStatus::Completed, "A did not finish in the grace period");
+        let run = db.store.get_run(b).await?;
+        ensure!(run.status != RunStatus::Completed, "B was started after the shutdown began: {run:?}");
+        ensure!(run.lease_owner.is_none() && run.attempt == 0, "B was not given back with its attempt: {run:?}");
+        Ok(())
+    }
+}
