@@ -19,13 +19,13 @@ use crate::runtime::host::{Held, Interrupt, Phase, SegmentInit, SegmentState};
 use crate::runtime::replay::Recorded;
 pub use crate::runtime::GuestErrorKind;
 use crate::runtime::{EPOCH_TICK, Plugin, Runtime};
-use crate::store::{Claimed, EffectState, Outcome, RunStatus, Store, StoreError};
+use crate::store::{Claimed, EffectClass, EffectState, Outcome, RunStatus, Store, StoreError};
 
 mod renewer;
 mod settle;
 mod upgrade;
 
-use renewer::{AbortOnDrop, LAST_CHANCE, LeaseWatch, renew_loop};
+use renewer::{Cover, LAST_CHANCE, LeaseWatch};
 
 /// Executor settings. Every field documents its default.
 #[derive(Debug, Clone)]
@@ -245,17 +245,22 @@ impl Executor {
             }
             let summary = self.store.ledger_summary(run.id).await?;
             // After a death, the stream is cut back to where the dead
-            // segment's own unsettled call began: past it, the replay may
-            // see another result (a re-issued chat, `in-doubt`) and stream
-            // something else. Only that call: a row it left in doubt is the
-            // ledger's last, started under the fence before this one.
-            // Nothing below a settled call is cut (its deltas replay as
-            // recorded), nor for an older row already seen as in doubt.
+            // segment's own unsettled call began: past it the re-issued
+            // call streams another answer. That call is the ledger's last
+            // row, keyed and unsettled: a segment that replayed past it
+            // would have re-issued and settled it. Decided from the row
+            // alone, never from the fence before this one: claims that
+            // never started a guest (a queued run given back, an orphaned
+            // claim, a host that died before reconciling) leave gaps in the
+            // fences. An unkeyed row is never re-issued and streams nothing,
+            // so what follows it was streamed after a replay handed the turn
+            // `in-doubt`, and replays as it was. Nothing below a settled
+            // call is cut (its deltas replay as recorded).
             let cut = summary
                 .last
                 .as_ref()
                 .filter(|r| matches!(r.state, EffectState::Started | EffectState::InDoubt))
-                .filter(|r| r.fence_started == lease.fence - 1)
+                .filter(|r| r.class == EffectClass::Keyed)
                 .map(|r| r.emit_pos);
             if let Some(cut) = cut.filter(|cut| *cut < emit_pos) {
                 emit_pos = match self.store.retract(&lease, cut).await {

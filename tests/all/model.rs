@@ -90,6 +90,59 @@ async fn agent_behaviour(db: &TestDb, plugin: &str) -> Result<()> {
     Ok(())
 }
 
+/// A worker dies mid-answer; another resumes the run (after, with `gaps`,
+/// two claims that never reached a guest) and retracts the half answer.
+async fn dying_mid_answer(db: &TestDb, gaps: bool) -> Result<()> {
+    // The dead segment streams two chunks of one answer; the re-issued
+    // call (same idempotency key) streams another.
+    let script: crate::fake_model::Script = Arc::new(|n, _| {
+        let words: &[&str] = if n == 0 { &["dead ", "half ", "answer"] } else { &["the ", "whole ", "answer"] };
+        words.iter().map(|w| w.to_string()).collect()
+    });
+    let (model, tool) = (FakeModel::start_holding(script, 2).await?, Sink::start().await?);
+    let rt = runtime_with(&["agent-rust"], &tool)?;
+    model.hold(true);
+    let input = json!({ "prompt": "go", "tool_url": tool.url });
+    let id = submit(&db.store, "agent-rust", input).await?;
+    let a = worker(db, &rt, "worker-a", &model);
+    let task = tokio::spawn(async move { a.run_once().await });
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while db.store.get_run(id).await?.emit_pos < 2 {
+        ensure!(std::time::Instant::now() < deadline && !task.is_finished(), "A never streamed");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    task.abort();
+    let _ = task.await;
+    ensure!(db.store.get_run(id).await?.partial == "dead half ");
+    model.hold(false);
+    db.backdate_lease(id, 60_000).await?;
+    if gaps {
+        let ttl = Duration::from_secs(30);
+        let queued = db.store.claim("queue", ttl).await?.context("the queue's claim")?;
+        db.store.give_back(&queued.lease).await?;
+        let orphan = db.store.claim("orphan", ttl).await?.context("the orphaned claim")?;
+        ensure!(orphan.lease.fence == 3, "{orphan:?}");
+        db.backdate_lease(id, 60_000).await?;
+    }
+    let done = worker(db, &rt, "worker-b", &model).drain().await?;
+    ensure!(done == vec![(id, SegmentOutcome::Completed)], "{done:?}");
+
+    let run = db.store.get_run(id).await?;
+    let fence = if gaps { 4 } else { 2 };
+    ensure!(run.partial == "the whole answer", "partial {:?}", run.partial);
+    ensure!(streamed(&db.store, id).await? == "the whole answer", "a reader sees a half answer");
+    let events = db.store.run_events(id).await?;
+    let retracts: Vec<_> = events.iter().filter(|e| e.kind == "retract").collect();
+    ensure!(retracts.len() == 1, "{events:?}");
+    let cut: Value = serde_json::from_str(&retracts[0].payload)?;
+    ensure!(cut == json!({ "from": 0, "to": 2 }) && retracts[0].fence == fence, "{cut} {:?}", retracts[0]);
+    let keys: Vec<_> = model.hits().iter().map(|h| (h.key.clone(), h.fence.clone())).collect();
+    let key = crate::harness::key(&db.store, id, 0).await?;
+    ensure!(keys == vec![(key.clone(), "1".into()), (key, fence.to_string())], "{keys:?}");
+    ensure!(tool.hits().len() == 1);
+    Ok(())
+}
+
 both! {
     async fn a_rust_agent_streams_the_model_answer_calls_its_tool_and_asks_the_user(db) {
         agent_behaviour(db, "agent-rust").await
@@ -108,45 +161,13 @@ both! {
     }
 
     async fn a_worker_dying_mid_answer_has_its_half_answer_retracted(db) {
-        // The dead segment streams two chunks of one answer; the re-issued
-        // call (same idempotency key) streams another.
-        let script: crate::fake_model::Script = Arc::new(|n, _| {
-            let words: &[&str] = if n == 0 { &["dead ", "half ", "answer"] } else { &["the ", "whole ", "answer"] };
-            words.iter().map(|w| w.to_string()).collect()
-        });
-        let (model, tool) = (FakeModel::start_holding(script, 2).await?, Sink::start().await?);
-        let rt = runtime_with(&["agent-rust"], &tool)?;
-        model.hold(true);
-        let input = json!({ "prompt": "go", "tool_url": tool.url });
-        let id = submit(&db.store, "agent-rust", input).await?;
-        let a = worker(db, &rt, "worker-a", &model);
-        let task = tokio::spawn(async move { a.run_once().await });
-        let deadline = std::time::Instant::now() + Duration::from_secs(20);
-        while db.store.get_run(id).await?.emit_pos < 2 {
-            ensure!(std::time::Instant::now() < deadline && !task.is_finished(), "A never streamed");
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-        task.abort();
-        let _ = task.await;
-        ensure!(db.store.get_run(id).await?.partial == "dead half ");
-        model.hold(false);
-        db.backdate_lease(id, 60_000).await?;
-        let done = worker(db, &rt, "worker-b", &model).drain().await?;
-        ensure!(done == vec![(id, SegmentOutcome::Completed)], "{done:?}");
+        dying_mid_answer(db, false).await
+    }
 
-        let run = db.store.get_run(id).await?;
-        ensure!(run.partial == "the whole answer", "partial {:?}", run.partial);
-        ensure!(streamed(&db.store, id).await? == "the whole answer", "a reader sees a half answer");
-        let events = db.store.run_events(id).await?;
-        let retracts: Vec<_> = events.iter().filter(|e| e.kind == "retract").collect();
-        ensure!(retracts.len() == 1, "{events:?}");
-        let cut: Value = serde_json::from_str(&retracts[0].payload)?;
-        ensure!(cut == json!({ "from": 0, "to": 2 }) && retracts[0].fence == 2, "{cut} {:?}", retracts[0]);
-        let keys: Vec<_> = model.hits().iter().map(|h| (h.key.clone(), h.fence.clone())).collect();
-        let key = crate::harness::key(&db.store, id, 0).await?;
-        ensure!(keys == vec![(key.clone(), "1".into()), (key, "2".into())], "{keys:?}");
-        ensure!(tool.hits().len() == 1);
-        Ok(())
+    async fn a_half_answer_is_retracted_though_claims_that_never_ran_came_between(db) {
+        // A queued run given back unstarted and an orphaned claim: two
+        // fences between the dead segment's and the one that resumes it.
+        dying_mid_answer(db, true).await
     }
 
     async fn a_graceful_suspend_replays_a_recorded_answer_without_retracting_it(db) {
