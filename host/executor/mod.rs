@@ -1,14 +1,15 @@
 //! The executor: runs one *segment* of a run (docs/concepts.md).
 //!
 //! claim → reconcile the ledger → instantiate → call `run(input)` → close or
-//! suspend. During the segment a renewal task keeps the lease; if a renewal
+//! suspend. From the claim until its last write returns a renewal task keeps
+//! the lease (`renewer::Cover`); if a renewal
 //! is refused, or the lease would expire before a renewal lands, the guest is
 //! interrupted at its next epoch tick, the in-flight call (and any effect
 //! future in it) is dropped, and nothing more is written. The guest's
 //! deadline is the earlier of its slice budget and its lease.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use wasmtime::UpdateDeadline;
@@ -214,6 +215,15 @@ impl Executor {
 
     async fn segment(&self, claimed: Claimed, next: &mut Handoff) -> Result<SegmentOutcome, StoreError> {
         let Claimed { run, lease } = claimed;
+        // The lease is renewed from here, measured from the claim (a run
+        // that waited in the local queue has less left), until the
+        // segment's last write returns.
+        let lease_expires_at = run.lease_expires_at.unwrap_or(0);
+        let claimed_at = run.heartbeat_at.unwrap_or(lease_expires_at);
+        let lease_left = Duration::from_millis((lease_expires_at - claimed_at).max(0) as u64);
+        // Dropped when the segment returns, after its last write.
+        let cover = Cover::start(&self.store, &lease, self.config.lease_ttl, self.renew_every(), lease_left, self.config.clock.clone());
+        let watch = &cover.watch;
         let plugin = match crate::plugins::resolve(&self.store, &self.runtime, &run.plugin, &run.plugin_digest).await {
             Ok(Some(plugin)) => plugin,
             Ok(None) => {
@@ -285,20 +295,25 @@ impl Executor {
             reserved: self.reserved.clone(),
             offline: false,
         };
-        let lease_expires_at = run.lease_expires_at.unwrap_or(0);
-        let claimed_at = run.heartbeat_at.unwrap_or(lease_expires_at);
-        let result = self
-            .guest_call(&plugin, init, &run.input, lease_expires_at - claimed_at)
-            .await;
+        self.store.faults().before_guest().await;
+        let result = self.guest_call(&plugin, init, &run.input, watch).await;
         if let Some(done) = next.guest_done.take() {
             let _ = done.send(());
         }
+        // Renewed until the close returns: the store bounds how long a
+        // write waits (a lock timeout, the batch's own retries).
+        watch.renew_for(Duration::MAX);
+        watch.closing.store(true, Ordering::Relaxed);
         self.settle(&plugin, &lease, result, next).await
     }
 
-    /// Instantiates the plugin and calls `run`, with the renewal task, the
-    /// epoch deadline and the segment's timers in force. Returns the call's
-    /// result and the final state.
+    fn renew_every(&self) -> Duration {
+        self.config.renew_every.unwrap_or(self.config.lease_ttl / 3)
+    }
+
+    /// Instantiates the plugin and calls `run`, with the segment's lease
+    /// cover (`watch`), the epoch deadline and the segment's timers in
+    /// force. Returns the call's result and the final state.
     ///
     /// Epochs only interrupt running wasm, so a timer stops a guest blocked
     /// in a host or WASI call too: at the budget (a host call in flight gets
@@ -309,39 +324,24 @@ impl Executor {
         plugin: &Plugin,
         init: SegmentInit,
         input: &str,
-        lease_left_ms: i64,
+        watch: &LeaseWatch,
     ) -> (wasmtime::Result<Result<String, String>>, SegmentState) {
-        let lease = init.lease.clone();
         let init_lease = init.lease.clone();
         // `lost` is read by the epoch callback (sync); `lost_now` wakes the
         // select below at once.
-        let lost = Arc::new(AtomicBool::new(false));
-        let lost_now = Arc::new(tokio::sync::Notify::new());
-        // The lease deadline as an offset from segment start, in ms; moved on
-        // by each renewal. Measured on this worker's monotonic clock only to
-        // stop its own guest early: the database decides who holds the lease.
+        let (lost, lost_now) = (watch.lost.clone(), watch.lost_now.clone());
+        // The lease deadline as an offset from the segment's start (its
+        // cover's), in ms; moved on by each renewal. Measured on this
+        // worker's monotonic clock only to stop its own guest early: the
+        // database decides who holds the lease. The budget runs from the
+        // guest's own start.
         let clock = self.config.clock.clone();
-        let start = clock.now();
-        let lease_deadline = Arc::new(AtomicI64::new(lease_left_ms.max(0)));
+        let (start, guest_start) = (watch.start, clock.now());
+        let lease_deadline = watch.deadline_ms.clone();
         let budget = plugin.limits.segment_budget;
         let hard_stop = budget + plugin.limits.slice_grace;
-        let watch = LeaseWatch {
-            lost: lost.clone(),
-            lost_now: lost_now.clone(),
-            deadline_ms: lease_deadline.clone(),
-            clock: clock.clone(),
-            start,
-            until: hard_stop,
-        };
-        // Aborted on drop too: a segment future dropped mid-call (its task
-        // aborted) must not leave a task renewing a lease nobody uses.
-        let renewer = AbortOnDrop(tokio::spawn(renew_loop(
-            self.store.clone(),
-            lease,
-            self.config.lease_ttl,
-            self.config.renew_every.unwrap_or(self.config.lease_ttl / 3),
-            watch,
-        )));
+        // Renewed until the budget plus the grace, never longer.
+        watch.renew_for(hard_stop);
 
         let mut store = self.runtime.store(plugin, init);
         let phase = store.data().phase.clone();
@@ -355,6 +355,7 @@ impl Executor {
         store.set_epoch_deadline(1);
         store.epoch_deadline_callback(move |mut ctx| {
             let elapsed = clock_cb.since(start);
+            let running = clock_cb.since(guest_start);
             if lost_cb.load(Ordering::Relaxed) {
                 ctx.data_mut().interrupt = Some(Interrupt::LeaseLost);
                 return Ok(UpdateDeadline::Interrupt);
@@ -382,7 +383,7 @@ impl Executor {
                 ctx.data_mut().interrupt = Some(Interrupt::Shutdown);
                 return Ok(UpdateDeadline::Interrupt);
             }
-            if elapsed >= budget {
+            if running >= budget {
                 ctx.data_mut().interrupt = Some(Interrupt::Slice);
                 return Ok(UpdateDeadline::Interrupt);
             }
@@ -413,7 +414,7 @@ impl Executor {
             tokio::time::sleep(budget).await;
             loop {
                 match phase.get() {
-                    Phase::REMOTE if clock.since(start) < hard_stop => {}
+                    Phase::REMOTE if clock.since(guest_start) < hard_stop => {}
                     Phase::DATABASE => {}
                     _ => return,
                 }
@@ -454,7 +455,7 @@ impl Executor {
                         // Its own task: a renewal is never dropped half-way.
                         let renewal = tokio::time::timeout(LAST_CHANCE, tokio::spawn(async move { db.renew(&lease, ttl).await })).await;
                         match renewal {
-                            Ok(Ok(Ok(_))) if clock.since(start) < hard_stop => {
+                            Ok(Ok(Ok(_))) if clock.since(guest_start) < hard_stop => {
                                 lease_deadline.store(asked_at + self.config.lease_ttl.as_millis() as i64, Ordering::Relaxed);
                             }
                             _ => break (interrupted(), Some(Interrupt::LeaseLost)),
@@ -467,7 +468,6 @@ impl Executor {
             // A reason the guest itself gave first stands.
             store.data_mut().interrupt.get_or_insert(why);
         }
-        drop(renewer);
         (result, store.into_data())
     }
 }

@@ -1,5 +1,6 @@
-//! The renewer: keeps a segment's lease while its guest runs, and tells
-//! the segment at once when the database refuses a renewal.
+//! The renewer: keeps a segment's lease from its claim until its last
+//! write returns, and tells the segment at once when the database refuses
+//! a renewal.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
@@ -22,6 +23,7 @@ impl Drop for AbortOnDrop {
 }
 
 /// What the renewer shares with the running segment.
+#[derive(Clone)]
 pub(super) struct LeaseWatch {
     /// Set when a renewal is refused; read by the epoch callback.
     pub(super) lost: Arc<AtomicBool>,
@@ -31,8 +33,62 @@ pub(super) struct LeaseWatch {
     pub(super) deadline_ms: Arc<AtomicI64>,
     pub(super) clock: Monotonic,
     pub(super) start: Instant,
-    /// No renewal after this long (the segment's budget plus its grace).
-    pub(super) until: Duration,
+    /// No renewal after this many ms after `start`; the segment moves it
+    /// as it goes (see [`Cover`]).
+    pub(super) until_ms: Arc<AtomicI64>,
+    /// Set once the segment's last write is on its way: a renewal it beats
+    /// is refused, which is no news.
+    pub(super) closing: Arc<AtomicBool>,
+}
+
+impl LeaseWatch {
+    /// Renewals stop `more` from now (on this watch's clock);
+    /// `Duration::MAX`: not before the segment ends.
+    pub(super) fn renew_for(&self, more: Duration) {
+        let until = self.clock.since(self.start).saturating_add(more);
+        self.until_ms.store(i64::try_from(until.as_millis()).unwrap_or(i64::MAX), Ordering::Relaxed);
+    }
+}
+
+/// How long renewals cover a segment before its guest starts: resolving
+/// and compiling its plugin (a cold Python or JS component takes seconds),
+/// the upgrade check, reconciling its ledger. 60 s.
+pub(super) const PREPARE_COVER: Duration = Duration::from_secs(60);
+
+/// A segment's lease cover: renews its lease from the claim (its first
+/// renewal comes when the lease has as long left as right after a
+/// renewal, however long the run waited in the local queue) until dropped
+/// after the segment's last write. Renewals stop at the watch's
+/// `until_ms`, which the segment sets for each phase: [`PREPARE_COVER`]
+/// before the guest, its budget and grace while it runs, and no bound
+/// while its close is written (the store bounds each of its waits). Without it a close written behind its slot, or stuck
+/// behind another session's lock, outlived its lease and another host
+/// took the finished run.
+pub(super) struct Cover {
+    pub(super) watch: LeaseWatch,
+    _renewer: AbortOnDrop,
+}
+
+impl Cover {
+    /// Starts renewing `lease`, which has `lease_left` of its `ttl` left.
+    pub(super) fn start(store: &Store, lease: &Lease, ttl: Duration, every: Duration, lease_left: Duration, clock: Monotonic) -> Cover {
+        let start = clock.now();
+        let watch = LeaseWatch {
+            lost: Arc::default(),
+            lost_now: Arc::default(),
+            deadline_ms: Arc::new(AtomicI64::new(lease_left.as_millis() as i64)),
+            clock,
+            start,
+            until_ms: Arc::new(AtomicI64::new(PREPARE_COVER.as_millis() as i64)),
+            closing: Arc::default(),
+        };
+        // As if renewed every `every` since the claim.
+        let first = (lease_left + every).saturating_sub(ttl);
+        // Aborted on drop too: a segment future dropped mid-call (its task
+        // aborted) must not leave a task renewing a lease nobody uses.
+        let renewer = AbortOnDrop(tokio::spawn(renew_loop(store.clone(), lease.clone(), ttl, every, first, watch.clone())));
+        Cover { watch, _renewer: renewer }
+    }
 }
 
 /// What one renewal did.
@@ -65,7 +121,11 @@ pub(super) async fn renew_once(store: &Store, lease: &Lease, ttl: Duration, watc
             Renewal::Renewed
         }
         Err(StoreError::LeaseLost(_)) => {
-            tracing::warn!(run_id = lease.run_id, fence = lease.fence, "lease lost; stopping the guest");
+            if watch.closing.load(Ordering::Relaxed) {
+                tracing::debug!(run_id = lease.run_id, fence = lease.fence, "a renewal came after the segment's close");
+            } else {
+                tracing::warn!(run_id = lease.run_id, fence = lease.fence, "lease lost; stopping the guest");
+            }
             watch.lost.store(true, Ordering::Relaxed);
             // notify_one keeps a permit if the select is not waiting yet.
             watch.lost_now.notify_one();
@@ -80,16 +140,19 @@ pub(super) async fn renew_once(store: &Store, lease: &Lease, ttl: Duration, watc
     }
 }
 
-/// Renews `lease` every `every` until aborted, or until `until` after the
-/// segment started: a lease is never renewed without bound. A refused
-/// renewal sets `lost`; a lease that runs out before a renewal lands is
-/// caught by the epoch callback and the segment's timer through
-/// `deadline_ms`.
-pub(super) async fn renew_loop(store: Store, lease: Lease, ttl: Duration, every: Duration, watch: LeaseWatch) {
+/// Renews `lease` after `first`, then every `every`, until aborted; never
+/// past `until_ms` after the segment started: a lease is never renewed
+/// without bound. A refused renewal sets `lost`; a lease that runs out
+/// before a renewal lands is caught by the epoch callback and the
+/// segment's timer through `deadline_ms`.
+pub(super) async fn renew_loop(store: Store, lease: Lease, ttl: Duration, every: Duration, first: Duration, watch: LeaseWatch) {
+    let mut wait = first;
     loop {
-        tokio::time::sleep(every).await;
-        if watch.clock.since(watch.start) >= watch.until {
-            return;
+        tokio::time::sleep(wait).await;
+        wait = every;
+        // Past it, no renewal; a later phase may move it on.
+        if watch.clock.since(watch.start).as_millis() as i64 >= watch.until_ms.load(Ordering::Relaxed) {
+            continue;
         }
         if renew_once(&store, &lease, ttl, &watch).await == Renewal::Lost {
             return;

@@ -251,6 +251,7 @@ impl Store {
             outcome: outcome.clone(),
             next: next.map(|(owner, ttl)| (owner.to_string(), ttl)),
         };
+        self.faults().before_close().await;
         crate::store::closes::close(self, close).await
     }
 

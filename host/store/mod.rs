@@ -13,6 +13,7 @@
 mod claims;
 pub(crate) mod closes;
 mod emits;
+pub mod faults;
 pub(crate) mod group;
 mod guard;
 pub mod hub;
@@ -268,6 +269,8 @@ pub struct StoreShared {
     pub(crate) claims: std::sync::Arc<claims::Queue>,
     /// Ledger writes waiting to be group-committed (see [`ledger_writes`]).
     pub(crate) ledger_writes: std::sync::Arc<ledger_writes::Queue>,
+    /// Fault hooks for tests (see [`faults`]).
+    faults: faults::Faults,
     /// The event streams of this process, woken by its writes (see [`hub`]).
     hub: std::sync::Arc<hub::Hub>,
     /// Plugin names this process has seen registered (see
@@ -379,6 +382,7 @@ impl Store {
             renewals: Default::default(),
             claims: Default::default(),
             ledger_writes: Default::default(),
+            faults: Default::default(),
             hub: Default::default(),
             known_plugins: Default::default(),
         }));
@@ -420,6 +424,11 @@ impl Store {
 
     pub fn backend(&self) -> Backend {
         self.backend
+    }
+
+    /// This store's fault hooks (tests).
+    pub fn faults(&self) -> &faults::Faults {
+        &self.faults
     }
 
     /// The read pool, for tests, benches and operator tooling.

@@ -22,6 +22,7 @@ mod replay;
 mod retention;
 mod conformance;
 mod interleaving;
+mod lease_cover;
 mod layout;
 mod runtime;
 mod sandbox;
