@@ -3,8 +3,10 @@
 //! protocol does then. Unset (always, outside tests) each costs one atomic
 //! load.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
+
+use crate::store::{Store, StoreError};
 
 /// The store's fault hooks, shared by its clones ([`crate::store::Store::faults`]).
 /// Default: none set.
@@ -12,6 +14,7 @@ use std::time::Duration;
 pub struct Faults {
     close_delay_ms: AtomicU64,
     guest_delay_ms: AtomicU64,
+    submit_read_kills: AtomicU32,
 }
 
 impl Faults {
@@ -26,6 +29,28 @@ impl Faults {
     /// compile of a large component would. `Duration::ZERO` clears it.
     pub fn delay_guests(&self, by: Duration) {
         self.guest_delay_ms.store(by.as_millis() as u64, Ordering::Relaxed);
+    }
+
+    /// PostgreSQL: the next `n` reads a batch of submits makes after its
+    /// statement has committed find their session killed: the session
+    /// ends itself with `pg_terminate_backend`, as an operator or a server
+    /// restart would end it, and the read gets the server's error.
+    pub fn kill_submit_reads(&self, n: u32) {
+        self.submit_read_kills.store(n, Ordering::Relaxed);
+    }
+
+    /// Before a submit batch's read after its commit: kills the session
+    /// the read is about to use, if asked to ([`Faults::kill_submit_reads`]).
+    pub(crate) async fn submit_read(&self, store: &Store) -> Result<(), StoreError> {
+        let take = self.submit_read_kills.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+        if take.is_err() {
+            return Ok(());
+        }
+        let mut conn = store.pool().acquire().await?;
+        sqlx::query("SELECT pg_terminate_backend(pg_backend_pid())").execute(&mut *conn).await?;
+        // The signal may land after the statement that sent it.
+        sqlx::query("SELECT pg_sleep(1)").execute(&mut *conn).await?;
+        Err(StoreError::Config("a session that killed itself lived on".into()))
     }
 
     pub(crate) async fn before_close(&self) {

@@ -258,7 +258,21 @@ const GATHER_YIELDS: usize = 8;
 /// and written again, a close would fail its guard and report a lost
 /// lease, a submit without an idempotency key would make a second run.
 fn rolled_back(e: &StoreError) -> bool {
-    matches!(e, StoreError::Db(sqlx::Error::Database(_)))
+    matches!(e, StoreError::Db(sqlx::Error::Database(_))) && !session_lost(e)
+}
+
+/// True when `e` says the session itself broke: an I/O or protocol error,
+/// or the server ending it (PostgreSQL `admin_shutdown`, `crash_shutdown`,
+/// `cannot_connect_now`, and the connection exceptions, class 08). A
+/// statement in flight then may have committed before its reply was lost.
+pub(crate) fn session_lost(e: &StoreError) -> bool {
+    match e {
+        StoreError::Db(sqlx::Error::Io(_) | sqlx::Error::Protocol(_) | sqlx::Error::Tls(_) | sqlx::Error::WorkerCrashed) => true,
+        StoreError::Db(sqlx::Error::Database(db)) => {
+            db.code().is_some_and(|c| matches!(c.as_ref(), "57P01" | "57P02" | "57P03") || c.starts_with("08"))
+        }
+        _ => false,
+    }
 }
 
 /// Tells each caller of a batch that failed in a way that does not say

@@ -261,33 +261,92 @@ impl Store {
             })
             .await;
         self.announcement_carried(carry, rows.as_ref().is_ok_and(|r| !r.is_empty()), rows.is_err());
-        let rows = rows?;
+        let rows = match rows {
+            Ok(rows) => rows,
+            // The database refused the statement: rolled back.
+            Err(e @ StoreError::Db(sqlx::Error::Database(_))) if !super::group::session_lost(&e) => return Err(e),
+            // The session broke: the statement may have committed first.
+            Err(e) => self.written_by(list, &e).await?,
+        };
+        // From here the batch is written: a failure is never reported as
+        // one the database rolled back, which would have it written again.
         // Threads are distinct within a batch, so a thread names its run.
         let mut inserted = std::collections::HashMap::with_capacity(rows.len());
         for row in &rows {
-            let run = Run::from_row(row)?;
+            let run = Run::from_row(row).map_err(|e| written_but(&e))?;
             inserted.insert(run.thread_id.clone(), run);
         }
         let mut created = Vec::with_capacity(submits.len());
         for submit in submits {
             created.push(match inserted.remove(&submit.thread_id) {
                 Some(run) => (run, true),
-                None => (self.run_with_key(submit).await?, false),
+                None => (self.run_with_key(submit).await.map_err(|e| written_but(&e))?, false),
             });
         }
         Ok(created)
     }
 
+    /// PostgreSQL: the runs a submit statement whose session broke wrote,
+    /// found by their threads and secrets (each run's secret is new and
+    /// random, so a run with both is this batch's). None found: it did
+    /// not commit, and never will (its session is gone), so the broken
+    /// session's error stands; an error here leaves the outcome unknown.
+    async fn written_by(&self, list: &str, broke: &StoreError) -> Result<Vec<sqlx::any::AnyRow>, StoreError> {
+        let found = self
+            .read_after_commit(|| async move {
+                Ok(sqlx::query(
+                    "SELECT runs.* FROM runs JOIN jsonb_to_recordset($1::text::jsonb) AS l(thread_id text, secret text) \
+                     ON runs.thread_id = l.thread_id AND runs.secret = l.secret",
+                )
+                .bind(list)
+                .fetch_all(self.pool())
+                .await?)
+            })
+            .await
+            .map_err(|e| StoreError::Unknown(format!("a submit batch's session broke ({broke}), and finding out what it wrote failed: {e}")))?;
+        if found.is_empty() {
+            return Err(StoreError::Unknown(format!("a submit batch's session broke and it wrote nothing: {broke}")));
+        }
+        tracing::warn!(error = %broke, written = found.len(), "a submit batch's session broke after its commit; its runs were found");
+        Ok(found)
+    }
+
+    /// A read right after a commit, tried again on a new session while
+    /// sessions break (a server restart ends them all), for about 3 s.
+    async fn read_after_commit<T, F, Fut>(&self, read: F) -> Result<T, StoreError>
+    where
+        F: Fn() -> Fut,
+        Fut: std::future::Future<Output = Result<T, StoreError>>,
+    {
+        let mut delay = std::time::Duration::from_millis(20);
+        for _ in 0..8 {
+            match read().await {
+                Err(e) if super::group::session_lost(&e) || matches!(e, StoreError::Db(sqlx::Error::PoolTimedOut)) => {
+                    tracing::debug!(error = %e, "a read after a commit lost its session; reading again");
+                    tokio::time::sleep(delay).await;
+                    delay *= 2;
+                }
+                other => return other,
+            }
+        }
+        read().await
+    }
+
     /// The run holding `submit`'s idempotency key, for a submit that was not
-    /// inserted. Only a taken key gets here (a NULL key never conflicts), and
+    /// inserted (read after the batch's commit). Only a taken key gets here (a NULL key never conflicts), and
     /// `ON CONFLICT` has waited for the other insert to commit.
     async fn run_with_key(&self, submit: &Submit) -> Result<Run, StoreError> {
         let Some(key) = &submit.new.idempotency_key else {
             return Err(StoreError::Config("a submit without an idempotency key was not inserted".into()));
         };
-        let row = sqlx::query(sql!(self, "SELECT * FROM runs WHERE idempotency_key = $1"))
-            .bind(key)
-            .fetch_one(self.pool())
+        let row = self
+            .read_after_commit(|| async move {
+                self.faults().submit_read(self).await?;
+                Ok(sqlx::query(sql!(self, "SELECT * FROM runs WHERE idempotency_key = $1"))
+                    .bind(key)
+                    .fetch_one(self.pool())
+                    .await?)
+            })
             .await?;
         Run::from_row(&row)
     }
@@ -424,4 +483,10 @@ fn like_pattern(text: &str) -> String {
     }
     pattern.push('%');
     pattern
+}
+
+/// A failure after a submit batch committed: never one the group writer
+/// takes for a rollback (and writes again, one by one).
+fn written_but(e: &StoreError) -> StoreError {
+    StoreError::Unknown(format!("the submit batch was written, but reading its runs back failed: {e}"))
 }

@@ -27,6 +27,7 @@ mod layout;
 mod runtime;
 mod sandbox;
 mod service;
+mod submits;
 mod slicing;
 mod stream;
 mod templates;
