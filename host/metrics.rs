@@ -85,6 +85,10 @@ pub struct Metrics {
     pub deleted_runs: AtomicU64,
     pub deleted_effects: AtomicU64,
     pub deleted_events: AtomicU64,
+    /// Batched writes (closes, ledger rows, submits) that gave up waiting
+    /// for a row lock another session held (PostgreSQL `lock_timeout`);
+    /// a batch that did is written again without waiting on the others.
+    pub lock_timeouts: AtomicU64,
 }
 
 
@@ -175,6 +179,12 @@ impl Metrics {
             "leasehold_prefetch_given_back_total",
             "Prefetched runs given back unstarted (shutdown, or waited too long for a worker).",
             &self.prefetch_given_back,
+        );
+        counter(
+            &mut out,
+            "leasehold_lock_timeouts_total",
+            "Batched writes that gave up waiting for a row lock another session held (PostgreSQL).",
+            &self.lock_timeouts,
         );
         counter(&mut out, "leasehold_submits_total", "Submits written by this host.", &self.submits);
         counter(

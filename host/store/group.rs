@@ -203,7 +203,14 @@ pub(crate) async fn write_batches<B: Batched>(store: Store) {
                     continue;
                 }
                 Err(e) if rolled_back(&e) => {
-                    tracing::debug!(error = %e, writes = items.len(), "a batch of {} failed; writing them one by one", B::WHAT);
+                    if crate::store::is_lock_timeout(&e) {
+                        // One row another session holds: written one by one,
+                        // only that write waits (and gives up) again.
+                        crate::metrics::global().lock_timeouts.fetch_add(1, Relaxed);
+                        tracing::warn!(writes = items.len(), "a batch of {} gave up waiting for a row lock; writing them one by one", B::WHAT);
+                    } else {
+                        tracing::debug!(error = %e, writes = items.len(), "a batch of {} failed; writing them one by one", B::WHAT);
+                    }
                 }
                 Err(e) => {
                     unknown(replies, B::WHAT, &e);
@@ -213,8 +220,12 @@ pub(crate) async fn write_batches<B: Batched>(store: Store) {
         }
         for (item, reply) in items.iter().zip(replies) {
             let result = B::write(&store, std::slice::from_ref(item)).await;
-            if result.is_ok() {
-                B::written(&store, 1);
+            match &result {
+                Ok(_) => B::written(&store, 1),
+                Err(e) if crate::store::is_lock_timeout(e) => {
+                    crate::metrics::global().lock_timeouts.fetch_add(1, Relaxed);
+                }
+                Err(_) => {}
             }
             let result = result.and_then(|mut r| {
                 r.pop()

@@ -190,11 +190,15 @@ pub struct StoreOptions {
     /// row locks would otherwise keep every other host from taking over its
     /// runs until it wakes. Default: 5 s.
     pub pg_idle_in_transaction_timeout: Duration,
-    /// PostgreSQL only: how long a renewal or a reaper statement waits for
-    /// a row lock (`lock_timeout`) before it gives up. A frozen host (a
-    /// stopped process, a VM paused mid-statement) can hold its claim's row
-    /// locks for as long as it is frozen; without this, every other host's
-    /// reaper would wait on them. Default: 2 s.
+    /// PostgreSQL only: how long any statement of the host waits for a row
+    /// lock (`lock_timeout`) before it gives up (migrations excepted). A
+    /// frozen host (a stopped process, a VM paused mid-statement) can hold
+    /// its claim's row locks for as long as it is frozen; without this,
+    /// every other host's reaper would wait on them, and a batch of closes
+    /// or ledger rows with one such row would hold all of its runs. A batch
+    /// that gives up is written again one write at a time, so only the
+    /// stuck row's write waits again (`leasehold_lock_timeouts_total`).
+    /// Default: 2 s.
     pub pg_lock_timeout: Duration,
 }
 
@@ -330,11 +334,11 @@ impl Store {
             }
             pool
         };
-        // PostgreSQL sessions: the idle-in-transaction timeout on every
-        // one, and a lock timeout on the maintenance pool's.
-        let pg_session = |pool: AnyPoolOptions, lock_timeout: Option<Duration>| {
+        // PostgreSQL sessions: the idle-in-transaction timeout and the lock
+        // timeout on every one.
+        let pg_session = |pool: AnyPoolOptions| {
             let idle_ms = opts.pg_idle_in_transaction_timeout.as_millis().to_string();
-            let lock_ms = lock_timeout.map_or_else(|| "0".to_string(), |t| t.as_millis().max(1).to_string());
+            let lock_ms = opts.pg_lock_timeout.as_millis().max(1).to_string();
             pool.after_connect(move |conn, _| {
                 let (idle_ms, lock_ms) = (idle_ms.clone(), lock_ms.clone());
                 Box::pin(async move {
@@ -357,11 +361,11 @@ impl Store {
                 (pool_options(max, false).connect_with(connect).await?, writer.clone(), writer)
             }
             Backend::Postgres => {
-                let pool = pg_session(pool_options(max, false), None).connect_with(connect.clone()).await?;
+                let pool = pg_session(pool_options(max, false)).connect_with(connect.clone()).await?;
                 // Renewals and the reaper do test each session first: they
                 // are few, and a segment's last renewal before it gives its
                 // run up must not fail on a session a restart left dead.
-                let maint = pg_session(pool_options(4, false).test_before_acquire(true), Some(opts.pg_lock_timeout))
+                let maint = pg_session(pool_options(4, false).test_before_acquire(true))
                     .connect_with(connect)
                     .await?;
                 (pool.clone(), pool, maint)
@@ -412,13 +416,24 @@ impl Store {
         }
     }
 
-    /// Applies the embedded migrations for this backend (forward-only).
+    /// Applies the embedded migrations for this backend (forward-only). On
+    /// PostgreSQL on a connection of its own, without the lock timeout of
+    /// the host's sessions: the migrator waits for another host's
+    /// migration to finish (an advisory lock).
     pub async fn migrate(&self) -> Result<(), StoreError> {
         let migrator = match self.backend {
             Backend::Sqlite => sqlx::migrate!("migrations/sqlite"),
             Backend::Postgres => sqlx::migrate!("migrations/postgres"),
         };
-        migrator.run(&self.writer).await?;
+        match self.backend {
+            Backend::Sqlite => migrator.run(&self.writer).await?,
+            Backend::Postgres => {
+                let pool = AnyPoolOptions::new().max_connections(1).connect(self.url()).await?;
+                let migrated = migrator.run(&pool).await;
+                pool.close().await;
+                migrated?;
+            }
+        }
         Ok(())
     }
 

@@ -138,3 +138,64 @@ async fn postgres_writes_a_second_close_batch_while_the_first_waits_on_a_row_loc
     })
     .await
 }
+
+/// PostgreSQL only: a batch of closes that meets a row a frozen session
+/// holds gives up after the lock timeout (2 s) and is written again one
+/// close at a time, so only that close waits (and fails) again; the others
+/// in its batch are written, well before the frozen session lets go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_close_batch_stuck_on_a_frozen_sessions_row_writes_its_other_closes() -> anyhow::Result<()> {
+    use leasehold::store::{NewRun, Outcome};
+    use sqlx::Connection;
+    use std::time::{Duration, Instant};
+    crate::harness::run_on(leasehold::Backend::Postgres, async |db: &crate::harness::TestDb| {
+        let mut ids = Vec::new();
+        for _ in 0..5 {
+            ids.push(db.store.create_run(&NewRun::new("p", "{}")).await?.0.id);
+        }
+        let claimed = db.store.claim_batch("w", Duration::from_secs(60), 5).await?;
+        let lease = |id: i64| claimed.iter().find(|c| c.run.id == id).map(|c| c.lease.clone()).expect("claimed");
+        // X and Y keep both batch writers waiting; A's row makes the batch
+        // that takes A, B and C (queued behind them) wait too.
+        let (x, y, a, b, c) = (ids[0], ids[1], ids[2], ids[3], ids[4]);
+        let mut frozen = sqlx::PgConnection::connect(db.url()).await?;
+        sqlx::raw_sql("BEGIN").execute(&mut frozen).await?;
+        for id in [x, y, a] {
+            sqlx::query("SELECT id FROM runs WHERE id = $1 FOR UPDATE").bind(id).fetch_all(&mut frozen).await?;
+        }
+        let close = |id: i64| {
+            let (store, lease) = (db.store.clone(), lease(id));
+            tokio::spawn(async move { store.close(&lease, &Outcome::Completed { output: id.to_string() }).await })
+        };
+        let held = [close(x), close(y)];
+        crate::harness::wait_for_count(
+            db,
+            "SELECT CASE WHEN COUNT(*) >= 2 THEN 1 ELSE 0 END::int8 FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            "both batch writers wait on the frozen session's rows",
+        )
+        .await?;
+        let timeouts = leasehold::metrics::global().lock_timeouts.load(std::sync::atomic::Ordering::Relaxed);
+        let started = Instant::now();
+        let (close_a, close_b, close_c) = (close(a), close(b), close(c));
+        let (done_b, done_c) = (tokio::time::timeout(Duration::from_secs(10), close_b).await, tokio::time::timeout(Duration::from_secs(10), close_c).await);
+        let waited = started.elapsed();
+        ensure!(done_b.is_ok() && done_c.is_ok(), "B and C waited {waited:?} on A's row, which a frozen session holds");
+        done_b.unwrap()??;
+        done_c.unwrap()??;
+        let status = |id: i64| sqlx::query_scalar::<_, String>("SELECT status FROM runs WHERE id = $1").bind(id);
+        ensure!(status(b).fetch_one(db.store.pool()).await? == "completed");
+        ensure!(status(c).fetch_one(db.store.pool()).await? == "completed");
+        // A's own close gives up too, with the lock timeout's error, and is counted.
+        let a_result = tokio::time::timeout(Duration::from_secs(10), close_a).await?;
+        ensure!(a_result?.as_ref().is_err_and(leasehold::store::is_lock_timeout), "A's close did not give up on its row");
+        let now = leasehold::metrics::global().lock_timeouts.load(std::sync::atomic::Ordering::Relaxed);
+        ensure!(now > timeouts, "no lock timeout was counted");
+        sqlx::raw_sql("ROLLBACK").execute(&mut frozen).await?;
+        for h in held {
+            let _ = h.await?;
+        }
+        ensure!(status(a).fetch_one(db.store.pool()).await? == "running", "A closed though its close failed");
+        Ok(())
+    })
+    .await
+}
