@@ -55,7 +55,9 @@ impl Store {
         let (status, thread) = status;
         self.hub().wake(&thread);
         if status == RunStatus::WaitingTakeover {
-            self.signal_work(false).await;
+            // A host shutting down hands its runs over: other hosts take
+            // them at once, not at their poll.
+            self.signal_work(true).await;
         }
         Ok(status)
     }
@@ -85,7 +87,8 @@ impl Store {
         if rows == 0 {
             return Err(rejected(lease));
         }
-        self.signal_work(false).await;
+        // Other hosts too: an idle one takes it at once, not at its poll.
+        self.signal_work(true).await;
         Ok(())
     }
 

@@ -123,3 +123,34 @@ async fn bursts_of_concurrent_submits_on_another_host_all_reach_an_idle_pool() -
     })
     .await
 }
+
+/// PostgreSQL only (`NOTIFY`): a run a host gives back unstarted (its
+/// local queue at shutdown, or a queued run that waited too long) wakes an
+/// idle pool on another host, which starts it without waiting for its poll.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_given_back_wakes_an_idle_pool_on_another_host() -> Result<()> {
+    run_on(Backend::Postgres, async |db: &TestDb| {
+        let runtime = plugins::runtime()?;
+        leasehold::plugins::register(&db.store, &runtime, "testkit", plugins::rust_plugin("testkit")?, PluginSettings::default()).await?;
+        let other = db.another_store(2).await?;
+        let (run, _) = other.create_run(&NewRun::new("testkit", r#"{"steps":1}"#)).await?;
+        let queued = other.claim("queueing-host", Duration::from_secs(30)).await?.expect("the run is claimable");
+        let config = ExecutorConfig { owner: "idle-pool".into(), model: None, ..ExecutorConfig::default() };
+        let exec = Arc::new(Executor::new(db.store.clone(), runtime, config));
+        // An hour: within the test only a wake-up can start the run.
+        let pool = WorkerPool::start(db.store.clone(), exec, PoolConfig { workers: 2, poll: Duration::from_secs(3600), ..PoolConfig::default() });
+        wait_listening(db).await?;
+        // Its first claim found the run leased; it waits for a signal now.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        other.give_back(&queued.lease).await?;
+        let started = Instant::now();
+        while db.store.get_run(run.id).await?.status != RunStatus::Completed {
+            ensure!(started.elapsed() < Duration::from_secs(20), "a run given back on another host waited for the poll");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        other.shutdown().await;
+        pool.shutdown(Duration::from_secs(10)).await;
+        Ok(())
+    })
+    .await
+}
