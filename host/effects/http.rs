@@ -218,12 +218,16 @@ impl reqwest::dns::Resolve for PublicOnly {
 }
 
 /// The client of guests' `http` effects (names resolved to public
-/// addresses only, no redirects).
+/// addresses only, no redirects, no proxy). `HTTP_PROXY`, `HTTPS_PROXY`
+/// and `ALL_PROXY` are ignored: a proxy resolves the names itself, so the
+/// public-address rule would never run, and a guest could reach the
+/// host's own network through it.
 pub(crate) fn client() -> &'static reqwest::Client {
     static CLIENT: OnceLock<reqwest::Client> = OnceLock::new();
     CLIENT.get_or_init(|| {
         install_tls();
         reqwest::Client::builder()
+            .no_proxy()
             .redirect(reqwest::redirect::Policy::none())
             .dns_resolver(std::sync::Arc::new(PublicOnly))
             .timeout(TIMEOUT)

@@ -303,6 +303,10 @@ impl Store {
             Backend::Sqlite => sqlite::normalize_url(url),
             Backend::Postgres => url.to_string(),
         };
+        if let Some(file) = sqlite::file_of(&url).filter(|_| backend == Backend::Sqlite) {
+            sqlite::private_file(&file)
+                .map_err(|e| StoreError::Config(format!("cannot create the database file {}: {e}", file.display())))?;
+        }
         let connect = AnyConnectOptions::from_str(&url)?;
         let max = opts.max_connections.unwrap_or(match backend {
             Backend::Sqlite => 8,

@@ -101,6 +101,44 @@ pub(super) fn normalize_url(url: &str) -> String {
     }
 }
 
+/// The file of a `sqlite:` URL, if it names one (not `:memory:`).
+pub(super) fn file_of(url: &str) -> Option<std::path::PathBuf> {
+    let rest = url.strip_prefix("sqlite://").or_else(|| url.strip_prefix("sqlite:"))?;
+    let (path, query) = rest.split_once('?').unwrap_or((rest, ""));
+    if path.is_empty() || path.contains(":memory:") || query.contains("mode=memory") {
+        return None;
+    }
+    Some(std::path::PathBuf::from(path))
+}
+
+/// Creates the database file readable by this user only (mode 0600)
+/// before SQLite opens it: SQLite creates a new file 0644, and its `-wal`
+/// and `-shm` with the file's own mode, and these hold every input,
+/// output, kv value and run secret. An existing file, or its `-wal` or
+/// `-shm`, that others may read is used, with a warning that says how to
+/// mend it.
+pub(super) fn private_file(path: &std::path::Path) -> std::io::Result<()> {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    match std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path) {
+        Ok(_) => return Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(e),
+    }
+    for suffix in ["", "-wal", "-shm"] {
+        let file = std::path::PathBuf::from(format!("{}{suffix}", path.display()));
+        let Ok(meta) = std::fs::metadata(&file) else { continue };
+        let mode = meta.permissions().mode() & 0o777;
+        if mode & 0o077 != 0 {
+            tracing::warn!(
+                file = %file.display(),
+                mode = format!("{mode:o}"),
+                "the database file is open to other users; `chmod 600` it (and its -wal and -shm) while the service is stopped"
+            );
+        }
+    }
+    Ok(())
+}
+
 /// Per-connection settings. Returns one of a fixed set of static strings.
 /// Set by the writer's first connection to a new, empty database, before
 /// any table exists (the only time it takes effect): retention then gives

@@ -283,3 +283,34 @@ async fn the_reaper_and_a_renewal_do_not_wait_on_a_row_a_frozen_host_has_locked(
     })
     .await
 }
+
+/// SQLite only: the file holds every input, output, kv value and run
+/// secret, so it and its `-wal` and `-shm` are created for their owner
+/// alone, whatever the umask.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sqlite_database_and_its_wal_and_shm_are_readable_by_their_owner_only() -> Result<()> {
+    run_on(leasehold::Backend::Sqlite, async |db: &TestDb| {
+        use std::os::unix::fs::PermissionsExt;
+        submit(&db.store, 1).await?;
+        let path = db.url().strip_prefix("sqlite://").unwrap_or(db.url()).split('?').next().unwrap_or_default().to_string();
+        for suffix in ["", "-wal", "-shm"] {
+            let file = format!("{path}{suffix}");
+            let mode = std::fs::metadata(&file)?.permissions().mode() & 0o777;
+            ensure!(mode == 0o600, "{file} has mode {mode:o}");
+        }
+        Ok(())
+    })
+    .await
+}
+
+/// SQLite only: commits are durable by default; a regression to `NORMAL`
+/// (which may lose the last commits in a power cut) fails here.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sqlite_writer_commits_with_synchronous_full() -> Result<()> {
+    run_on(leasehold::Backend::Sqlite, async |db: &TestDb| {
+        let synchronous: i64 = sqlx::query_scalar("PRAGMA synchronous").fetch_one(db.store.writer()).await?;
+        ensure!(synchronous == 2, "the writer's synchronous is {synchronous}, not FULL (2)");
+        Ok(())
+    })
+    .await
+}

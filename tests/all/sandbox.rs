@@ -256,3 +256,48 @@ async fn the_component_cache_is_private_and_never_runs_a_file_it_did_not_write()
     }
     Ok(())
 }
+
+/// A proxy named by the environment would resolve guests' names itself, so
+/// the public-address rule would never run: guests' `http` ignores
+/// `HTTP_PROXY`, `HTTPS_PROXY` and `ALL_PROXY`. `leasehold run` is the
+/// host in a process of its own, with those variables pointing at a
+/// listener that counts who connects.
+#[tokio::test]
+async fn guests_http_ignores_a_proxy_named_by_the_environment() -> Result<()> {
+    let proxy = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let proxy_url = format!("http://{}", proxy.local_addr()?);
+    let connects = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = connects.clone();
+    let listener = tokio::spawn(async move {
+        while let Ok((socket, _)) = proxy.accept().await {
+            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            drop(socket);
+        }
+    });
+    let dir = tempfile::tempdir()?;
+    let wasm = dir.path().join("testkit.wasm");
+    std::fs::write(&wasm, plugins::rust_plugin("testkit")?)?;
+    // A name that resolves nowhere: only a proxy could take the request.
+    let request = json!({ "method": "POST", "url": "http://through-a-proxy.invalid/effect" }).to_string();
+    let input = json!({ "mode": "script", "ops": [{ "op": "effect", "name": "http", "request": request }] });
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_leasehold"))
+        .arg("run")
+        .arg(&wasm)
+        .args(["--input", &input.to_string(), "--http-allow", "through-a-proxy.invalid", "--json"])
+        .arg("--cache-dir")
+        .arg(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/component-cache"))
+        .env("HTTP_PROXY", &proxy_url)
+        .env("http_proxy", &proxy_url)
+        .env("HTTPS_PROXY", &proxy_url)
+        .env("ALL_PROXY", &proxy_url)
+        .env_remove("NO_PROXY")
+        .env_remove("no_proxy")
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(Duration::from_secs(120), out).await??;
+    listener.abort();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    ensure!(connects.load(std::sync::atomic::Ordering::SeqCst) == 0, "the guest's request went to the proxy: {stdout}");
+    ensure!(stdout.contains("through-a-proxy.invalid"), "the run did not report the failed request: {stdout}");
+    Ok(())
+}
