@@ -53,8 +53,7 @@ pub async fn run(args: RunArgs) -> Result<bool> {
         Ok(v) => v.to_string(),
         Err(_) => serde_json::Value::String(args.input.clone()).to_string(),
     };
-    let dir = std::env::temp_dir().join(format!("leasehold-run-{}", std::process::id()));
-    std::fs::create_dir_all(&dir)?;
+    let dir = private_temp_dir()?;
     let result = run_in(&args, &dir, &name, bytes, &input).await;
     let _ = std::fs::remove_dir_all(&dir);
     result
@@ -113,4 +112,33 @@ async fn run_in(args: &RunArgs, dir: &std::path::Path, name: &str, bytes: Vec<u8
         }
     }
     Ok(finished.status == RunStatus::Completed)
+}
+
+/// A new directory for the throwaway database, readable by this user only,
+/// under a name nobody can guess: a name from the pid alone could be made
+/// in advance by another local user (a symlink to their own directory).
+fn private_temp_dir() -> Result<PathBuf> {
+    use std::os::unix::fs::DirBuilderExt;
+    let dir = std::env::temp_dir().join(format!("leasehold-run-{}", uuid::Uuid::new_v4().simple()));
+    // Not `recursive`: a directory already there is an error, never reused.
+    std::fs::DirBuilder::new()
+        .mode(0o700)
+        .create(&dir)
+        .with_context(|| format!("creating the run's directory {}", dir.display()))?;
+    Ok(dir)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn each_run_gets_a_new_private_directory() {
+        use std::os::unix::fs::PermissionsExt;
+        let (a, b) = (super::private_temp_dir().unwrap(), super::private_temp_dir().unwrap());
+        assert_ne!(a, b, "two runs of one process shared a directory");
+        for dir in [&a, &b] {
+            let mode = std::fs::metadata(dir).unwrap().permissions().mode() & 0o777;
+            assert_eq!(mode, 0o700, "{} has mode {mode:o}", dir.display());
+            std::fs::remove_dir(dir).unwrap();
+        }
+    }
 }
