@@ -123,6 +123,14 @@ pub struct ServeOptions {
     /// Per-request timeout in ms (event streams are exempt). [default: 30000]
     #[arg(long, env = "LEASEHOLD_REQUEST_TIMEOUT_MS")]
     pub request_timeout_ms: Option<u64>,
+    /// How long a client may take to send a request's headers (or leave
+    /// its connection idle) before it is closed, in ms. [default: 10000]
+    #[arg(long, env = "LEASEHOLD_HEADER_READ_TIMEOUT_MS")]
+    pub header_read_timeout_ms: Option<u64>,
+    /// Most client connections open at once, event streams included; more
+    /// wait to be accepted until one closes. [default: 512]
+    #[arg(long, env = "LEASEHOLD_MAX_CONNECTIONS")]
+    pub max_connections: Option<usize>,
     /// This host's lease owner id. [default: <hostname>-<pid>]
     #[arg(long, env = "LEASEHOLD_OWNER")]
     pub owner: Option<String>,
@@ -167,6 +175,8 @@ pub struct Serve {
     pub max_body_bytes: usize,
     pub max_component_bytes: usize,
     pub request_timeout: Duration,
+    pub header_read_timeout: Duration,
+    pub max_connections: usize,
     pub owner: Option<String>,
     pub segment_budget: Duration,
     pub test_clock_skew_ms: i64,
@@ -222,6 +232,8 @@ impl ServeOptions {
             max_body_bytes: self.max_body_bytes.or(file.max_body_bytes).unwrap_or(1 << 20),
             max_component_bytes: self.max_component_bytes.or(file.max_component_bytes).unwrap_or(64 << 20),
             request_timeout: ms(self.request_timeout_ms.or(file.request_timeout_ms).unwrap_or(30_000)),
+            header_read_timeout: ms(self.header_read_timeout_ms.or(file.header_read_timeout_ms).unwrap_or(10_000).max(1)),
+            max_connections: self.max_connections.or(file.max_connections).unwrap_or(512).max(1),
             owner: self.owner.or(file.owner),
             segment_budget: ms(self.segment_budget_ms.or(file.segment_budget_ms).unwrap_or(30_000)),
             test_clock_skew_ms: self.test_clock_skew_ms.or(file.test_clock_skew_ms).unwrap_or(0),

@@ -109,14 +109,8 @@ pub async fn serve_with(cfg: config::Serve, dev: Option<crate::dev::Project>) ->
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await
         .with_context(|| format!("listening on {}", cfg.listen))?;
-    let mut server_stop = stop_rx.clone();
-    let server = tokio::spawn(
-        axum::serve(listener, api::router(state))
-            .with_graceful_shutdown(async move {
-                let _ = server_stop.wait_for(|s| *s).await;
-            })
-            .into_future(),
-    );
+    let front = api::listener::ListenerConfig { header_read_timeout: cfg.header_read_timeout, max_connections: cfg.max_connections };
+    let server = tokio::spawn(api::listener::serve(listener, api::router(state), front, stop_rx.clone()));
     tracing::info!(
         listen = %cfg.listen,
         backend = store.backend().name(),
@@ -150,10 +144,8 @@ pub async fn serve_with(cfg: config::Serve, dev: Option<crate::dev::Project>) ->
     if let Some(watcher) = watcher {
         let _ = watcher.await;
     }
-    match server.await {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => tracing::error!(error = %e, "HTTP server error"),
-        Err(e) => tracing::error!(error = %e, "HTTP server task failed"),
+    if let Err(e) = server.await {
+        tracing::error!(error = %e, "HTTP server task failed");
     }
     store.shutdown().await;
     tracing::info!("stopped");

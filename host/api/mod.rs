@@ -17,6 +17,7 @@
 mod dashboard;
 mod error;
 mod events;
+pub mod listener;
 mod metrics;
 mod openapi;
 mod overview;

@@ -243,3 +243,51 @@ async fn an_upload_whose_caller_went_away_is_not_left_compiling() -> Result<()> 
     Ok(())
 }
 
+
+/// Sockets that send half a request are closed after the header read
+/// timeout, and no more than `--max-connections` are open at once: a
+/// request on a new connection waits for one of them to close, then is
+/// served.
+#[tokio::test]
+async fn half_sent_requests_are_closed_and_connections_are_capped() -> Result<()> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = tempfile::tempdir()?;
+    let port = free_port()?;
+    let base = format!("http://127.0.0.1:{port}");
+    let _serve = Child(
+        leasehold()
+            .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--plugins-dir", "none", "--insecure"])
+            .args(["--header-read-timeout-ms", "2000", "--max-connections", "4"])
+            .arg("--cache-dir")
+            .arg(dir.path().join("cache"))
+            .current_dir(dir.path())
+            .env("LEASEHOLD_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()?,
+    );
+    // No keep-alive: the health check's connection closes, and does not
+    // count against the cap below.
+    let http = reqwest::Client::builder().pool_max_idle_per_host(0).build()?;
+    wait_healthy(&http, &base, Duration::from_secs(60)).await?;
+    let opened = Instant::now();
+    let mut half = Vec::new();
+    for _ in 0..4 {
+        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+        s.write_all(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n").await?;
+        half.push(s);
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let asked = Instant::now();
+    let answer = tokio::time::timeout(Duration::from_secs(20), http.get(format!("{base}/healthz")).send()).await;
+    let waited = asked.elapsed();
+    let status = answer.map_err(|_| anyhow::anyhow!("a request at the cap was not served within 20 s"))??.status();
+    ensure!(status == 200, "{status}");
+    ensure!(waited >= Duration::from_millis(1_000), "a fifth connection was served at once ({waited:?}) while four were open; the cap is 4");
+    for (i, s) in half.iter_mut().enumerate() {
+        let mut buf = [0u8; 256];
+        let read = tokio::time::timeout(Duration::from_secs(10), s.read(&mut buf)).await;
+        ensure!(read.is_ok(), "half-sent request {i} still open {:?} after it was opened", opened.elapsed());
+    }
+    Ok(())
+}
