@@ -134,11 +134,18 @@ impl Executor {
     /// claim metrics. The caller runs a segment of each at once: their
     /// leases are already running.
     pub async fn claim(&self, max: usize) -> Result<Vec<Claimed>, StoreError> {
+        self.claim_charging(max, max).await
+    }
+
+    /// [`Executor::claim`], counting an attempt for at most `charged` of
+    /// the runs: those for free workers. The others are for the pool's
+    /// local queue, and count theirs when their segments start.
+    pub async fn claim_charging(&self, max: usize, charged: usize) -> Result<Vec<Claimed>, StoreError> {
         let metrics = crate::metrics::global();
         let asked = Instant::now();
         let claimed = self
             .store
-            .claim_batch(&self.config.owner, self.config.lease_ttl, max.max(1) as i64)
+            .claim_batch_charging(&self.config.owner, self.config.lease_ttl, max.max(1) as i64, charged as i64)
             .await?;
         metrics.claim_latency.observe(asked.elapsed());
         metrics.claims.fetch_add(claimed.len() as u64, Ordering::Relaxed);
@@ -214,13 +221,22 @@ impl Executor {
     }
 
     async fn segment(&self, claimed: Claimed, next: &mut Handoff) -> Result<SegmentOutcome, StoreError> {
-        let Claimed { run, lease } = claimed;
+        let Claimed { run, lease, charged } = claimed;
         // The lease is renewed from here, measured from the claim (a run
         // that waited in the local queue has less left), until the
         // segment's last write returns.
         let lease_expires_at = run.lease_expires_at.unwrap_or(0);
         let claimed_at = run.heartbeat_at.unwrap_or(lease_expires_at);
-        let lease_left = Duration::from_millis((lease_expires_at - claimed_at).max(0) as u64);
+        let mut lease_left = Duration::from_millis((lease_expires_at - claimed_at).max(0) as u64);
+        if !charged {
+            // Claimed for a local queue: the segment counts its attempt
+            // before its guest starts, in a renewal (a fresh lease).
+            match self.store.renew_charging(&lease, self.config.lease_ttl).await {
+                Ok(_) => lease_left = self.config.lease_ttl,
+                Err(StoreError::LeaseLost(_)) => return Ok(SegmentOutcome::LeaseLost),
+                Err(e) => return Err(e),
+            }
+        }
         // Dropped when the segment returns, after its last write.
         let cover = Cover::start(&self.store, &lease, self.config.lease_ttl, self.renew_every(), lease_left, self.config.clock.clone());
         let watch = &cover.watch;

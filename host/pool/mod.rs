@@ -15,12 +15,14 @@
 //! dispatcher when a close finds nothing to claim.
 //!
 //! With a local queue, a slot does not wait for its close either: once its
-//! guest has returned it starts a queued run, and the close (with the next
-//! claim it carries, which refills the queue) is written behind it. So the
-//! closes waiting to be written are not bounded by the slots, and a batch
-//! of closes fills with every turn that ended while the last was written,
-//! as a job queue's batched completions do. At most [`closes_behind_max`]
-//! closes are behind their slots at once.
+//! guest has returned it starts a queued run, and the close (which claims
+//! nothing) is written behind it. So the closes waiting to be written are
+//! not bounded by the slots, and a batch of closes fills with every turn
+//! that ended while the last was written, as a job queue's batched
+//! completions do. At most [`closes_behind_max`] closes are behind their
+//! slots at once. The dispatcher refills the queue, one claim statement
+//! when half of it is free; those runs count their attempts when their
+//! segments start, not when they are claimed ([`Claimed::charged`]).
 //!
 //! Why one claimer rather than one per slot: under load, slots free up
 //! while a claim is in flight, so the next claim takes them together, one
@@ -130,10 +132,9 @@ async fn dispatch(store: Store, exec: Arc<Executor>, config: PoolConfig, local: 
         // worker has freed; each wait below ends when the oldest will have.
         local.give_back_stale(&store).await;
         let (room, target) = local.room();
-        // A free slot; with room in the local queue, claim without one. A
-        // queue less than half empty is left to the closes behind their
-        // slots, which refill it a run each: topping it up here would be a
-        // claim statement for a run or two.
+        // A free slot; with half of the local queue free, claim without
+        // one: topping it up sooner would be a claim statement for a run
+        // or two.
         let first = if room > 0 && room * 2 >= target {
             slots.clone().try_acquire_owned().ok()
         } else {
@@ -142,9 +143,6 @@ async fn dispatch(store: Store, exec: Arc<Executor>, config: PoolConfig, local: 
                 permit = slots.clone().acquire_owned() => Some(permit.expect("the slot semaphore is never closed")),
                 _ = local.room_grew.notified(), if config.prefetch > 0 => continue,
                 _ = tokio::time::sleep(stale.unwrap_or_default()), if stale.is_some() => continue,
-                // An empty queue that a close fills: its oldest run's wait
-                // is timed from the next turn of the loop.
-                _ = local.pushed.notified(), if config.prefetch > 0 && stale.is_none() => continue,
                 _ = stopping.changed() => break,
             }
         };
@@ -166,19 +164,20 @@ async fn dispatch(store: Store, exec: Arc<Executor>, config: PoolConfig, local: 
             }
         }
         let want = (permits.len() + room).min(batch);
-        match exec.claim(want).await {
+        // The runs for free slots count their attempts now; those for the
+        // queue when their segments start.
+        match exec.claim_charging(want, permits.len()).await {
             Ok(claimed) => {
                 backoff = Duration::from_millis(100);
                 let all = claimed.len() == want;
-                let mut claimed = claimed.into_iter();
-                // Slots first; the rest wait in the local queue. Slots
-                // beyond the runs claimed are released here.
+                let (now, queued): (Vec<Claimed>, Vec<Claimed>) = claimed.into_iter().partition(|c| c.charged);
+                // Slots beyond the runs claimed are released here.
                 // Permits first: `zip` takes from its first iterator before
                 // it knows the second has ended, and a run taken so is lost.
-                for (permit, c) in permits.into_iter().zip(claimed.by_ref()) {
+                for (permit, c) in permits.into_iter().zip(now) {
                     spawn_segment(&mut running, &exec, &store, &local, c, permit, &stopping);
                 }
-                claimed.for_each(|c| local.push(c));
+                queued.into_iter().for_each(|c| local.push(c));
                 if !all {
                     // Fewer runs than asked for: nothing else is claimable
                     // now, so wait for a signal rather than ask again at
@@ -192,7 +191,6 @@ async fn dispatch(store: Store, exec: Arc<Executor>, config: PoolConfig, local: 
                     let stale = local.stale_in();
                     tokio::select! {
                         _ = store.work_signal().notified() => {}
-                        _ = local.pushed.notified() => {}
                         _ = slots.clone().acquire_owned(), if queued => {}
                         _ = tokio::time::sleep(config.poll) => {}
                         _ = tokio::time::sleep(stale.unwrap_or_default()), if stale.is_some() => {}
@@ -244,13 +242,15 @@ fn spawn_segment(
         let mut next = Some(claimed);
         while let Some(claimed) = next.take() {
             let go_on = !*stopping.borrow();
-            let closing = if go_on { local.closing.clone().try_acquire_owned().ok() } else { None };
+            // With runs queued, the slot may leave its close behind it and
+            // start one; with none, the close claims the slot's next run.
+            let queued = local.len() > 0;
+            let closing = if go_on && queued { local.closing.clone().try_acquire_owned().ok() } else { None };
             next = match closing {
                 Some(permit) => behind(&exec, &store, &local, claimed, permit, &stopping).await,
                 None => {
                     let run_id = claimed.run.id;
-                    // With runs queued here, the close claims nothing more.
-                    let take_next = go_on && local.len() == 0;
+                    let take_next = go_on && !queued;
                     settled(&local, run_id, Ok(exec.run_claimed_then(claimed, take_next).await))
                 }
             };
@@ -272,9 +272,10 @@ fn spawn_segment(
 
 /// One segment whose close may be written behind its slot: runs it in a
 /// task of its own and, once its guest has returned, returns a queued run
-/// for the slot if there is one, leaving the segment to finish (its close,
-/// and the run that claims for the queue) under `permit`. With nothing
-/// queued, waits for the segment and returns the run its close claimed.
+/// for the slot if there is one, leaving the segment to finish (its close)
+/// under `permit`. With nothing queued by then, waits for the segment. Its
+/// close claims nothing: a run it claimed could not start at once, and
+/// would count an attempt it had not used; the dispatcher fills the queue.
 async fn behind(
     exec: &Arc<Executor>,
     store: &Store,
@@ -284,13 +285,9 @@ async fn behind(
     stopping: &watch::Receiver<bool>,
 ) -> Option<Claimed> {
     let run_id = claimed.run.id;
-    // Claims for the queue if it has room; with nothing queued, this run's
-    // own next run is the one its slot takes.
-    let reserved = local.reserve();
-    let take_next = reserved || local.len() == 0;
     let (done, guest_returned) = tokio::sync::oneshot::channel();
     let exec = exec.clone();
-    let mut segment = tokio::spawn(async move { exec.run_claimed_signalling(claimed, take_next, Some(done)).await });
+    let mut segment = tokio::spawn(async move { exec.run_claimed_signalling(claimed, false, Some(done)).await });
     let ended = tokio::select! {
         biased;
         r = &mut segment => Some(r),
@@ -303,8 +300,6 @@ async fn behind(
         None => local.take(store).await,
     };
     let Some(queued) = queued else {
-        // The run this close claims, if any, is this slot's, not the queue's.
-        local.unreserve(reserved);
         let result = match ended {
             Some(r) => r,
             None => segment.await,
@@ -317,14 +312,9 @@ async fn behind(
     gauge.fetch_add(1, Ordering::Relaxed);
     local.behind.fetch_add(1, Ordering::Relaxed);
     tokio::spawn(async move {
-        let got = settled(&local, run_id, segment.await);
+        settled(&local, run_id, segment.await);
         gauge.fetch_sub(1, Ordering::Relaxed);
         local.behind.fetch_sub(1, Ordering::Relaxed);
-        local.unreserve(reserved);
-        if let Some(claimed) = got {
-            local.push(claimed);
-            local.pushed.notify_one();
-        }
         drop(permit);
     });
     Some(queued)

@@ -23,28 +23,26 @@ use crate::store::{Backend, Claimed, Store};
 /// more than `prefetch` runs: a host with long turns queues a few, one
 /// with short turns many ([`Local::target`]).
 ///
+/// Its runs are claimed by the dispatcher, when half of it is free, without
+/// counting an attempt: a run counts one when its segment starts, so a host
+/// that dies with runs queued costs them nothing.
+///
 /// It also bounds the closes written behind their slots: each holds one of
-/// `closing`'s permits, and a close that will claim a run for the queue is
-/// counted in `wanting` until it is written, so the queue and the claims on
-/// their way to it stay within the target.
+/// `closing`'s permits.
 pub(super) struct Local {
     queue: std::sync::Mutex<std::collections::VecDeque<(Claimed, Instant)>>,
     /// Longest a queued run may wait: a third of the lease.
     max_wait: Duration,
-    /// The queue's length, with `wanting`, at most.
+    /// The queue's length, at most.
     prefetch: usize,
     /// Segments ended, which the pace counts.
     ended: std::sync::atomic::AtomicU64,
     pace: std::sync::Mutex<Pace>,
-    /// Closes behind their slots that claim a run for the queue.
-    wanting: std::sync::atomic::AtomicUsize,
     /// Permits for closes behind their slots ([`closes_behind_max`]).
     pub(super) closing: Arc<Semaphore>,
     closing_max: u32,
-    /// Woken when a run joins the queue from a close behind its slot.
-    pub(super) pushed: tokio::sync::Notify,
     /// Woken when the queue has room for a claim of its own: half of it is
-    /// free, counting the claims on their way.
+    /// free.
     pub(super) room_grew: tokio::sync::Notify,
     /// Closes behind their slots now.
     pub(super) behind: std::sync::atomic::AtomicUsize,
@@ -65,10 +63,8 @@ impl Local {
                 per_sec: (prefetch as f64) / QUEUE_HORIZON.as_secs_f64(),
                 target: prefetch,
             }),
-            wanting: Default::default(),
             closing: Arc::new(Semaphore::new(closing_max as usize)),
             closing_max,
-            pushed: tokio::sync::Notify::new(),
             room_grew: tokio::sync::Notify::new(),
             behind: Default::default(),
         }
@@ -103,32 +99,18 @@ impl Local {
         pace.target
     }
 
-    /// Room in the queue, less the claims on their way to it, and the
-    /// target it is room under (one reading of the pace for both).
+    /// Room in the queue, and the target it is room under (one reading of
+    /// the pace for both).
     pub(super) fn room(&self) -> (usize, usize) {
         let target = self.target();
-        (target.saturating_sub(self.len() + self.wanting.load(Ordering::Relaxed)), target)
+        (target.saturating_sub(self.len()), target)
     }
 
-    /// Counts a segment that ended, for the pace.
+    /// Counts a segment that ended, for the pace; a target that grows
+    /// wakes the dispatcher to fill the queue.
     pub(super) fn ended(&self) {
         self.ended.fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// A close that is to claim a run for the queue, if it has room.
-    pub(super) fn reserve(&self) -> bool {
-        let room = self.room().0 > 0;
-        if room {
-            self.wanting.fetch_add(1, Ordering::Relaxed);
-        }
-        room
-    }
-
-    pub(super) fn unreserve(&self, reserved: bool) {
-        if reserved {
-            self.wanting.fetch_sub(1, Ordering::Relaxed);
-            self.freed();
-        }
+        self.target();
     }
 
     /// Tells the dispatcher when the queue is half free, so it tops it up
@@ -217,7 +199,7 @@ impl Local {
 
 pub(super) async fn give_back(store: &Store, claimed: &Claimed) {
     crate::metrics::global().prefetch_given_back.fetch_add(1, Ordering::Relaxed);
-    match store.give_back(&claimed.lease).await {
+    match store.give_back(&claimed.lease, claimed.charged).await {
         Ok(()) => tracing::debug!(run_id = claimed.run.id, "prefetched run given back unstarted"),
         // Its lease expires and it is claimed again, as after a crash.
         Err(e) => tracing::warn!(run_id = claimed.run.id, error = %e, "could not give back a prefetched run"),

@@ -40,15 +40,26 @@ macro_rules! eligible_at {
     };
 }
 
-/// The runs in the rows a claim returned, leased to `owner`.
+/// The runs in the rows a claim returned, leased to `owner`; each counted
+/// an attempt unless the row says `charged` is false.
 pub(crate) fn claimed_rows(rows: &[sqlx::any::AnyRow], owner: &str) -> Result<Vec<Claimed>, StoreError> {
     rows.iter()
         .map(|row| {
             let run = Run::from_row(row)?;
             let lease = Lease { run_id: run.id, owner: owner.to_string(), fence: run.fence };
-            Ok(Claimed { run, lease })
+            Ok(Claimed { run, lease, charged: charged(row) })
         })
         .collect()
+}
+
+/// A claimed row's `charged` column (PostgreSQL's claims return it); true
+/// where there is none.
+fn charged(row: &sqlx::any::AnyRow) -> bool {
+    use sqlx::Row;
+    match row.try_get::<bool, _>("charged") {
+        Ok(b) => b,
+        Err(_) => row.try_get::<i64, _>("charged").map_or(true, |n| n != 0),
+    }
 }
 
 impl Store {
@@ -68,14 +79,18 @@ impl Store {
     /// written wait and go together, one transaction and one commit for
     /// the lot ([`Store::claim_batch_sqlite`]); a claim on a quiet host
     /// goes at once.
-    pub async fn claim_batch(
-        &self,
-        owner: &str,
-        ttl: Duration,
-        max: i64,
-    ) -> Result<Vec<Claimed>, StoreError> {
+    pub async fn claim_batch(&self, owner: &str, ttl: Duration, max: i64) -> Result<Vec<Claimed>, StoreError> {
+        self.claim_batch_charging(owner, ttl, max, max).await
+    }
+
+    /// [`Store::claim_batch`], counting an attempt for at most `charged` of
+    /// the runs (those whose guest starts at once); the others are for a
+    /// local queue, and their segments count it when they start (see
+    /// [`Claimed::charged`]). Each run says which it is.
+    pub async fn claim_batch_charging(&self, owner: &str, ttl: Duration, max: i64, charged: i64) -> Result<Vec<Claimed>, StoreError> {
+        let (max, charged) = (max.max(1), charged.clamp(0, max.max(1)));
         if self.backend() == Backend::Sqlite {
-            let want = Claim { owner: owner.to_string(), ttl, max: max.max(1) };
+            let want = Claim { owner: owner.to_string(), ttl, max, charged };
             return self
                 .claims
                 .push(want, WRITERS, || {
@@ -83,21 +98,24 @@ impl Store {
                 })
                 .await;
         }
-        self.retry(|| self.claim_on(self.writer(), owner, ttl, max)).await
+        self.retry(|| self.claim_on(self.writer(), owner, ttl, max, charged)).await
     }
 
     /// The claim statement for up to `max` runs on `conn` (a pool, or a
-    /// batch's transaction): the runs claimed for `owner`, oldest id first.
-    pub(crate) async fn claim_on<'c, E>(&self, conn: E, owner: &str, ttl: Duration, max: i64) -> Result<Vec<Claimed>, StoreError>
+    /// batch's transaction): the runs claimed for `owner`, oldest id first,
+    /// at most `charged` of them counting an attempt (PostgreSQL; SQLite's
+    /// statement counts one for every run, and its uncharged claims go
+    /// through [`super::sqlite::CLAIM_SLOTS`]).
+    pub(crate) async fn claim_on<'c, E>(&self, conn: E, owner: &str, ttl: Duration, max: i64, charged: i64) -> Result<Vec<Claimed>, StoreError>
     where
         E: sqlx::Executor<'c, Database = sqlx::Any>,
     {
-        let rows = sqlx::query(crate::store::claim_sql(self, max))
-            .bind(owner)
-            .bind(ms(ttl))
-            .bind(max)
-            .fetch_all(conn)
-            .await?;
+        let query = sqlx::query(crate::store::claim_sql(self, max)).bind(owner).bind(ms(ttl)).bind(max);
+        let query = match self.backend() {
+            Backend::Postgres => query.bind(charged),
+            Backend::Sqlite => query,
+        };
+        let rows = query.fetch_all(conn).await?;
         let mut claimed = claimed_rows(&rows, owner)?;
         claimed.sort_by_key(|c| c.run.id);
         Ok(claimed)
@@ -112,31 +130,52 @@ impl Store {
     /// batch holds one lease length per owner: `Claim`'s `take`).
     async fn claim_batch_sqlite(&self, claims: &[Claim]) -> Result<Vec<Result<Vec<Claimed>, StoreError>>, StoreError> {
         let first = &claims[0];
-        if claims.iter().all(|c| c.owner == first.owner) {
+        let all_charged = claims.iter().all(|c| c.charged == c.max);
+        if all_charged && claims.iter().all(|c| c.owner == first.owner) {
             let total: i64 = claims.iter().map(|c| c.max).sum();
-            let claimed = self.retry(|| self.claim_on(self.writer(), &first.owner, first.ttl, total)).await?;
+            let claimed = self.retry(|| self.claim_on(self.writer(), &first.owner, first.ttl, total, total)).await?;
             return Ok(deal(claims, claimed));
         }
-        let slots: Vec<serde_json::Value> = claims
-            .iter()
-            .flat_map(|c| std::iter::repeat_n(serde_json::json!([c.owner, ms(c.ttl)]), c.max as usize))
-            .collect();
-        let (total, slots) = (slots.len() as i64, serde_json::Value::Array(slots).to_string());
-        let slots = slots.as_str();
+        // A slot per wanted run: the runs that count an attempt first, then
+        // (in the same transaction, so one commit) those for local queues.
+        let slots = |charged: bool| -> Vec<serde_json::Value> {
+            claims
+                .iter()
+                .flat_map(|c| {
+                    let n = if charged { c.charged } else { c.max - c.charged };
+                    std::iter::repeat_n(serde_json::json!([c.owner, ms(c.ttl)]), n as usize)
+                })
+                .collect()
+        };
+        let (charged, queued) = (slots(true), slots(false));
+        let (charged_n, queued_n) = (charged.len() as i64, queued.len() as i64);
+        let (charged, queued) = (serde_json::Value::Array(charged).to_string(), serde_json::Value::Array(queued).to_string());
+        let (charged, queued) = (charged.as_str(), queued.as_str());
         let rows = self
             .retry(|| async move {
-                Ok(sqlx::query(crate::store::sql!(self, super::sqlite::CLAIM_SLOTS))
-                    .bind(slots)
-                    .bind(total)
-                    .fetch_all(self.writer())
-                    .await?)
+                let mut tx = self.writer().begin().await?;
+                let mut rows = Vec::new();
+                for (slots, n, charge) in [(charged, charged_n, 1_i64), (queued, queued_n, 0)] {
+                    if n == 0 {
+                        continue;
+                    }
+                    let claimed = sqlx::query(crate::store::sql!(self, super::sqlite::CLAIM_SLOTS))
+                        .bind(slots)
+                        .bind(n)
+                        .bind(charge)
+                        .fetch_all(&mut *tx)
+                        .await?;
+                    rows.extend(claimed.into_iter().map(|row| (row, charge == 1)));
+                }
+                tx.commit().await?;
+                Ok(rows)
             })
             .await?;
         let mut claimed = Vec::with_capacity(rows.len());
-        for row in &rows {
+        for (row, charged) in &rows {
             let run = Run::from_row(row)?;
             let owner = run.lease_owner.clone().ok_or_else(|| StoreError::Corrupt(format!("claimed run {} has no lease owner", run.id)))?;
-            claimed.push(Claimed { lease: Lease { run_id: run.id, owner, fence: run.fence }, run });
+            claimed.push(Claimed { lease: Lease { run_id: run.id, owner, fence: run.fence }, run, charged: *charged });
         }
         claimed.sort_by_key(|c| c.run.id);
         Ok(deal(claims, claimed))
@@ -144,18 +183,24 @@ impl Store {
 }
 
 /// Deals `claimed` (oldest run first) to `claims` in queue order: each
-/// claim takes up to its `max` of the runs leased to its owner.
+/// claim takes up to its `charged` of the runs leased to its owner that
+/// counted an attempt, and up to the rest of its `max` of those that did
+/// not.
 fn deal(claims: &[Claim], claimed: Vec<Claimed>) -> Vec<Result<Vec<Claimed>, StoreError>> {
     let mut left: Vec<Option<Claimed>> = claimed.into_iter().map(Some).collect();
     claims
         .iter()
         .map(|want| {
-            let mine: Vec<Claimed> = left
-                .iter_mut()
-                .filter(|c| c.as_ref().is_some_and(|c| c.lease.owner == want.owner))
-                .take(want.max as usize)
-                .filter_map(Option::take)
-                .collect();
+            let mut take = |charged: bool, n: i64| -> Vec<Claimed> {
+                left.iter_mut()
+                    .filter(|c| c.as_ref().is_some_and(|c| c.lease.owner == want.owner && c.charged == charged))
+                    .take(n as usize)
+                    .filter_map(Option::take)
+                    .collect()
+            };
+            let mut mine = take(true, want.charged);
+            mine.extend(take(false, want.max - want.charged));
+            mine.sort_by_key(|c| c.run.id);
             Ok(mine)
         })
         .collect()
@@ -173,6 +218,8 @@ pub(crate) struct Claim {
     owner: String,
     ttl: Duration,
     max: i64,
+    /// How many of `max` count an attempt (see [`Claimed::charged`]).
+    charged: i64,
 }
 
 /// SQLite claims waiting to be group-committed.

@@ -7,22 +7,24 @@ use super::Dialect;
 /// The claim as two CTEs: `c` locks up to `$limit` claimable runs, never
 /// one whose id is in the `bigint[]` expression `$skip`, through the
 /// `leasehold_claimable` function (migration 0004: it reads the claim index
-/// in order, never sorting the queue); `n` leases them to `$owner` for
-/// `$ttl` ms and returns their rows. Shared by the claim statement and the
-/// close that claims the next run (`Store::close_and_claim`).
+/// in order, never sorting the queue), and numbers them (`k`, from 1); `n`
+/// leases them to `$owner` for `$ttl` ms, counts an attempt for those that
+/// meet `$charge` (a condition on `c.k`), and returns their rows with
+/// `charged`. Shared by the claim statement and the close that claims the
+/// next run (`Store::close_and_claim`).
 ///
 /// A run inserted after this statement's snapshot can be locked by the
 /// function (which takes its own) and then not be seen by `n`: it stays
 /// queued and the claim returns fewer runs, which its caller handles as a
 /// short queue (the dispatcher then waits for a wake-up or its poll).
 macro_rules! claim_ctes {
-    ($owner:literal, $ttl:literal, $limit:literal, $skip:literal) => {
+    ($owner:literal, $ttl:literal, $limit:literal, $skip:literal, $charge:literal) => {
         concat!(
-            "c AS (SELECT f.id FROM leasehold_claimable(", $limit, ", ", $skip, ") AS f(id)), ",
+            "c AS (SELECT f.id, row_number() OVER () AS k FROM leasehold_claimable(", $limit, ", ", $skip, ") AS f(id)), ",
             "n AS (UPDATE runs x SET status = 'running', lease_owner = ", $owner, ", fence = x.fence + 1, ",
-            "attempt = x.attempt + 1, lease_expires_at = {now} + ", $ttl,
+            "attempt = x.attempt + CASE WHEN ", $charge, " THEN 1 ELSE 0 END, lease_expires_at = {now} + ", $ttl,
             ", heartbeat_at = {now}, updated_at = {now}, started_at = COALESCE(x.started_at, {now}) ",
-            "FROM c WHERE x.id = c.id RETURNING x.*)"
+            "FROM c WHERE x.id = c.id RETURNING x.*, (", $charge, ") AS charged)"
         )
     };
 }
@@ -30,7 +32,7 @@ pub(crate) use claim_ctes;
 
 macro_rules! claim {
     () => {
-        concat!("WITH ", claim_ctes!("$1", "$2", "$3", "'{}'::bigint[]"), " SELECT * FROM n")
+        concat!("WITH ", claim_ctes!("$1", "$2", "$3", "'{}'::bigint[]", "c.k <= $4"), " SELECT * FROM n")
     };
 }
 

@@ -31,11 +31,13 @@ pub(crate) const MAX_BATCH: usize = 256;
 /// the batch in flight and grow the next one.
 pub(crate) const WRITERS: usize = 1;
 
-/// One renewal: a lease and the length to extend it to.
+/// One renewal: a lease and the length to extend it to, and whether it
+/// counts the segment's attempt too (its claim did not).
 #[derive(Debug, Clone)]
 pub(crate) struct Renewal {
     pub lease: Lease,
     pub ttl: Duration,
+    pub charge: bool,
 }
 
 /// Renewals waiting to be group-committed. Each gets the lease's new
@@ -86,24 +88,27 @@ impl Store {
         let list = json!(
             sorted
                 .iter()
-                .map(|r| json!({ "id": r.lease.run_id, "owner": r.lease.owner, "fence": r.lease.fence, "ttl": ms(r.ttl) }))
+                .map(|r| json!({ "id": r.lease.run_id, "owner": r.lease.owner, "fence": r.lease.fence, "ttl": ms(r.ttl), "charge": i64::from(r.charge) }))
                 .collect::<Vec<_>>()
         )
         .to_string();
         let statement = match self.backend() {
             crate::store::Backend::Postgres => sql!(
                 self,
-                "UPDATE runs SET lease_expires_at = {now} + r.ttl, heartbeat_at = {now}, updated_at = {now} \
-                 FROM jsonb_to_recordset($1::text::jsonb) AS r(id bigint, owner text, fence bigint, ttl bigint) \
+                "UPDATE runs SET lease_expires_at = {now} + r.ttl, heartbeat_at = {now}, updated_at = {now}, \
+                 attempt = runs.attempt + r.charge \
+                 FROM jsonb_to_recordset($1::text::jsonb) AS r(id bigint, owner text, fence bigint, ttl bigint, charge bigint) \
                  WHERE runs.id = r.id AND runs.lease_owner = r.owner AND runs.fence = r.fence \
                  AND runs.status = 'running' \
                  RETURNING runs.id, runs.lease_owner, runs.fence, runs.lease_expires_at"
             ),
             crate::store::Backend::Sqlite => sql!(
                 self,
-                "UPDATE runs SET lease_expires_at = {now} + r.ttl, heartbeat_at = {now}, updated_at = {now} \
+                "UPDATE runs SET lease_expires_at = {now} + r.ttl, heartbeat_at = {now}, updated_at = {now}, \
+                 attempt = runs.attempt + r.charge \
                  FROM (SELECT json_extract(value, '$.id') AS id, json_extract(value, '$.owner') AS owner, \
-                 json_extract(value, '$.fence') AS fence, json_extract(value, '$.ttl') AS ttl FROM jsonb_each($1)) AS r \
+                 json_extract(value, '$.fence') AS fence, json_extract(value, '$.ttl') AS ttl, \
+                 json_extract(value, '$.charge') AS charge FROM jsonb_each($1)) AS r \
                  WHERE runs.id = r.id AND runs.lease_owner = r.owner AND runs.fence = r.fence \
                  AND runs.status = 'running' \
                  RETURNING runs.id, runs.lease_owner, runs.fence, runs.lease_expires_at"

@@ -73,7 +73,8 @@ pub static DIALECT: Dialect = Dialect {
 /// The claims of several owners or lease lengths in one statement (a
 /// group-committed batch, [`crate::store::Store::claim_batch`]): `$1` is a
 /// JSON list with one `[owner, ttl_ms]` slot per run wanted, `$2` its
-/// length. The k-th run the claim index yields takes the k-th slot; which
+/// length, `$3` the attempts each claim counts (1, or 0 for runs claimed
+/// for a local queue). The k-th run the claim index yields takes the k-th slot; which
 /// claim gets which run does not matter, only that each gets its own.
 /// One statement, not one per owner: a statement's own cost (its trip to
 /// the connection's thread, its start-up, its `RETURNING` rows) was most
@@ -84,7 +85,7 @@ pub(super) const CLAIM_SLOTS: &str = concat!(
     "SELECT id FROM runs INDEXED BY runs_claim WHERE ", crate::claimable!(),
     " AND ", crate::eligible_at!(), " <= {now} AND attempt < max_attempts",
     " ORDER BY ", crate::eligible_at!(), ", id LIMIT $2)) ",
-    "UPDATE runs SET status = 'running', lease_owner = w.owner, fence = fence + 1, attempt = attempt + 1, ",
+    "UPDATE runs SET status = 'running', lease_owner = w.owner, fence = fence + 1, attempt = attempt + $3, ",
     "lease_expires_at = {now} + w.ttl, heartbeat_at = {now}, updated_at = {now}, ",
     "started_at = COALESCE(started_at, {now}) ",
     "FROM p JOIN w ON w.k = p.k WHERE runs.id = p.id RETURNING *"

@@ -64,21 +64,22 @@ impl Store {
 
     /// Gives back a run claimed but never started (a worker pool's local
     /// queue at shutdown): `waiting_takeover`, claimable by any host at
-    /// once, and its claim's attempt returned, since nothing ran. No event:
-    /// a reader of the thread saw nothing of this claim. Guarded by (owner,
-    /// fence) like every lease-holder write.
-    pub async fn give_back(&self, lease: &Lease) -> Result<(), StoreError> {
+    /// once, and the attempt its claim counted (`charged`) returned, since
+    /// nothing ran. No event: a reader of the thread saw nothing of this
+    /// claim. Guarded by (owner, fence) like every lease-holder write.
+    pub async fn give_back(&self, lease: &Lease, charged: bool) -> Result<(), StoreError> {
         let rows = self
             .retry(|| async move {
                 Ok(sqlx::query(sql!(
                     self,
                     "UPDATE runs SET status = 'waiting_takeover', lease_owner = NULL, lease_expires_at = NULL, \
-                     attempt = CASE WHEN attempt > 0 THEN attempt - 1 ELSE 0 END, updated_at = {now} \
+                     attempt = CASE WHEN attempt > 0 THEN attempt - $4 ELSE 0 END, updated_at = {now} \
                      WHERE id = $1 AND lease_owner = $2 AND fence = $3 AND status = 'running'"
                 ))
                 .bind(lease.run_id)
                 .bind(&lease.owner)
                 .bind(lease.fence)
+                .bind(i64::from(charged))
                 .execute(self.writer())
                 .await?
                 .rows_affected())

@@ -201,6 +201,12 @@ pub struct Lease {
 pub struct Claimed {
     pub run: Run,
     pub lease: Lease,
+    /// Whether the claim counted an attempt (`attempt` includes it). An
+    /// attempt counts a segment that starts the guest: a claim made for a
+    /// worker's local queue does not count one, and its segment counts it
+    /// when it starts (its first renewal), so a host that dies with runs
+    /// queued costs them nothing.
+    pub charged: bool,
 }
 
 /// How a segment ends without finishing the turn.

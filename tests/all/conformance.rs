@@ -1180,6 +1180,7 @@ async fn claim_reads(db: &TestDb, batch: i64, planner: &str) -> Result<ClaimRead
                     .bind("w")
                     .bind(1000_i64)
                     .bind(batch)
+                    .bind(batch)
                     .fetch_all(&mut *tx)
                     .await?;
                 tx.rollback().await?;

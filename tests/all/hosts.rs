@@ -204,3 +204,65 @@ both! {
         Ok(())
     }
 }
+
+both! {
+    async fn a_host_killed_with_runs_queued_costs_them_no_attempt(db) {
+        let dir = tempfile::tempdir()?;
+        std::fs::write(dir.path().join("testkit.wasm"), plugins::rust_plugin("testkit")?)?;
+        leasehold::effects::http::install_tls();
+        let http = crate::serve_proc::client(reqwest::Client::builder())?;
+        // One worker and a queue of up to 8. A 6 s lease: a queued run is
+        // given back after 2 s unless a worker starts it.
+        let mut args = ServeArgs::new(db.url(), dir.path(), "queueing".into())?;
+        args.workers = 1;
+        args.lease_ttl_ms = 6_000;
+        args.extra = vec!["--prefetch=8".into()];
+        let host = ServeProc::spawn(&args)?;
+        host.wait_healthy(&http, Duration::from_secs(60)).await?;
+        // The worker is held by a 20 s turn; runs of one attempt wait behind it.
+        let submit = async |input: serde_json::Value, max_attempts: i64| -> Result<i64> {
+            let body = json!({ "plugin": "testkit", "input": input, "max_attempts": max_attempts });
+            let r: serde_json::Value = http.post(format!("{}/v1/runs", host.base)).json(&body).send().await?.json().await?;
+            r["id"].as_i64().ok_or_else(|| anyhow::anyhow!("submit: {r}"))
+        };
+        let long = submit(json!({ "mode": "script", "ops": [{ "op": "wasi-sleep", "ms": 20_000 }] }), 3).await?;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while db.store.get_run(long).await?.lease_owner.as_deref() != Some("queueing") {
+            ensure!(Instant::now() < deadline, "the host never started the long turn");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let mut short = Vec::new();
+        for _ in 0..6 {
+            short.push(submit(json!({ "steps": 1 }), 1).await?);
+        }
+        let held = async || -> Result<i64> {
+            Ok(sqlx::query_scalar::<_, i64>("SELECT COUNT(*) FROM runs WHERE lease_owner = 'queueing' AND status = 'running' AND id <> $1")
+                .bind(long)
+                .fetch_one(db.store.pool())
+                .await?)
+        };
+        while held().await? < 3 {
+            ensure!(Instant::now() < deadline, "the host never queued the short runs ({} held)", held().await?);
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        drop(host); // SIGKILL
+        let mut args = ServeArgs::new(db.url(), dir.path(), "other".into())?;
+        args.lease_ttl_ms = 6_000;
+        let other = ServeProc::spawn(&args)?;
+        other.wait_healthy(&http, Duration::from_secs(60)).await?;
+        let deadline = Instant::now() + Duration::from_secs(60);
+        for id in &short {
+            loop {
+                let run = db.store.get_run(*id).await?;
+                if run.status.is_terminal() {
+                    ensure!(run.status == leasehold::store::RunStatus::Completed, "a queued run of one attempt did not run: {run:?}");
+                    break;
+                }
+                ensure!(Instant::now() < deadline, "run {id} did not finish: {run:?}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+        drop(other);
+        Ok(())
+    }
+}

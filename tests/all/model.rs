@@ -119,7 +119,7 @@ async fn dying_mid_answer(db: &TestDb, gaps: bool) -> Result<()> {
     if gaps {
         let ttl = Duration::from_secs(30);
         let queued = db.store.claim("queue", ttl).await?.context("the queue's claim")?;
-        db.store.give_back(&queued.lease).await?;
+        db.store.give_back(&queued.lease, queued.charged).await?;
         let orphan = db.store.claim("orphan", ttl).await?.context("the orphaned claim")?;
         ensure!(orphan.lease.fence == 3, "{orphan:?}");
         db.backdate_lease(id, 60_000).await?;

@@ -296,3 +296,30 @@ both! {
         Ok(())
     }
 }
+
+both! {
+    async fn a_claim_for_a_local_queue_counts_no_attempt_until_its_segment_starts(db) {
+        let mut ids = Vec::new();
+        for _ in 0..3 {
+            let mut new = NewRun::new("testkit", r#"{"steps": 0}"#);
+            new.max_attempts = Some(1);
+            ids.push(db.store.create_run(&new).await?.0.id);
+        }
+        // One run for a free worker, two for the queue.
+        let claimed = db.store.claim_batch_charging("queueing", Duration::from_secs(30), 3, 1).await?;
+        ensure!(claimed.len() == 3, "{claimed:?}");
+        let (now, queued): (Vec<_>, Vec<_>) = claimed.iter().partition(|c| c.charged);
+        ensure!(now.len() == 1 && queued.len() == 2, "{claimed:?}");
+        ensure!(now[0].run.attempt == 1 && queued.iter().all(|c| c.run.attempt == 0), "{claimed:?}");
+        // The first queued run starts: its first renewal counts its attempt.
+        db.store.renew_charging(&queued[0].lease, Duration::from_secs(30)).await?;
+        ensure!(db.store.get_run(queued[0].run.id).await?.attempt == 1);
+        // The host dies. Its one-attempt runs whose guests started are out
+        // of attempts; the one still queued is not, and another host runs it.
+        sqlx::query("UPDATE runs SET lease_expires_at = lease_expires_at - 60000").execute(db.store.pool()).await?;
+        let again = db.store.claim_batch("other", Duration::from_secs(30), 3).await?;
+        ensure!(again.len() == 1 && again[0].run.id == queued[1].run.id, "{again:?}");
+        ensure!(again[0].charged && again[0].run.attempt == 1, "{again:?}");
+        Ok(())
+    }
+}

@@ -142,7 +142,7 @@ async fn a_run_given_back_wakes_an_idle_pool_on_another_host() -> Result<()> {
         wait_listening(db).await?;
         // Its first claim found the run leased; it waits for a signal now.
         tokio::time::sleep(Duration::from_millis(300)).await;
-        other.give_back(&queued.lease).await?;
+        other.give_back(&queued.lease, queued.charged).await?;
         let started = Instant::now();
         while db.store.get_run(run.id).await?.status != RunStatus::Completed {
             ensure!(started.elapsed() < Duration::from_secs(20), "a run given back on another host waited for the poll");
