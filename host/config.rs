@@ -73,8 +73,11 @@ pub struct ServeOptions {
     /// a worker that frees finds a run already leased and its close is
     /// written behind it. The queue holds about a second of the workers'
     /// pace, up to this. Queued runs hold leases: one that waits a third
-    /// of --lease-ttl-ms is given back, and so are all at shutdown. 0
-    /// turns the queue off. [default: 0]
+    /// of --lease-ttl-ms is given back, and so are all at shutdown; a
+    /// queued run counts its attempt only when it starts. 0 turns the
+    /// queue off (long turns, or many hosts sharing a small backlog).
+    /// [default: PostgreSQL 4 × --workers, at least 64; SQLite 64 below 32
+    /// workers, else 0]
     #[arg(long, env = "LEASEHOLD_PREFETCH")]
     pub prefetch: Option<usize>,
     /// Lease length in ms: how long a dead host's runs wait before another
@@ -203,6 +206,8 @@ impl ServeOptions {
             (None, false) => (Some(load_or_create_token(&token_file)?), Some(token_file)),
         };
         let workers = self.workers.or(file.workers).unwrap_or(4);
+        // A URL that names no backend fails at connect, with its own error.
+        let backend = leasehold::store::Backend::from_url(&database_url).unwrap_or(leasehold::store::Backend::Sqlite);
         let serve = Serve {
             listen: self.listen.or(file.listen).unwrap_or_else(|| "127.0.0.1:8080".parse().unwrap()),
             api_token,
@@ -215,7 +220,7 @@ impl ServeOptions {
             database_url,
             workers,
             claim_batch: self.claim_batch.or(file.claim_batch).unwrap_or(16),
-            prefetch: self.prefetch.or(file.prefetch).unwrap_or(0),
+            prefetch: self.prefetch.or(file.prefetch).unwrap_or_else(|| leasehold::pool::PoolConfig::default_prefetch(workers, backend)),
             lease_ttl: ms(self.lease_ttl_ms.or(file.lease_ttl_ms).unwrap_or(30_000)),
             reaper_interval: ms(self.reaper_interval_ms.or(file.reaper_interval_ms).unwrap_or(5_000)),
             poll: ms(self.poll_ms.or(file.poll_ms).unwrap_or(1_000)),

@@ -75,9 +75,11 @@ pub enum BenchCommand {
         /// Most runs per claim statement, as `serve --claim-batch`.
         #[arg(long, default_value_t = 64)]
         claim_batch: usize,
-        /// The pool's local queue, as `serve --prefetch`.
-        #[arg(long, default_value_t = 0)]
-        prefetch: usize,
+        /// The pool's local queue, as `serve --prefetch`. [default: as
+        /// serve's: PostgreSQL 4 × --workers, at least 64; SQLite 64 below 32
+        /// workers, else 0]
+        #[arg(long)]
+        prefetch: Option<usize>,
         /// Rounds; medians are reported.
         #[arg(long, default_value_t = 1)]
         rounds: usize,
@@ -231,7 +233,10 @@ impl BenchCommand {
                     gets,
                     workers,
                     claim_batch,
-                    prefetch,
+                    prefetch: prefetch.unwrap_or_else(|| {
+                        let backend = crate::store::Backend::from_url(&url).unwrap_or(crate::store::Backend::Sqlite);
+                        crate::pool::PoolConfig::default_prefetch(workers, backend)
+                    }),
                     rounds,
                     plugin_file,
                     cache_dir: crate::runtime::default_cache_dir(),

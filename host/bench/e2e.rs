@@ -177,7 +177,7 @@ impl E2eBench {
         WorkerPool::start(
             store.clone(),
             exec.clone(),
-            PoolConfig { workers: self.concurrency, poll: Duration::from_millis(100), ..PoolConfig::default() },
+            PoolConfig { workers: self.concurrency, poll: Duration::from_millis(100), prefetch: PoolConfig::default_prefetch(self.concurrency, store.backend()), ..PoolConfig::default() },
         )
     }
 

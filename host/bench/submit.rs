@@ -112,7 +112,7 @@ impl SubmitBench {
         let pool = WorkerPool::start(
             store.clone(),
             exec.clone(),
-            PoolConfig { workers: self.workers, poll: Duration::from_millis(100), claim_batch: 64, prefetch: 0 },
+            PoolConfig { workers: self.workers, poll: Duration::from_millis(100), claim_batch: 64, prefetch: PoolConfig::default_prefetch(self.workers, store.backend()) },
         );
         let finished_before = finished(&store).await?;
         let (submits, commits) = store.submits_written();

@@ -66,15 +66,31 @@ pub struct PoolConfig {
     /// Most runs claimed ahead of free workers and held in a local queue,
     /// so a worker that frees finds a run already leased and leaves its
     /// close to be written behind it (see [`Local`]); the queue holds
-    /// about a second of the workers' pace, up to this. Default: 0, off
-    /// (with it on, the fault-injection suite's long mode saw dead hosts'
-    /// runs taken over late; see docs/operations.md).
+    /// about a second of the workers' pace, up to this. 0 turns it off.
+    /// Default: [`PoolConfig::default_prefetch`], 64 for 4 workers.
     pub prefetch: usize,
+}
+
+impl PoolConfig {
+    /// The default `prefetch` for `workers` on `backend`. PostgreSQL: four
+    /// runs a worker, at least 64; short turns drained fastest with a
+    /// queue this deep (see docs/benchmarks.md). SQLite: 64 while the
+    /// workers alone cannot fill a close batch (fewer than 32), else none:
+    /// its one writer shares the cores with the turns, and once batches
+    /// are full a queue only takes CPU from it. The pace keeps the queue
+    /// short for long turns either way.
+    pub fn default_prefetch(workers: usize, backend: Backend) -> usize {
+        match backend {
+            Backend::Postgres => (4 * workers).max(64),
+            Backend::Sqlite if workers < crate::store::closes_max_batch(backend) => 64,
+            Backend::Sqlite => 0,
+        }
+    }
 }
 
 impl Default for PoolConfig {
     fn default() -> Self {
-        PoolConfig { workers: 4, poll: Duration::from_secs(1), claim_batch: 16, prefetch: 0 }
+        PoolConfig { workers: 4, poll: Duration::from_secs(1), claim_batch: 16, prefetch: 64 }
     }
 }
 

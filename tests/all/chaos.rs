@@ -37,7 +37,8 @@
 //! `LEASEHOLD_CHAOS_RUNS` (200), `LEASEHOLD_CHAOS_KILLS` (10),
 //! `LEASEHOLD_CHAOS_ZOMBIES` (kills / 5, at least 2),
 //! `LEASEHOLD_CHAOS_DB_FAULTS` (kills / 5, at least 3),
-//! `LEASEHOLD_CHAOS_PREFETCH` (each host's `--prefetch`; `serve`'s default). The long mode is
+//! `LEASEHOLD_CHAOS_PREFETCH` (each host's `--prefetch`; default `serve`'s,
+//! and in the long mode a mix: the default, none, 256). The long mode is
 //! `LEASEHOLD_CHAOS_RUNS=10000 LEASEHOLD_CHAOS_KILLS=200`. Each run ends with
 //! one JSON line on stderr, also written to `target/chaos/`.
 
@@ -397,6 +398,9 @@ struct Cluster<'a> {
     server_errors: Mutex<Vec<String>>,
 }
 
+/// The long mode's local queues by host: serve's default, none, deep.
+const MIXED_PREFETCH: [Option<u32>; HOSTS] = [None, Some(0), Some(256)];
+
 fn owner(host: usize, generation: u32) -> String {
     format!("h{host}.{generation}")
 }
@@ -416,8 +420,14 @@ impl<'a> Cluster<'a> {
             "--segment-budget-ms=2000".into(),
             "--shutdown-grace-ms=1000".into(),
         ];
-        if let Some(n) = env_num("LEASEHOLD_CHAOS_PREFETCH") {
-            a.extra.push(format!("--prefetch={n}"));
+        // Each host's local queue: serve's default on every host; in the
+        // long mode (1,000 runs or more) a mix: the default, none, and a
+        // deep one. LEASEHOLD_CHAOS_PREFETCH sets every host's.
+        let long = env_num("LEASEHOLD_CHAOS_RUNS").unwrap_or(200) >= 1_000;
+        match env_num("LEASEHOLD_CHAOS_PREFETCH") {
+            Some(n) => a.extra.push(format!("--prefetch={n}")),
+            None if long => a.extra.extend(MIXED_PREFETCH[host].map(|n| format!("--prefetch={n}"))),
+            None => {}
         }
         Ok(a)
     }
