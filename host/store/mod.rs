@@ -96,6 +96,11 @@ impl Backend {
 pub struct Dialect {
     /// An expression for the database's current time in epoch milliseconds.
     pub now: &'static str,
+    /// The same, read when the expression is evaluated rather than when
+    /// the statement (PostgreSQL: the transaction) began: leases are given
+    /// from it, so a statement that waited on a lock hands out the lease
+    /// it says, not one shortened by the wait. Templates: `{clock}`.
+    pub clock: &'static str,
     /// Claims up to `$3` claimable runs for owner `$1` with a lease of `$2` ms.
     /// Template: `{now}` is replaced by [`Dialect::now`].
     pub claim: &'static str,
@@ -149,6 +154,7 @@ fn render(backend: Backend, template: &str) -> &'static str {
     Box::leak(
         template
             .replace("{now}", backend.dialect().now)
+            .replace("{clock}", backend.dialect().clock)
             .into_boxed_str(),
     )
 }

@@ -22,8 +22,8 @@ macro_rules! claim_ctes {
         concat!(
             "c AS (SELECT f.id, row_number() OVER () AS k FROM leasehold_claimable(", $limit, ", ", $skip, ") AS f(id)), ",
             "n AS (UPDATE runs x SET status = 'running', lease_owner = ", $owner, ", fence = x.fence + 1, ",
-            "attempt = x.attempt + CASE WHEN ", $charge, " THEN 1 ELSE 0 END, lease_expires_at = {now} + ", $ttl,
-            ", heartbeat_at = {now}, updated_at = {now}, started_at = COALESCE(x.started_at, {now}) ",
+            "attempt = x.attempt + CASE WHEN ", $charge, " THEN 1 ELSE 0 END, lease_expires_at = {clock} + ", $ttl,
+            ", heartbeat_at = {clock}, updated_at = {now}, started_at = COALESCE(x.started_at, {now}) ",
             "FROM c WHERE x.id = c.id RETURNING x.*, (", $charge, ") AS charged)"
         )
     };
@@ -50,6 +50,7 @@ macro_rules! baseline {
 pub static DIALECT: Dialect = Dialect {
     // now() is the transaction's start: one consistent instant per statement.
     now: "(extract(epoch from now()) * 1000)::bigint",
+    clock: "(extract(epoch from clock_timestamp()) * 1000)::bigint",
     // Under READ COMMITTED, FOR UPDATE re-checks the WHERE clause on the
     // newest row version after locking it, so a run claimed or closed by a
     // concurrent transaction is skipped or dropped, never claimed twice.

@@ -95,7 +95,7 @@ impl Store {
         let statement = match self.backend() {
             crate::store::Backend::Postgres => sql!(
                 self,
-                "UPDATE runs SET lease_expires_at = {now} + r.ttl, heartbeat_at = {now}, updated_at = {now}, \
+                "UPDATE runs SET lease_expires_at = {clock} + r.ttl, heartbeat_at = {clock}, updated_at = {now}, \
                  attempt = runs.attempt + r.charge \
                  FROM jsonb_to_recordset($1::text::jsonb) AS r(id bigint, owner text, fence bigint, ttl bigint, charge bigint) \
                  WHERE runs.id = r.id AND runs.lease_owner = r.owner AND runs.fence = r.fence \
@@ -104,7 +104,7 @@ impl Store {
             ),
             crate::store::Backend::Sqlite => sql!(
                 self,
-                "UPDATE runs SET lease_expires_at = {now} + r.ttl, heartbeat_at = {now}, updated_at = {now}, \
+                "UPDATE runs SET lease_expires_at = {clock} + r.ttl, heartbeat_at = {clock}, updated_at = {now}, \
                  attempt = runs.attempt + r.charge \
                  FROM (SELECT json_extract(value, '$.id') AS id, json_extract(value, '$.owner') AS owner, \
                  json_extract(value, '$.fence') AS fence, json_extract(value, '$.ttl') AS ttl, \

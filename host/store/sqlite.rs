@@ -37,6 +37,8 @@ macro_rules! baseline_select {
 
 pub static DIALECT: Dialect = Dialect {
     now: "CAST(unixepoch('subsec') * 1000 AS INTEGER)",
+    // A statement never waits on a lock once it runs (it waits before).
+    clock: "CAST(unixepoch('subsec') * 1000 AS INTEGER)",
     // One statement: SQLite runs the sub-select and the update under the
     // same write lock, so no other writer can claim the same run between them.
     // INDEXED BY pins the claim to runs_claim: without statistics SQLite may

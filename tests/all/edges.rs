@@ -314,3 +314,38 @@ async fn the_sqlite_writer_commits_with_synchronous_full() -> Result<()> {
     })
     .await
 }
+
+/// PostgreSQL only: a close that waited on a row lock and then claimed the
+/// next run leases it for the length it says, counted from when the claim
+/// was made, not from when its statement began (`now()` is the start of
+/// the transaction). SQLite's statements wait before they start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_handed_out_after_a_lock_wait_is_as_long_as_it_says() -> Result<()> {
+    use leasehold::store::Outcome;
+    use sqlx::Connection;
+    run_on(leasehold::Backend::Postgres, async |db: &TestDb| {
+        let s = &db.store;
+        let a = submit(s, 1).await?;
+        let held = s.claim("w", TTL).await?.unwrap();
+        let b = submit(s, 1).await?;
+        // Another session holds A's row for a second: A's close (which
+        // claims B in the same statement) waits for it.
+        let mut holder = sqlx::PgConnection::connect(db.url()).await?;
+        sqlx::raw_sql("BEGIN").execute(&mut holder).await?;
+        sqlx::query("SELECT id FROM runs WHERE id = $1 FOR UPDATE").bind(a).fetch_all(&mut holder).await?;
+        let store = s.clone();
+        let close = tokio::spawn(async move {
+            store.close_and_claim(&held.lease, &[], &[], &Outcome::Completed { output: "a".into() }, Some(("w", TTL))).await
+        });
+        tokio::time::sleep(Duration::from_millis(1_000)).await;
+        sqlx::raw_sql("ROLLBACK").execute(&mut holder).await?;
+        let next = close.await??.ok_or_else(|| anyhow::anyhow!("the close claimed nothing"))?;
+        ensure!(next.run.id == b, "{next:?}");
+        let now = s.now_ms().await?;
+        let left = next.run.lease_expires_at.unwrap_or(0) - now;
+        let ttl = TTL.as_millis() as i64;
+        ensure!(left >= ttl - 400, "a lease of {ttl} ms was handed out with {left} ms left: shortened by the lock wait");
+        Ok(())
+    })
+    .await
+}
