@@ -188,11 +188,27 @@ impl Local {
         }
     }
 
-    /// Gives back every queued run (shutdown).
+    /// Gives back every queued run (shutdown), all at once and for at
+    /// most [`GIVE_BACK_BOUND`]: one after another, with the database down
+    /// (each waiting out its connection timeout), a full queue held the
+    /// shutdown for hours. A run not given back expires and is claimed
+    /// again, as after a crash. Each give-back is one statement, so one
+    /// dropped half-way leaves no transaction open.
     pub(super) async fn give_back_all(&self, store: &Store) {
-        loop {
-            let Some((claimed, _)) = self.pop() else { return };
-            give_back(store, &claimed).await;
+        let mut queued = Vec::new();
+        while let Some((claimed, _)) = self.pop() {
+            queued.push(claimed);
+        }
+        if queued.is_empty() {
+            return;
+        }
+        let all = futures::future::join_all(queued.iter().map(|c| give_back(store, c)));
+        if tokio::time::timeout(GIVE_BACK_BOUND, all).await.is_err() {
+            tracing::warn!(
+                runs = queued.len(),
+                bound = ?GIVE_BACK_BOUND,
+                "giving back the queued runs took too long; those not given back are claimed again when their leases expire"
+            );
         }
     }
 }
@@ -205,6 +221,9 @@ pub(super) async fn give_back(store: &Store, claimed: &Claimed) {
         Err(e) => tracing::warn!(run_id = claimed.run.id, error = %e, "could not give back a prefetched run"),
     }
 }
+
+/// Longest the queued runs are given back for at shutdown: 10 s.
+const GIVE_BACK_BOUND: Duration = Duration::from_secs(10);
 
 /// About how much work the local queue holds: a second of what the
 /// workers get through. Long turns then queue a few runs (another host

@@ -14,6 +14,7 @@ use crate::store::{Store, StoreError};
 pub struct Faults {
     close_delay_ms: AtomicU64,
     guest_delay_ms: AtomicU64,
+    give_back_delay_ms: AtomicU64,
     submit_read_kills: AtomicU32,
 }
 
@@ -51,6 +52,16 @@ impl Faults {
         // The signal may land after the statement that sent it.
         sqlx::query("SELECT pg_sleep(1)").execute(&mut *conn).await?;
         Err(StoreError::Config("a session that killed itself lived on".into()))
+    }
+
+    /// Holds every give-back this long before it is written, as a database
+    /// that does not answer would. `Duration::ZERO` clears it.
+    pub fn delay_give_backs(&self, by: Duration) {
+        self.give_back_delay_ms.store(by.as_millis() as u64, Ordering::Relaxed);
+    }
+
+    pub(crate) async fn before_give_back(&self) {
+        delay(&self.give_back_delay_ms).await
     }
 
     pub(crate) async fn before_close(&self) {

@@ -68,6 +68,7 @@ impl Store {
     /// nothing ran. No event: a reader of the thread saw nothing of this
     /// claim. Guarded by (owner, fence) like every lease-holder write.
     pub async fn give_back(&self, lease: &Lease, charged: bool) -> Result<(), StoreError> {
+        self.faults().before_give_back().await;
         let rows = self
             .retry(|| async move {
                 Ok(sqlx::query(sql!(

@@ -323,3 +323,30 @@ both! {
         Ok(())
     }
 }
+
+both! {
+    async fn shutdown_gives_back_a_full_queue_in_bounded_time_when_the_database_is_slow(db) {
+        // One worker held by a long turn, six runs queued behind it; each
+        // give-back takes 3 s, as with a database that does not answer.
+        let long = submit_sleepers(&db.store, 1, 20_000).await?[0];
+        submit_sleepers(&db.store, 6, 10).await?;
+        let runtime = plugins::runtime()?;
+        leasehold::plugins::register(&db.store, &runtime, "testkit", plugins::rust_plugin("testkit")?, PluginSettings::default()).await?;
+        let config = ExecutorConfig { owner: "slow-db".into(), model: None, ..ExecutorConfig::default() };
+        let exec = Arc::new(Executor::new(db.store.clone(), runtime, config));
+        let pool = WorkerPool::start(db.store.clone(), exec, PoolConfig { workers: 1, poll: Duration::from_millis(50), claim_batch: 8, prefetch: 8 });
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while db.store.get_run(long).await?.lease_owner.as_deref() != Some("slow-db") || held_by(&db.store, "slow-db").await? < 6 {
+            ensure!(Instant::now() < deadline, "the pool never queued runs behind the long turn");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        db.store.faults().delay_give_backs(Duration::from_secs(3));
+        let started = Instant::now();
+        pool.shutdown(Duration::from_millis(100)).await;
+        let took = started.elapsed();
+        db.store.faults().delay_give_backs(Duration::ZERO);
+        // At least five queued: 15 s one after another, 3 s at once.
+        ensure!(took < Duration::from_secs(10), "shutdown took {took:?} giving back its queue");
+        Ok(())
+    }
+}
