@@ -84,6 +84,20 @@ impl Store {
             let mut counts = [0u64; 4];
             for (i, statement) in statements.into_iter().enumerate() {
                 let list = if i == 3 { &threads } else { &ids };
+                if i == 3 && self.backend() == Backend::Postgres {
+                    // The threads first, in their own statement: a submit
+                    // to one commits before this lock is granted, and the
+                    // delete's snapshot, taken after, sees its run. (One
+                    // statement's snapshot predates its lock waits, and it
+                    // deleted the thread of a run just submitted to it.)
+                    sqlx::query(
+                        "SELECT id FROM threads WHERE id IN (SELECT value FROM jsonb_array_elements_text($1::jsonb)) \
+                         ORDER BY id FOR UPDATE",
+                    )
+                    .bind(list.as_str())
+                    .execute(&mut *tx)
+                    .await?;
+                }
                 counts[i] = sqlx::query(statement).bind(list.as_str()).execute(&mut *tx).await?.rows_affected();
             }
             tx.commit().await?;

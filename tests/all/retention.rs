@@ -127,3 +127,61 @@ fn a_bad_retention_setting_is_refused_with_its_reason() -> Result<()> {
     }
     Ok(())
 }
+
+/// PostgreSQL only: a submit to a thread whose last run retention is
+/// deleting, made at the same moment, keeps its thread: the thread row is
+/// not deleted from under the submit's committed run (its counter then
+/// started again at 1 and the next submit to the thread clashed with the
+/// run's event, for good). SQLite's one writer orders the two.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_submit_racing_retentions_delete_of_its_thread_keeps_the_thread() -> Result<()> {
+    use sqlx::Connection;
+    crate::harness::run_on(Backend::Postgres, async |db: &TestDb| {
+        let thread = "racing-thread";
+        let mut old = NewRun::new("testkit", "{}");
+        old.thread_id = Some(thread.into());
+        let (old, _) = db.store.create_run(&old).await?;
+        sqlx::query("UPDATE runs SET status = 'completed', finished_at = 0 WHERE id = $1").bind(old.id).execute(db.store.pool()).await?;
+        // A submit to the thread, in flight: its run and its event written,
+        // the thread's counter moved on and locked, not yet committed.
+        let mut submit = sqlx::PgConnection::connect(db.url()).await?;
+        sqlx::raw_sql("BEGIN").execute(&mut submit).await?;
+        let new_id: i64 = sqlx::query_scalar(
+            "INSERT INTO runs (thread_id, plugin, plugin_digest, input, status, max_attempts, not_before, created_at, updated_at) \
+             VALUES ($1, 'testkit', '', '{}', 'queued', 3, 0, 0, 0) RETURNING id",
+        )
+        .bind(thread)
+        .fetch_one(&mut submit)
+        .await?;
+        let seq: i64 = sqlx::query_scalar("UPDATE threads SET last_seq = last_seq + 1 WHERE id = $1 RETURNING last_seq")
+            .bind(thread)
+            .fetch_one(&mut submit)
+            .await?;
+        sqlx::query("INSERT INTO events (thread_id, seq, run_id, fence, kind, payload, created_at) VALUES ($1, $2, $3, 0, 'submitted', '{}', 0)")
+            .bind(thread)
+            .bind(seq)
+            .bind(new_id)
+            .execute(&mut submit)
+            .await?;
+        let store = db.store.clone();
+        let clean = tokio::spawn(async move { store.delete_finished(DAY_MS, 100).await });
+        crate::harness::wait_for_count(
+            db,
+            "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            "retention waits on the submit's lock on the thread",
+        )
+        .await?;
+        sqlx::raw_sql("COMMIT").execute(&mut submit).await?;
+        let deleted = clean.await??;
+        ensure!(deleted.runs == 1, "{deleted:?}");
+        ensure!(thread_exists(db, thread).await?, "retention deleted the thread of a run submitted as it ran");
+        // The thread goes on where it was.
+        let mut next = NewRun::new("testkit", "{}");
+        next.thread_id = Some(thread.into());
+        let (next, _) = db.store.create_run(&next).await?;
+        let seqs: Vec<i64> = sqlx::query_scalar("SELECT seq FROM events WHERE thread_id = $1 ORDER BY seq").bind(thread).fetch_all(db.store.pool()).await?;
+        ensure!(seqs == vec![seq, seq + 1], "the thread's events after the race: {seqs:?} (run {})", next.id);
+        Ok(())
+    })
+    .await
+}
