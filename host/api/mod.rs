@@ -76,6 +76,10 @@ pub struct ApiConfig {
     /// Plugin uploads compiling at once; one more is refused with 503 and
     /// `Retry-After`. Default: 2.
     pub max_uploads: usize,
+    /// How long `/healthz`, which needs no token, reuses its last look at
+    /// the database: anyone may call it, and a crowd of callers then costs
+    /// one query a period, not one each. Default: 1 s.
+    pub health_ttl: Duration,
 }
 
 impl Default for ApiConfig {
@@ -90,6 +94,7 @@ impl Default for ApiConfig {
             max_page_bytes: 1 << 20,
             metrics_ttl: Duration::from_secs(10),
             max_uploads: 2,
+            health_ttl: Duration::from_secs(1),
             allowed_hosts: Vec::new(),
         }
     }
@@ -109,7 +114,14 @@ pub struct AppState {
     /// The database's gauges, shared by `/metrics` (read again past
     /// [`ApiConfig::metrics_ttl`]) and `/v1/stats` (past 2 s).
     pub(crate) gauges: Arc<tokio::sync::Mutex<Option<(std::time::Instant, crate::store::Gauges)>>>,
+    /// `/healthz`'s last look at the database: when, and the database's
+    /// time then or why it did not answer ([`ApiConfig::health_ttl`]).
+    pub(crate) health: Arc<tokio::sync::Mutex<Option<HealthLook>>>,
 }
+
+/// When `/healthz` last looked at the database, and the database's time
+/// then (epoch ms) or why it did not answer.
+pub(crate) type HealthLook = (std::time::Instant, Result<i64, String>);
 
 impl AppState {
     pub fn new(store: Store, runtime: Arc<Runtime>, config: ApiConfig, shutdown: watch::Receiver<bool>) -> AppState {
@@ -121,6 +133,7 @@ impl AppState {
             config: Arc::new(config),
             shutdown,
             gauges: Arc::default(),
+            health: Arc::default(),
         }
     }
 }
@@ -261,16 +274,26 @@ async fn timeout(State(state): State<AppState>, req: Request, next: Next) -> Res
     }
 }
 
-/// `GET /healthz`: 200 while the database answers. Needs no token.
+/// `GET /healthz`: 200 while the database answers. Needs no token, so it
+/// looks at the database at most once a `health_ttl` (1 s) however many
+/// call it; `checked_at` is the database's time (epoch ms) of that look.
 #[utoipa::path(get, path = "/healthz", tag = "service", security(()),
     responses(
-        (status = 200, description = "The database answers.", body = Object, example = json!({"status": "ok"})),
+        (status = 200, description = "The database answers.", body = Object, example = json!({"status": "ok", "checked_at": 1764900000000_i64})),
         (status = 503, description = "The database does not answer.", body = ErrorBody),
     ))]
 pub(crate) async fn healthz(State(state): State<AppState>) -> Response {
-    match state.store.now_ms().await {
-        Ok(_) => (StatusCode::OK, axum::Json(serde_json::json!({ "status": "ok" }))).into_response(),
-        Err(e) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "database_unavailable", e.to_string()).into_response(),
+    // Callers that come while a look is in flight wait for it.
+    let mut last = state.health.lock().await;
+    let fresh = last.as_ref().is_some_and(|(at, _)| at.elapsed() < state.config.health_ttl);
+    if !fresh {
+        let looked = state.store.now_ms().await.map_err(|e| e.to_string());
+        *last = Some((std::time::Instant::now(), looked));
+    }
+    match last.as_ref().map(|(_, r)| r.clone()) {
+        Some(Ok(at)) => (StatusCode::OK, axum::Json(serde_json::json!({ "status": "ok", "checked_at": at }))).into_response(),
+        Some(Err(e)) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "database_unavailable", e).into_response(),
+        None => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "database_unavailable", "not checked yet").into_response(),
     }
 }
 

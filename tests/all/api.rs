@@ -315,6 +315,36 @@ both! {
         Ok(())
     }
 
+    async fn healthz_looks_at_the_database_at_most_once_a_period_for_any_number_of_callers(db) {
+        let server = Server::start_with(db, None, false, |c| c.health_ttl = Duration::from_millis(300)).await?;
+        let checked = || async {
+            let r = server.http.get(format!("{}/healthz", server.base)).send().await?;
+            anyhow::ensure!(r.status() == 200, "{}", r.status());
+            let body: Value = r.json().await?;
+            body["checked_at"].as_i64().ok_or_else(|| anyhow::anyhow!("no checked_at: {body}"))
+        };
+        // Twenty callers within the period: one look at the database.
+        let first = checked().await?;
+        for _ in 0..20 {
+            let again = checked().await?;
+            if again != first {
+                // Past the period (a slow machine): the next look is newer.
+                ensure!(again > first, "{again} before {first}");
+                break;
+            }
+        }
+        let started = std::time::Instant::now();
+        let mut times = std::collections::HashSet::new();
+        while started.elapsed() < Duration::from_millis(250) {
+            times.insert(checked().await?);
+        }
+        ensure!(times.len() <= 2, "{} looks at the database in 250 ms with a 300 ms period", times.len());
+        tokio::time::sleep(Duration::from_millis(350)).await;
+        ensure!(checked().await? > first, "healthz kept an old look past its period");
+        server.stop().await;
+        Ok(())
+    }
+
     async fn hostile_strings_never_get_a_5xx_or_change_the_schema(db) {
         let server = with_testkit(db, None).await?;
         let schema = || async {
