@@ -42,6 +42,13 @@ pub enum PluginsCommand {
         /// replays clean on this version). [default: pinned]
         #[arg(long, default_value = "pinned")]
         upgrade: String,
+        /// Comma-separated models its `model.chat` may ask for (`*`: any).
+        /// [default: none: model.chat is denied to it]
+        #[arg(long, default_value = "")]
+        model_allow: String,
+        /// The most `max_tokens` one of its calls may ask for. [default: 4096]
+        #[arg(long)]
+        model_max_tokens: Option<u64>,
     },
     /// List registered plugins.
     List,
@@ -61,6 +68,12 @@ pub enum PluginsCommand {
         /// As for `add`.
         #[arg(long, default_value = "pinned")]
         upgrade: String,
+        /// As for `add`.
+        #[arg(long, default_value = "")]
+        model_allow: String,
+        /// As for `add`.
+        #[arg(long)]
+        model_max_tokens: Option<u64>,
         /// --check only.
         #[command(flatten)]
         offline: crate::replay::Offline,
@@ -222,13 +235,14 @@ pub async fn plugins(api: &Api, command: PluginsCommand) -> Result<()> {
                 std::process::exit(1);
             }
         }
-        PluginsCommand::Add { name, file, http_allow, upgrade } | PluginsCommand::Upgrade { name, file, http_allow, upgrade, .. } => {
+        PluginsCommand::Add { name, file, http_allow, upgrade, model_allow, model_max_tokens }
+        | PluginsCommand::Upgrade { name, file, http_allow, upgrade, model_allow, model_max_tokens, .. } => {
             let bytes = std::fs::read(&file).with_context(|| format!("reading {}", file.display()))?;
-            let req = api
-                .client()
-                .put(api.url(&format!("/v1/plugins/{name}")))
-                .query(&[("http_allow", http_allow), ("upgrade", upgrade)])
-                .body(bytes);
+            let mut query = vec![("http_allow", http_allow), ("upgrade", upgrade), ("model_allow", model_allow)];
+            if let Some(n) = model_max_tokens {
+                query.push(("model_max_tokens", n.to_string()));
+            }
+            let req = api.client().put(api.url(&format!("/v1/plugins/{name}"))).query(&query).body(bytes);
             let v = api.send(req).await?;
             api.print(&v, |v| println!("registered {} {}", v["name"].as_str().unwrap_or(""), v["digest"].as_str().unwrap_or("")));
         }

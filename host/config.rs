@@ -109,6 +109,15 @@ pub struct ServeOptions {
     /// Model used when a request names none. [default: gpt-4o-mini]
     #[arg(long, env = "LEASEHOLD_MODEL")]
     pub model: Option<String>,
+    /// Comma-separated models the plugins loaded from --plugins-dir may
+    /// ask `model.chat` for (`*`: any; a call that names none asks for
+    /// --model). [default: none: model.chat is denied to them]
+    #[arg(long, env = "LEASEHOLD_MODEL_ALLOW", value_delimiter = ',')]
+    pub model_allow: Option<Vec<String>>,
+    /// The most `max_tokens` one of their calls may ask for; a call that
+    /// asks for none is given this. [default: 4096]
+    #[arg(long, env = "LEASEHOLD_MODEL_MAX_TOKENS")]
+    pub model_max_tokens: Option<u64>,
     /// Compiled-component cache: a private directory (created 0700; one
     /// owned by another user or writable by others is refused).
     /// [default: $XDG_CACHE_HOME/leasehold/components, else ~/.cache/leasehold/components]
@@ -173,6 +182,8 @@ pub struct Serve {
     pub http_allow: Vec<String>,
     pub model_base_url: Option<String>,
     pub model: Option<String>,
+    /// What the plugins loaded from --plugins-dir may ask of `model.chat`.
+    pub model_grant: leasehold::store::ModelGrant,
     pub cache_dir: PathBuf,
     pub max_instances: u32,
     pub max_body_bytes: usize,
@@ -229,6 +240,10 @@ impl ServeOptions {
             http_allow: self.http_allow.or(file.http_allow).unwrap_or_default(),
             model_base_url: self.model_base_url.or(file.model_base_url).filter(|u| !u.is_empty()),
             model: self.model.or(file.model),
+            model_grant: leasehold::store::ModelGrant {
+                models: self.model_allow.or(file.model_allow).unwrap_or_default().into_iter().filter(|m| !m.trim().is_empty()).collect(),
+                max_tokens: self.model_max_tokens.or(file.model_max_tokens).unwrap_or(leasehold::store::ModelGrant::default().max_tokens),
+            },
             cache_dir: self
                 .cache_dir
                 .or(file.cache_dir)

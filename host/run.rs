@@ -24,6 +24,10 @@ pub struct RunArgs {
     /// Comma-separated hosts (host or host:port) its `http` effects may reach.
     #[arg(long, default_value = "")]
     http_allow: String,
+    /// Comma-separated models its `model.chat` may ask for (`*`: any); the
+    /// endpoint comes from LEASEHOLD_MODEL_BASE_URL. [default: none]
+    #[arg(long, default_value = "")]
+    model_allow: String,
     /// The plugin name (its kv namespace). Default: the file's stem.
     #[arg(long)]
     name: Option<String>,
@@ -67,7 +71,7 @@ async fn run_in(args: &RunArgs, dir: &std::path::Path, name: &str, bytes: Vec<u8
     }
     let runtime = Arc::new(Runtime::new(config)?);
     let http_allow = args.http_allow.split(',').map(str::trim).filter(|h| !h.is_empty()).map(str::to_string).collect();
-    let settings = PluginSettings { http_allow, ..PluginSettings::default() };
+    let settings = PluginSettings { http_allow, model: leasehold::store::ModelGrant::listed(&args.model_allow), ..PluginSettings::default() };
     if !leasehold::plugins::valid_name(name) {
         bail!("{name:?} is not a plugin name (1 to 64 of a-z, 0-9, '-', '_'): give --name");
     }

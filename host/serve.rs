@@ -57,7 +57,7 @@ pub async fn serve_with(cfg: config::Serve, dev: Option<crate::dev::Project>) ->
     runtime_config.default_limits.segment_budget = cfg.segment_budget;
     let runtime = Arc::new(Runtime::new(runtime_config)?);
     if cfg.plugins_dir.is_dir() {
-        let settings = PluginSettings { http_allow: cfg.http_allow.clone(), ..PluginSettings::default() };
+        let settings = PluginSettings { http_allow: cfg.http_allow.clone(), model: cfg.model_grant.clone(), ..PluginSettings::default() };
         let loaded = plugins::load_dir(&store, &runtime, &cfg.plugins_dir, &settings)
             .await
             .with_context(|| format!("reading {}", cfg.plugins_dir.display()))?;

@@ -20,6 +20,12 @@ pub struct PutQuery {
     /// How runs in flight take this version. Default: `pinned`.
     #[param(value_type = Option<UpgradePolicy>)]
     upgrade: Option<String>,
+    /// Comma-separated models the plugin may ask `model.chat` for (`*`:
+    /// any). Default: none: `model.chat` is denied to it.
+    model_allow: Option<String>,
+    /// The most `max_tokens` one of its calls may ask for. Default: 4096.
+    #[param(minimum = 1)]
+    model_max_tokens: Option<u64>,
 }
 
 /// A registered version.
@@ -51,7 +57,7 @@ pub struct PluginsList {
     plugins: Vec<PluginView>,
 }
 
-/// `PUT /v1/plugins/{name}?http_allow=host:port,…&upgrade=pinned|auto` with the component's
+/// `PUT /v1/plugins/{name}?http_allow=host:port,…&upgrade=pinned|auto&model_allow=m,…&model_max_tokens=N` with the component's
 /// bytes: 201 `{name, digest}`; 422 with the reason when the bytes are not a
 /// component implementing `leasehold:turn/turn`.
 #[utoipa::path(put, path = "/v1/plugins/{name}", tag = "plugins",
@@ -97,7 +103,17 @@ pub async fn put(
         None => UpgradePolicy::default(),
         Some(p) => UpgradePolicy::parse(p).ok_or_else(|| ApiError::bad_request("upgrade must be pinned or auto"))?,
     };
-    let settings = PluginSettings { http_allow, upgrade };
+    let mut model = crate::store::ModelGrant::listed(q.model_allow.as_deref().unwrap_or_default());
+    if model.models.iter().any(|m| m.len() > 255 || m.contains(['\0', ' '])) {
+        return Err(ApiError::bad_request("model_allow entries must be model names, or *"));
+    }
+    if let Some(n) = q.model_max_tokens {
+        if n == 0 {
+            return Err(ApiError::bad_request("model_max_tokens must be at least 1"));
+        }
+        model.max_tokens = n;
+    }
+    let settings = PluginSettings { http_allow, upgrade, model };
     // Awaited here, holding the permit: a caller that goes away drops the
     // registration, and with it the compiler child (`serve` compiles in
     // one), so nothing is left compiling for nobody.

@@ -10,6 +10,7 @@
 pub mod http;
 pub mod kv;
 pub mod model;
+pub mod model_grant;
 
 use crate::store::{EffectClass, LocalOp};
 
@@ -109,6 +110,8 @@ pub struct Grants<'a> {
     /// with their port: the service's own API.
     pub reserved: &'a [std::net::SocketAddr],
     pub model: Option<&'a model::ModelConfig>,
+    /// What this plugin may ask of the model.
+    pub model_grant: &'a crate::store::ModelGrant,
     /// Largest `kv.put` value.
     pub max_kv_value_bytes: usize,
 }
@@ -129,7 +132,7 @@ pub fn resolve(name: &str, request: &str, grants: &Grants<'_>) -> Result<Effect,
             request: http::check(name, request, grants.http_allow, grants.reserved)?,
         })),
         "model.chat" => Ok(Effect::Remote(Remote::Chat {
-            request: model::check(request, grants.model)?,
+            request: model::check(request, grants.model, grants.model_grant)?,
         })),
         _ => Err(EffectError::Denied(format!("unknown effect provider {name:?}"))),
     }

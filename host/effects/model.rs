@@ -68,8 +68,9 @@ pub struct ChatRequest {
     body: Map<String, Value>,
 }
 
-/// Parses and checks a request. `Err` is a recorded refusal.
-pub fn check(request: &str, config: Option<&ModelConfig>) -> Result<ChatRequest, EffectError> {
+/// Parses and checks a request against the host's endpoint and the
+/// plugin's grant ([`super::model_grant`]). `Err` is a recorded refusal.
+pub fn check(request: &str, config: Option<&ModelConfig>, grant: &crate::store::ModelGrant) -> Result<ChatRequest, EffectError> {
     let Some(config) = config else {
         return Err(EffectError::Denied(
             "model.chat: no model endpoint is configured on this host \
@@ -88,6 +89,7 @@ pub fn check(request: &str, config: Option<&ModelConfig>) -> Result<ChatRequest,
         _ => return Err(bad("`messages` must be a non-empty array")),
     }
     body.entry("model").or_insert_with(|| Value::String(config.default_model.clone()));
+    super::model_grant::apply(&mut body, grant)?;
     body.insert("stream".into(), Value::Bool(true));
     Ok(ChatRequest { body })
 }

@@ -499,6 +499,7 @@ impl SegmentState {
             http_allow: &self.limits.http_allow,
             reserved: &self.reserved,
             model: self.model.as_deref(),
+            model_grant: &self.limits.model,
             max_kv_value_bytes: self.limits.max_kv_value_bytes,
         }
     }

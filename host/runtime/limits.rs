@@ -35,6 +35,8 @@ pub struct Limits {
     /// port only), `host:port` or `scheme://host:port`; any other is
     /// `denied`. Default: none.
     pub http_allow: Vec<String>,
+    /// What `model.chat` may be asked for. Default: nothing (denied).
+    pub model: crate::store::ModelGrant,
     /// Bytes the guest may pass to the host in one call (strings and lists
     /// the host copies in): past it, the guest traps as a `limit` error
     /// before anything is copied. Default: 2 MiB.
@@ -72,6 +74,7 @@ impl Default for Limits {
             segment_budget: Duration::from_secs(30),
             slice_grace: Duration::from_secs(5),
             http_allow: Vec::new(),
+            model: crate::store::ModelGrant::default(),
             max_hostcall_bytes: 2 << 20,
             max_prompt_bytes: 4 << 10,
             max_log_lines: 1_000,

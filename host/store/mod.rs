@@ -48,7 +48,7 @@ pub(crate) use closes::{max_batch as closes_max_batch, writers as close_writers}
 pub use claims::{baseline_sql, claim_sql};
 pub use ledger::{Completion, EffectCall, LedgerSummary, REQUEST_PREVIEW, Streamed, idempotency_key};
 pub use local::{HeldPut, LocalOp};
-pub use plugins::{PluginInfo, PluginSettings, UpgradePolicy};
+pub use plugins::{ModelGrant, PluginInfo, PluginSettings, UpgradePolicy};
 pub use reap::ReapReport;
 pub use retention::Deleted;
 pub use runs::{MAX_SUBMIT_BATCH, RunFilter};

@@ -18,6 +18,50 @@ pub struct PluginSettings {
     /// Default: `pinned`.
     #[serde(default)]
     pub upgrade: UpgradePolicy,
+    /// What the plugin may ask of `model.chat`. Default: nothing, so
+    /// `model.chat` is denied to it.
+    #[serde(default)]
+    pub model: ModelGrant,
+}
+
+/// What a plugin may ask of `model.chat`, as its `http` allow-list says
+/// what it may reach: the guest chooses the model and the size of the
+/// answer, and both cost money. Every field documents its default.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ModelGrant {
+    /// Models the plugin may name (a call that names none asks for the
+    /// host's `--model`, which must be listed too); `*` grants any.
+    /// Default: none, so `model.chat` is denied.
+    #[serde(default)]
+    pub models: Vec<String>,
+    /// The most `max_tokens` one call may ask for; a call that asks for
+    /// none is given this. Default: 4,096.
+    #[serde(default = "ModelGrant::default_max_tokens")]
+    pub max_tokens: u64,
+}
+
+impl ModelGrant {
+    fn default_max_tokens() -> u64 {
+        4_096
+    }
+
+    /// Any model, the default cap on tokens.
+    pub fn any() -> ModelGrant {
+        ModelGrant { models: vec!["*".into()], ..ModelGrant::default() }
+    }
+
+    /// `models` from a comma-separated list, the default cap.
+    pub fn listed(models: &str) -> ModelGrant {
+        let models = models.split(',').map(str::trim).filter(|m| !m.is_empty()).map(str::to_string).collect();
+        ModelGrant { models, ..ModelGrant::default() }
+    }
+}
+
+impl Default for ModelGrant {
+    fn default() -> Self {
+        ModelGrant { models: Vec::new(), max_tokens: ModelGrant::default_max_tokens() }
+    }
 }
 
 /// How a plugin's runs in flight take a new version.

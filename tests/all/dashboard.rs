@@ -63,7 +63,7 @@ both! {
         let rt = plugins::runtime()?;
         let tk = PluginSettings { http_allow: vec![], ..PluginSettings::default() };
         leasehold::plugins::register(&db.store, &rt, "testkit", plugins::rust_plugin("testkit")?, tk).await?;
-        let agent = PluginSettings { http_allow: vec![tool.allow()], ..PluginSettings::default() };
+        let agent = PluginSettings { http_allow: vec![tool.allow()], model: leasehold::store::ModelGrant::any(), ..PluginSettings::default() };
         leasehold::plugins::register(&db.store, &rt, "agent-rust", plugins::example_plugin("agent-rust")?, agent).await?;
 
         // A worker streams half an answer and holds its lease.

@@ -189,6 +189,32 @@ both! {
         Ok(())
     }
 
+    async fn model_chat_is_denied_outside_the_plugins_grant_and_sends_nothing(db) {
+        let (model, tool) = (FakeModel::start(echo()).await?, Sink::start().await?);
+        let cases = [
+            (leasehold::store::ModelGrant::default(), "not granted to this plugin"),
+            (leasehold::store::ModelGrant { models: vec!["other-model".into()], max_tokens: 4096 }, "model \"fake-1\" is not granted"),
+        ];
+        for (i, (grant, why)) in cases.into_iter().enumerate() {
+            let rt = plugins::runtime()?;
+            let mut limits = plugins::test_limits();
+            limits.http_allow = vec![tool.allow()];
+            limits.model = grant;
+            rt.add_plugin("agent-rust", &plugins::example_plugin("agent-rust")?, limits)?;
+            let exec = worker(db, &rt, &format!("w{i}"), &model);
+            let id = submit(&db.store, "agent-rust", json!({ "prompt": "x", "tool_url": tool.url })).await?;
+            let out = exec.run_once().await?;
+            let run = db.store.get_run(id).await?;
+            let error = run.error.clone().unwrap_or_default();
+            ensure!(out == Some((id, SegmentOutcome::Failed(leasehold::executor::GuestErrorKind::TurnError))), "case {i}: {out:?} {error}");
+            ensure!(error.contains(why), "case {i}: {error}");
+            let rows = db.store.effects(id).await?;
+            ensure!(rows.iter().any(|r| r.name == "model.chat" && r.state == leasehold::store::EffectState::Failed), "case {i}: the refusal is not in the ledger: {rows:?}");
+        }
+        ensure!(model.hits().is_empty(), "a call outside the grant reached the model: {:?}", model.hits().len());
+        Ok(())
+    }
+
     async fn model_chat_without_a_configured_endpoint_is_denied(db) {
         let tool = Sink::start().await?;
         let rt = runtime_with(&["agent-rust"], &tool)?;

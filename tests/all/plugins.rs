@@ -70,13 +70,15 @@ pub fn runtime() -> Result<Arc<Runtime>> {
 /// The test plugin's limits: small enough that hostile modes end quickly,
 /// and a slice budget far above what any test turn computes, so a loaded
 /// machine never slices a turn a test expects to finish in one segment.
-/// Tests of slicing set their own budget.
+/// Tests of slicing set their own budget. `model.chat` is granted for any
+/// model (the tests' endpoints are fakes); tests of the grant set their own.
 pub fn test_limits() -> Limits {
     Limits {
         max_memory_bytes: 32 << 20,
         max_emit_bytes: 256 << 10,
         max_output_bytes: 64 << 10,
         segment_budget: std::time::Duration::from_secs(10),
+        model: leasehold::store::ModelGrant::any(),
         ..Limits::default()
     }
 }
