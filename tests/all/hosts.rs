@@ -266,3 +266,67 @@ both! {
         Ok(())
     }
 }
+
+both! {
+    async fn a_host_streams_a_run_that_another_host_runs(db) {
+        use futures::StreamExt;
+        let dir = tempfile::tempdir()?;
+        std::fs::write(dir.path().join("testkit.wasm"), plugins::rust_plugin("testkit")?)?;
+        leasehold::effects::http::install_tls();
+        let http = crate::serve_proc::client(reqwest::Client::builder())?;
+        let a = ServeProc::spawn(&ServeArgs::new(db.url(), dir.path(), "host-a".into())?)?;
+        a.wait_healthy(&http, Duration::from_secs(60)).await?;
+        // Three emits half a second apart: the stream is read while A runs.
+        let ops = json!([
+            { "op": "emit", "text": "a " }, { "op": "wasi-sleep", "ms": 600 },
+            { "op": "emit", "text": "b " }, { "op": "wasi-sleep", "ms": 600 },
+            { "op": "emit", "text": "c" },
+        ]);
+        let run: serde_json::Value = http
+            .post(format!("{}/v1/runs", a.base))
+            .json(&json!({ "plugin": "testkit", "input": { "mode": "script", "ops": ops } }))
+            .send()
+            .await?
+            .json()
+            .await?;
+        let (id, thread) = (run["id"].as_i64().unwrap_or_default(), run["thread_id"].as_str().unwrap_or_default().to_string());
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while db.store.get_run(id).await?.lease_owner.as_deref() != Some("host-a") {
+            ensure!(Instant::now() < deadline, "host A never took the run");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let b = ServeProc::spawn(&ServeArgs::new(db.url(), dir.path(), "host-b".into())?)?;
+        b.wait_healthy(&http, Duration::from_secs(60)).await?;
+        ensure!(!db.store.get_run(id).await?.status.is_terminal(), "the run ended before host B streamed it");
+        let resp = http.get(format!("{}/v1/threads/{thread}/events", b.base)).header("Accept", "text/event-stream").send().await?;
+        ensure!(resp.status() == 200, "{}", resp.status());
+        let mut body = resp.bytes_stream();
+        let (mut buf, mut kinds, mut text) = (String::new(), Vec::new(), String::new());
+        let read = async {
+            while let Some(chunk) = body.next().await {
+                buf.push_str(&String::from_utf8_lossy(&chunk?));
+                while let Some(end) = buf.find("\n\n") {
+                    let frame: String = buf.drain(..end + 2).collect();
+                    let Some(data) = frame.lines().find_map(|l| l.strip_prefix("data:")) else { continue };
+                    let event: serde_json::Value = serde_json::from_str(data.trim())?;
+                    let kind = event["kind"].as_str().unwrap_or_default().to_string();
+                    if kind == "delta" {
+                        text.push_str(event["payload"]["delta"].as_str().unwrap_or_default());
+                    }
+                    kinds.push(kind.clone());
+                    if kind == "message" {
+                        return Ok(());
+                    }
+                }
+            }
+            anyhow::bail!("the stream ended first")
+        };
+        tokio::time::timeout(Duration::from_secs(30), read).await.map_err(|_| anyhow::anyhow!("no message within 30 s: {kinds:?}"))??;
+        ensure!(text == "a b c", "host B streamed {text:?} ({kinds:?})");
+        ensure!(kinds.first().map(String::as_str) == Some("submitted"), "{kinds:?}");
+        let done = db.store.get_run(id).await?;
+        ensure!(done.status == leasehold::store::RunStatus::Completed && done.fence == 1, "host A did not run it alone: {done:?}");
+        drop((a, b));
+        Ok(())
+    }
+}
