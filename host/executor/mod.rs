@@ -227,16 +227,7 @@ impl Executor {
         // segment's last write returns.
         let lease_expires_at = run.lease_expires_at.unwrap_or(0);
         let claimed_at = run.heartbeat_at.unwrap_or(lease_expires_at);
-        let mut lease_left = Duration::from_millis((lease_expires_at - claimed_at).max(0) as u64);
-        if !charged {
-            // Claimed for a local queue: the segment counts its attempt
-            // before its guest starts, in a renewal (a fresh lease).
-            match self.store.renew_charging(&lease, self.config.lease_ttl).await {
-                Ok(_) => lease_left = self.config.lease_ttl,
-                Err(StoreError::LeaseLost(_)) => return Ok(SegmentOutcome::LeaseLost),
-                Err(e) => return Err(e),
-            }
-        }
+        let lease_left = Duration::from_millis((lease_expires_at - claimed_at).max(0) as u64);
         // Dropped when the segment returns, after its last write.
         let cover = Cover::start(&self.store, &lease, self.config.lease_ttl, self.renew_every(), lease_left, self.config.clock.clone());
         let watch = &cover.watch;
@@ -312,9 +303,19 @@ impl Executor {
             offline: false,
         };
         self.store.faults().before_guest().await;
+        // Claimed for a local queue: the segment counts its attempt as its
+        // guest starts, in a renewal it does not wait for (the worker never
+        // waits on the database between short turns); the close waits for
+        // it, so a finished run has counted it.
+        let charge = (!charged).then(|| renewer::charge(&self.store, &lease, self.config.lease_ttl, watch));
         let result = self.guest_call(&plugin, init, &run.input, watch).await;
         if let Some(done) = next.guest_done.take() {
             let _ = done.send(());
+        }
+        if let Some(charge) = charge
+            && let Ok(Err(StoreError::LeaseLost(_))) = charge.await
+        {
+            return Ok(SegmentOutcome::LeaseLost);
         }
         // Renewed until the close returns: the store bounds how long a
         // write waits (a lock timeout, the batch's own retries).

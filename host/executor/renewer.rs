@@ -140,6 +140,30 @@ pub(super) async fn renew_once(store: &Store, lease: &Lease, ttl: Duration, watc
     }
 }
 
+/// Counts the attempt of a segment whose claim did not (a run claimed for
+/// a local queue), in a renewal sent at once in a task of its own: on
+/// success the lease deadline moves on as after any renewal; refused, the
+/// lease is lost and the guest stops.
+pub(super) fn charge(store: &Store, lease: &Lease, ttl: Duration, watch: &LeaseWatch) -> tokio::task::JoinHandle<Result<i64, StoreError>> {
+    let (db, held, watch) = (store.clone(), lease.clone(), watch.clone());
+    let asked_at = watch.clock.since(watch.start).as_millis() as i64;
+    tokio::spawn(async move {
+        let charged = db.renew_charging(&held, ttl).await;
+        match &charged {
+            Ok(_) => {
+                watch.deadline_ms.fetch_max(asked_at + ttl.as_millis() as i64, Ordering::Relaxed);
+            }
+            Err(StoreError::LeaseLost(_)) => {
+                tracing::warn!(run_id = held.run_id, fence = held.fence, "lease lost as the segment started; stopping the guest");
+                watch.lost.store(true, Ordering::Relaxed);
+                watch.lost_now.notify_one();
+            }
+            Err(e) => tracing::warn!(run_id = held.run_id, error = %e, "counting the segment's attempt failed; its renewals go on"),
+        }
+        charged
+    })
+}
+
 /// Renews `lease` after `first`, then every `every`, until aborted; never
 /// past `until_ms` after the segment started: a lease is never renewed
 /// without bound. A refused renewal sets `lost`; a lease that runs out
