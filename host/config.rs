@@ -76,7 +76,7 @@ pub struct ServeOptions {
     /// of --lease-ttl-ms is given back, and so are all at shutdown; a
     /// queued run counts its attempt only when it starts. 0 turns the
     /// queue off (long turns, or many hosts sharing a small backlog).
-    /// [default: PostgreSQL 4 × --workers, at least 64; SQLite 64 below 32
+    /// [default: PostgreSQL 4 × --workers, at least 64; SQLite 64 below 8
     /// workers, else 0]
     #[arg(long, env = "LEASEHOLD_PREFETCH")]
     pub prefetch: Option<usize>,

@@ -76,7 +76,7 @@ pub enum BenchCommand {
         #[arg(long, default_value_t = 64)]
         claim_batch: usize,
         /// The pool's local queue, as `serve --prefetch`. [default: as
-        /// serve's: PostgreSQL 4 × --workers, at least 64; SQLite 64 below 32
+        /// serve's: PostgreSQL 4 × --workers, at least 64; SQLite 64 below 8
         /// workers, else 0]
         #[arg(long)]
         prefetch: Option<usize>,

@@ -73,16 +73,18 @@ pub struct PoolConfig {
 
 impl PoolConfig {
     /// The default `prefetch` for `workers` on `backend`. PostgreSQL: four
-    /// runs a worker, at least 64; short turns drained fastest with a
-    /// queue this deep (see docs/benchmarks.md). SQLite: 64 while the
-    /// workers alone cannot fill a close batch (fewer than 32), else none:
-    /// its one writer shares the cores with the turns, and once batches
-    /// are full a queue only takes CPU from it. The pace keeps the queue
-    /// short for long turns either way.
+    /// runs a worker, at least 64 (no-op turns at serve's 4 workers
+    /// drained 3.6 times as fast with it, and as fast at 64; see
+    /// docs/benchmarks.md). SQLite: 64 below 8 workers, else none: its one
+    /// writer shares the cores with the turns, and each queued run's
+    /// segment costs it a renewal (its attempt), which pays only while the
+    /// workers alone leave batches nearly empty (4 workers: 1.4 times as
+    /// fast with it; 8 and 16: slower). The pace keeps the queue short for
+    /// long turns either way.
     pub fn default_prefetch(workers: usize, backend: Backend) -> usize {
         match backend {
             Backend::Postgres => (4 * workers).max(64),
-            Backend::Sqlite if workers < crate::store::closes_max_batch(backend) => 64,
+            Backend::Sqlite if workers < 8 => 64,
             Backend::Sqlite => 0,
         }
     }
