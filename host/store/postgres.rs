@@ -7,7 +7,9 @@ use super::Dialect;
 /// The claim as two CTEs: `c` locks up to `$limit` claimable runs, never
 /// one whose id is in the `bigint[]` expression `$skip`, through the
 /// `leasehold_claimable` function (migration 0004: it reads the claim index
-/// in order, never sorting the queue), and numbers them (`k`, from 1); `n`
+/// in order, never sorting the queue), and numbers them (`k`, from 1) and
+/// reads the clock once a run (`t`: a lease runs from when it is given,
+/// not from when the statement began, which may have waited on locks); `n`
 /// leases them to `$owner` for `$ttl` ms, counts an attempt for those that
 /// meet `$charge` (a condition on `c.k`), and returns their rows with
 /// `charged`. Shared by the claim statement and the close that claims the
@@ -20,10 +22,10 @@ use super::Dialect;
 macro_rules! claim_ctes {
     ($owner:literal, $ttl:literal, $limit:literal, $skip:literal, $charge:literal) => {
         concat!(
-            "c AS (SELECT f.id, row_number() OVER () AS k FROM leasehold_claimable(", $limit, ", ", $skip, ") AS f(id)), ",
+            "c AS (SELECT f.id, row_number() OVER () AS k, {clock} AS t FROM leasehold_claimable(", $limit, ", ", $skip, ") AS f(id)), ",
             "n AS (UPDATE runs x SET status = 'running', lease_owner = ", $owner, ", fence = x.fence + 1, ",
-            "attempt = x.attempt + CASE WHEN ", $charge, " THEN 1 ELSE 0 END, lease_expires_at = {clock} + ", $ttl,
-            ", heartbeat_at = {clock}, updated_at = {now}, started_at = COALESCE(x.started_at, {now}) ",
+            "attempt = x.attempt + CASE WHEN ", $charge, " THEN 1 ELSE 0 END, lease_expires_at = c.t + ", $ttl,
+            ", heartbeat_at = c.t, updated_at = {now}, started_at = COALESCE(x.started_at, {now}) ",
             "FROM c WHERE x.id = c.id RETURNING x.*, (", $charge, ") AS charged)"
         )
     };

@@ -95,9 +95,10 @@ impl Store {
         let statement = match self.backend() {
             crate::store::Backend::Postgres => sql!(
                 self,
-                "UPDATE runs SET lease_expires_at = {clock} + r.ttl, heartbeat_at = {clock}, updated_at = {now}, \
+                "UPDATE runs SET lease_expires_at = r.t + r.ttl, heartbeat_at = r.t, updated_at = {now}, \
                  attempt = runs.attempt + r.charge \
-                 FROM jsonb_to_recordset($1::text::jsonb) AS r(id bigint, owner text, fence bigint, ttl bigint, charge bigint) \
+                 FROM (SELECT l.*, {clock} AS t FROM jsonb_to_recordset($1::text::jsonb) \
+                 AS l(id bigint, owner text, fence bigint, ttl bigint, charge bigint)) AS r \
                  WHERE runs.id = r.id AND runs.lease_owner = r.owner AND runs.fence = r.fence \
                  AND runs.status = 'running' \
                  RETURNING runs.id, runs.lease_owner, runs.fence, runs.lease_expires_at"

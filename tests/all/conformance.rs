@@ -55,9 +55,9 @@ both! {
         ensure!(ids == want, "claimed {ids:?}, want {want:?}");
         let again = got.iter().find(|c| c.run.id == expired).unwrap();
         ensure!(again.run.fence == first.run.fence + 1 && again.run.lease_owner.as_deref() == Some("other"));
-        // The lease runs exactly its TTL, in milliseconds, from the
-        // database's now (which the same statement wrote as updated_at).
-        let ttl = again.run.lease_expires_at.unwrap() - again.run.updated_at;
+        // The lease runs exactly its TTL, in milliseconds, from when the
+        // database gave it (which the same statement wrote as heartbeat_at).
+        let ttl = again.run.lease_expires_at.unwrap() - again.run.heartbeat_at.unwrap();
         ensure!(ttl == TTL.as_millis() as i64, "a lease of {ttl} ms for a TTL of {TTL:?}");
         let with_input = got.iter().find(|c| c.run.id == input).unwrap();
         ensure!(with_input.run.pending_input.as_deref() == Some(r#""answer""#), "the claim sees the delivered input");
