@@ -19,6 +19,23 @@ fn cache_dir() -> std::path::PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("target/component-cache")
 }
 
+/// `serve --insecure` on SQLite in `dir` (no plugins, its own cache), on
+/// `port`, with `extra` flags.
+fn insecure_serve(dir: &Path, port: u16, extra: &[&str]) -> Result<Child> {
+    Ok(Child(
+        leasehold()
+            .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--plugins-dir", "none", "--insecure"])
+            .args(extra)
+            .arg("--cache-dir")
+            .arg(dir.join("cache"))
+            .current_dir(dir)
+            .env("LEASEHOLD_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()?,
+    ))
+}
+
 /// Kills the child when dropped.
 struct Child(std::process::Child);
 
@@ -195,17 +212,7 @@ async fn an_upload_whose_caller_went_away_is_not_left_compiling() -> Result<()> 
     let dir = tempfile::tempdir()?;
     let port = free_port()?;
     let base = format!("http://127.0.0.1:{port}");
-    let serve = Child(
-        leasehold()
-            .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--plugins-dir", "none", "--insecure"])
-            .arg("--cache-dir")
-            .arg(dir.path().join("cache"))
-            .current_dir(dir.path())
-            .env("LEASEHOLD_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()?,
-    );
+    let serve = insecure_serve(dir.path(), port, &[])?;
     let http = reqwest::Client::new();
     wait_healthy(&http, &base, Duration::from_secs(60)).await?;
     // The Python agent: seconds to compile, and never compiled in this
@@ -254,18 +261,7 @@ async fn half_sent_requests_are_closed_and_connections_are_capped() -> Result<()
     let dir = tempfile::tempdir()?;
     let port = free_port()?;
     let base = format!("http://127.0.0.1:{port}");
-    let _serve = Child(
-        leasehold()
-            .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--plugins-dir", "none", "--insecure"])
-            .args(["--header-read-timeout-ms", "2000", "--max-connections", "4"])
-            .arg("--cache-dir")
-            .arg(dir.path().join("cache"))
-            .current_dir(dir.path())
-            .env("LEASEHOLD_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()?,
-    );
+    let _serve = insecure_serve(dir.path(), port, &["--header-read-timeout-ms", "2000", "--max-connections", "4"])?;
     // No keep-alive: the health check's connection closes, and does not
     // count against the cap below.
     let http = reqwest::Client::builder().pool_max_idle_per_host(0).build()?;
