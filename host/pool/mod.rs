@@ -74,12 +74,12 @@ pub struct PoolConfig {
 impl PoolConfig {
     /// The default `prefetch` for `workers` on `backend`. PostgreSQL: four
     /// runs a worker, at least 64 (no-op turns at serve's 4 workers
-    /// drained 3.6 times as fast with it, and as fast at 64; see
+    /// drained 3.4–3.7 times as fast with it, and as fast at 64; see
     /// docs/benchmarks.md). SQLite: 64 below 8 workers, else none: its one
     /// writer shares the cores with the turns, and each queued run's
     /// segment costs it a renewal (its attempt), which pays only while the
-    /// workers alone leave batches nearly empty (4 workers: 1.4 times as
-    /// fast with it; 8 and 16: slower). The pace keeps the queue short for
+    /// workers alone leave batches nearly empty (4 workers: 1.4–1.5 times
+    /// as fast with it; 8: 0.93–0.99; 16: 0.66–0.70). The pace keeps the queue short for
     /// long turns either way.
     pub fn default_prefetch(workers: usize, backend: Backend) -> usize {
         match backend {
