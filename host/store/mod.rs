@@ -290,6 +290,20 @@ pub struct StoreShared {
     known_plugins: std::sync::Arc<std::sync::RwLock<std::collections::HashSet<String>>>,
 }
 
+/// The URL to connect to: SQLite's with `mode=rwc`, its file created first
+/// for this user only (the first connection, a probe's too, would create
+/// it readable by all).
+fn connect_url(backend: Backend, url: &str) -> Result<String, StoreError> {
+    let url = match backend {
+        Backend::Sqlite => sqlite::normalize_url(url),
+        Backend::Postgres => return Ok(url.to_string()),
+    };
+    if let Some(file) = sqlite::file_of(&url) {
+        sqlite::private_file(&file).map_err(|e| StoreError::Config(format!("cannot create the database file {}: {e}", file.display())))?;
+    }
+    Ok(url)
+}
+
 /// The PostgreSQL `LISTEN`/`NOTIFY` channel announcing new work.
 pub const WORK_CHANNEL: &str = "leasehold_work";
 
@@ -307,14 +321,7 @@ impl Store {
     pub async fn connect_with(url: &str, opts: StoreOptions) -> Result<Store, StoreError> {
         DRIVERS.get_or_init(sqlx::any::install_default_drivers);
         let backend = Backend::from_url(url)?;
-        let url = match backend {
-            Backend::Sqlite => sqlite::normalize_url(url),
-            Backend::Postgres => url.to_string(),
-        };
-        if let Some(file) = sqlite::file_of(&url).filter(|_| backend == Backend::Sqlite) {
-            sqlite::private_file(&file)
-                .map_err(|e| StoreError::Config(format!("cannot create the database file {}: {e}", file.display())))?;
-        }
+        let url = connect_url(backend, url)?;
         let connect = AnyConnectOptions::from_str(&url)?;
         let max = opts.max_connections.unwrap_or(match backend {
             Backend::Sqlite => 8,
@@ -413,10 +420,7 @@ impl Store {
     /// for its acquire timeout first). Gives up after `timeout`.
     pub async fn probe(url: &str, timeout: Duration) -> Result<(), StoreError> {
         DRIVERS.get_or_init(sqlx::any::install_default_drivers);
-        let url = match Backend::from_url(url)? {
-            Backend::Sqlite => sqlite::normalize_url(url),
-            Backend::Postgres => url.to_string(),
-        };
+        let url = connect_url(Backend::from_url(url)?, url)?;
         let options = AnyConnectOptions::from_str(&url)?;
         let connect = sqlx::ConnectOptions::connect(&options);
         match tokio::time::timeout(timeout, connect).await {

@@ -298,6 +298,12 @@ async fn the_sqlite_database_and_its_wal_and_shm_are_readable_by_their_owner_onl
             let mode = std::fs::metadata(&file)?.permissions().mode() & 0o777;
             ensure!(mode == 0o600, "{file} has mode {mode:o}");
         }
+        // serve probes the database before it connects: the probe's
+        // connection must not create the file first.
+        let probed = format!("{path}.probed");
+        leasehold::Store::probe(&format!("sqlite://{probed}"), Duration::from_secs(10)).await?;
+        let mode = std::fs::metadata(&probed)?.permissions().mode() & 0o777;
+        ensure!(mode == 0o600, "a probe created {probed} with mode {mode:o}");
         Ok(())
     })
     .await
