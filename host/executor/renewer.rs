@@ -48,6 +48,14 @@ impl LeaseWatch {
         let until = self.clock.since(self.start).saturating_add(more);
         self.until_ms.store(i64::try_from(until.as_millis()).unwrap_or(i64::MAX), Ordering::Relaxed);
     }
+
+    /// The lease was refused: the guest stops at its next epoch tick, and
+    /// the segment's select wakes at once (`notify_one` keeps a permit if
+    /// it is not waiting yet).
+    fn lose(&self) {
+        self.lost.store(true, Ordering::Relaxed);
+        self.lost_now.notify_one();
+    }
 }
 
 /// How long renewals cover a segment before its guest starts: resolving
@@ -61,9 +69,10 @@ pub(super) const PREPARE_COVER: Duration = Duration::from_secs(60);
 /// after the segment's last write. Renewals stop at the watch's
 /// `until_ms`, which the segment sets for each phase: [`PREPARE_COVER`]
 /// before the guest, its budget and grace while it runs, and no bound
-/// while its close is written (the store bounds each of its waits). Without it a close written behind its slot, or stuck
-/// behind another session's lock, outlived its lease and another host
-/// took the finished run.
+/// while its close is written (the store bounds each of its waits).
+/// Without it a close written behind its slot, or stuck behind another
+/// session's lock, outlived its lease and another host took the finished
+/// run.
 pub(super) struct Cover {
     pub(super) watch: LeaseWatch,
     _renewer: AbortOnDrop,
@@ -126,9 +135,7 @@ pub(super) async fn renew_once(store: &Store, lease: &Lease, ttl: Duration, watc
             } else {
                 tracing::warn!(run_id = lease.run_id, fence = lease.fence, "lease lost; stopping the guest");
             }
-            watch.lost.store(true, Ordering::Relaxed);
-            // notify_one keeps a permit if the select is not waiting yet.
-            watch.lost_now.notify_one();
+            watch.lose();
             Renewal::Lost
         }
         Err(e) => {
@@ -155,8 +162,7 @@ pub(super) fn charge(store: &Store, lease: &Lease, ttl: Duration, watch: &LeaseW
             }
             Err(StoreError::LeaseLost(_)) => {
                 tracing::warn!(run_id = held.run_id, fence = held.fence, "lease lost as the segment started; stopping the guest");
-                watch.lost.store(true, Ordering::Relaxed);
-                watch.lost_now.notify_one();
+                watch.lose();
             }
             Err(e) => tracing::warn!(run_id = held.run_id, error = %e, "counting the segment's attempt failed; its renewals go on"),
         }
