@@ -89,6 +89,9 @@ pub struct Metrics {
     /// for a row lock another session held (PostgreSQL `lock_timeout`);
     /// a batch that did is written again without waiting on the others.
     pub lock_timeouts: AtomicU64,
+    /// Runs taken by a claim (or a close that claims) whose reply was lost,
+    /// found by the statement's token and handed back (`store::orphans`).
+    pub orphans_handed_back: AtomicU64,
 }
 
 
@@ -185,6 +188,12 @@ impl Metrics {
             "leasehold_lock_timeouts_total",
             "Batched writes that gave up waiting for a row lock another session held (PostgreSQL).",
             &self.lock_timeouts,
+        );
+        counter(
+            &mut out,
+            "leasehold_orphaned_claims_handed_back_total",
+            "Runs claimed by a statement whose reply was lost, found and handed back unstarted (PostgreSQL).",
+            &self.orphans_handed_back,
         );
         counter(&mut out, "leasehold_submits_total", "Submits written by this host.", &self.submits);
         counter(

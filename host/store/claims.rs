@@ -98,24 +98,41 @@ impl Store {
                 })
                 .await;
         }
-        self.retry(|| self.claim_on(self.writer(), owner, ttl, max, charged)).await
+        let token = crate::store::orphans::token();
+        let claimed = self.retry(|| self.claim_on(self.writer(), owner, ttl, max, charged, token)).await;
+        if let Err(e) = &claimed {
+            self.hand_back_lost_claims(owner, token, ttl, e).await;
+        }
+        claimed
     }
 
     /// The claim statement for up to `max` runs on `conn` (a pool, or a
     /// batch's transaction): the runs claimed for `owner`, oldest id first,
     /// at most `charged` of them counting an attempt (PostgreSQL; SQLite's
     /// statement counts one for every run, and its uncharged claims go
-    /// through [`super::sqlite::CLAIM_SLOTS`]).
-    pub(crate) async fn claim_on<'c, E>(&self, conn: E, owner: &str, ttl: Duration, max: i64, charged: i64) -> Result<Vec<Claimed>, StoreError>
+    /// through [`super::sqlite::CLAIM_SLOTS`]). PostgreSQL writes `token`
+    /// on the runs it claims (see [`super::orphans`]).
+    pub(crate) async fn claim_on<'c, E>(
+        &self,
+        conn: E,
+        owner: &str,
+        ttl: Duration,
+        max: i64,
+        charged: i64,
+        token: i64,
+    ) -> Result<Vec<Claimed>, StoreError>
     where
         E: sqlx::Executor<'c, Database = sqlx::Any>,
     {
         let query = sqlx::query(crate::store::claim_sql(self, max)).bind(owner).bind(ms(ttl)).bind(max);
         let query = match self.backend() {
-            Backend::Postgres => query.bind(charged),
+            Backend::Postgres => query.bind(charged).bind(token),
             Backend::Sqlite => query,
         };
         let rows = query.fetch_all(conn).await?;
+        if self.backend() == Backend::Postgres {
+            self.faults().after_claim()?;
+        }
         let mut claimed = claimed_rows(&rows, owner)?;
         claimed.sort_by_key(|c| c.run.id);
         Ok(claimed)
@@ -133,7 +150,7 @@ impl Store {
         let all_charged = claims.iter().all(|c| c.charged == c.max);
         if all_charged && claims.iter().all(|c| c.owner == first.owner) {
             let total: i64 = claims.iter().map(|c| c.max).sum();
-            let claimed = self.retry(|| self.claim_on(self.writer(), &first.owner, first.ttl, total, total)).await?;
+            let claimed = self.retry(|| self.claim_on(self.writer(), &first.owner, first.ttl, total, total, 0)).await?;
             return Ok(deal(claims, claimed));
         }
         // A slot per wanted run: the runs that count an attempt first, then
@@ -249,17 +266,16 @@ impl group::Batched for Claim {
         store.claims.count(n);
     }
 
-    fn answer(&self, reply: group::Reply<Vec<Claimed>>, result: Result<Vec<Claimed>, StoreError>) {
+    fn answer(&self, store: &Store, reply: group::Reply<Vec<Claimed>>, result: Result<Vec<Claimed>, StoreError>) {
         if let Err(Ok(orphans)) = reply.send(result) {
-            // Its caller stopped waiting: nobody runs these runs, which wait
-            // for their leases to expire and are then claimed again, as
-            // after a crash.
-            for c in orphans {
-                tracing::warn!(run_id = c.run.id, "a claimer stopped before taking its run; it is claimable again when its lease expires");
+            // Its caller stopped waiting: nobody here runs these runs, so
+            // they go back unstarted.
+            if !orphans.is_empty() {
+                tracing::warn!(runs = orphans.len(), "a claimer stopped before taking its runs; giving them back");
+                crate::store::closes::give_back_orphans(store, orphans);
             }
         }
-    }
-}
+    }}
 
 /// The bench baseline statement for `store`'s backend and a batch size (see
 /// [`Dialect::baseline_claim`]).

@@ -148,18 +148,27 @@ impl group::Batched for Close {
         store.closes.count(n);
     }
 
-    fn answer(&self, reply: group::Reply<Option<Claimed>>, result: Result<Option<Claimed>, StoreError>) {
+    fn answer(&self, store: &Store, reply: group::Reply<Option<Claimed>>, result: Result<Option<Claimed>, StoreError>) {
         if let Err(Ok(Some(orphan))) = reply.send(result) {
-            // Its worker stopped waiting (its task was aborted): nobody runs
-            // the run claimed for it, which waits for its lease to expire and
-            // is then claimed again, as after a crash.
-            tracing::warn!(
-                closed = self.lease.run_id,
-                run_id = orphan.run.id,
-                "a worker stopped before taking the run claimed with its close; it is claimable again when its lease expires"
-            );
+            // Its worker stopped waiting (its task was aborted): nobody here
+            // runs the run claimed for it, so it goes back unstarted.
+            tracing::warn!(closed = self.lease.run_id, run_id = orphan.run.id, "a worker stopped before taking the run claimed with its close; giving it back");
+            give_back_orphans(store, vec![orphan]);
         }
-    }
+    }}
+
+/// Gives back, in a task of their own, runs claimed for a caller that
+/// stopped waiting for them: claimable by any host at once, their attempt
+/// returned. One that cannot be given back waits out its lease.
+pub(crate) fn give_back_orphans(store: &Store, orphans: Vec<Claimed>) {
+    let store = store.clone();
+    tokio::spawn(async move {
+        for c in orphans {
+            if let Err(e) = store.give_back(&c.lease, c.charged).await {
+                tracing::warn!(run_id = c.run.id, error = %e, "could not give back an orphaned claim; it is claimable again when its lease expires");
+            }
+        }
+    });
 }
 
 /// A close's final status, output, error and `message` event payload.
@@ -382,7 +391,7 @@ impl Store {
                 if let (Some((owner, ttl)), true) = (next, wanted > 0) {
                     // The closed runs are no longer claimable: this
                     // transaction has just finished them.
-                    let mut claimed = self.claim_on(&mut *conn, owner, ttl, wanted as i64, wanted as i64).await?.into_iter();
+                    let mut claimed = self.claim_on(&mut *conn, owner, ttl, wanted as i64, wanted as i64, 0).await?.into_iter();
                     for (c, result) in closes.iter().zip(results.iter_mut()) {
                         if let (Ok(slot), true) = (result.as_mut(), c.next.is_some()) {
                             *slot = claimed.next();
@@ -440,6 +449,7 @@ impl Store {
         let held = serde_json::Value::Array(held).to_string();
         let (list, held) = (list.as_str(), held.as_str());
         let (next_owner, next_ttl) = next.map_or(("", 0), |(o, t)| (o, ms(t)));
+        let token = crate::store::orphans::token();
         let rows = self
             .retry(|| async move {
                 Ok(sqlx::query(sql!(
@@ -485,7 +495,8 @@ impl Store {
                             "$4",
                             "(SELECT COUNT(*) FROM r WHERE r.want)",
                             "ARRAY(SELECT id FROM b)",
-                            "true"
+                            "true",
+                            "$5"
                         ),
                         " SELECT (SELECT string_agg(i::text, ',') FROM r) AS closed, \
                          (SELECT json_agg(DISTINCT thread_id)::text FROM r) AS closed_threads, n.* \
@@ -496,10 +507,22 @@ impl Store {
                 .bind(held)
                 .bind(next_owner)
                 .bind(next_ttl)
+                .bind(token)
                 .fetch_all(self.writer())
-                .await?)
+                .await
+                .map_err(StoreError::from)
+                .and_then(|rows| if next.is_some() { self.faults().after_claim().map(|()| rows) } else { Ok(rows) })?)
             })
-            .await?;
+            .await;
+        let rows = match rows {
+            Ok(rows) => rows,
+            Err(e) => {
+                if let Some((owner, ttl)) = next {
+                    self.hand_back_lost_claims(owner, token, ttl, &e).await;
+                }
+                return Err(e);
+            }
+        };
         if let Some(row) = rows.first() {
             let threads: Option<String> = row.try_get("closed_threads")?;
             for thread in serde_json::from_str::<Vec<String>>(threads.as_deref().unwrap_or("[]")).unwrap_or_default() {

@@ -16,6 +16,7 @@ pub struct Faults {
     guest_delay_ms: AtomicU64,
     give_back_delay_ms: AtomicU64,
     submit_read_kills: AtomicU32,
+    claim_reply_losses: AtomicU32,
 }
 
 impl Faults {
@@ -52,6 +53,27 @@ impl Faults {
         // The signal may land after the statement that sent it.
         sqlx::query("SELECT pg_sleep(1)").execute(&mut *conn).await?;
         Err(StoreError::Config("a session that killed itself lived on".into()))
+    }
+
+    /// PostgreSQL: the next `n` claim statements (claims, and batches of
+    /// closes that claim) lose their reply after the server committed
+    /// them: the store gets a broken-connection error, as when the server
+    /// restarts or the network cuts between its commit and its answer.
+    pub fn lose_claim_replies(&self, n: u32) {
+        self.claim_reply_losses.store(n, Ordering::Relaxed);
+    }
+
+    /// After a claim statement committed: its reply is lost, if asked to
+    /// ([`Faults::lose_claim_replies`]).
+    pub(crate) fn after_claim(&self) -> Result<(), StoreError> {
+        let take = self.claim_reply_losses.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+        match take {
+            Err(_) => Ok(()),
+            Ok(_) => Err(StoreError::Db(sqlx::Error::Io(std::io::Error::new(
+                std::io::ErrorKind::ConnectionReset,
+                "the claim's reply was lost (fault hook)",
+            )))),
+        }
     }
 
     /// Holds every give-back this long before it is written, as a database

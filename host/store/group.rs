@@ -170,7 +170,7 @@ pub(crate) trait Batched: Sized + Send + Sync + 'static {
     /// Called when a writer finds the queue empty, before it stops.
     fn idle(_store: &Store) {}
     /// Sends this write's result to its caller.
-    fn answer(&self, reply: Reply<Self::Out>, result: Result<Self::Out, StoreError>) {
+    fn answer(&self, _store: &Store, reply: Reply<Self::Out>, result: Result<Self::Out, StoreError>) {
         let _ = reply.send(result);
     }
 }
@@ -198,7 +198,7 @@ pub(crate) async fn write_batches<B: Batched>(store: Store) {
                 Ok(results) => {
                     B::written(&store, items.len());
                     for ((item, reply), result) in items.iter().zip(replies).zip(results) {
-                        item.answer(reply, result);
+                        item.answer(&store, reply, result);
                     }
                     continue;
                 }
@@ -231,7 +231,7 @@ pub(crate) async fn write_batches<B: Batched>(store: Store) {
                 r.pop()
                     .unwrap_or_else(|| Err(StoreError::Config(format!("one of the {} was written without a result", B::WHAT))))
             });
-            item.answer(reply, result);
+            item.answer(&store, reply, result);
         }
     }
 }

@@ -22,6 +22,7 @@ pub(crate) mod ledger_writes;
 mod local;
 pub mod log;
 mod notify;
+mod orphans;
 mod plugins;
 pub mod postgres;
 mod reap;

@@ -12,20 +12,21 @@ use super::Dialect;
 /// not from when the statement began, which may have waited on locks); `n`
 /// leases them to `$owner` for `$ttl` ms, counts an attempt for those that
 /// meet `$charge` (a condition on `c.k`), and returns their rows with
-/// `charged`. Shared by the claim statement and the close that claims the
-/// next run (`Store::close_and_claim`).
+/// `charged`, and writes `$token` on them (`claim_token`, negated on those
+/// it did not charge: see `store::orphans`). Shared by the claim statement and the close
+/// that claims the next run (`Store::close_and_claim`).
 ///
 /// A run inserted after this statement's snapshot can be locked by the
 /// function (which takes its own) and then not be seen by `n`: it stays
 /// queued and the claim returns fewer runs, which its caller handles as a
 /// short queue (the dispatcher then waits for a wake-up or its poll).
 macro_rules! claim_ctes {
-    ($owner:literal, $ttl:literal, $limit:literal, $skip:literal, $charge:literal) => {
+    ($owner:literal, $ttl:literal, $limit:literal, $skip:literal, $charge:literal, $token:literal) => {
         concat!(
             "c AS (SELECT f.id, row_number() OVER () AS k, {clock} AS t FROM leasehold_claimable(", $limit, ", ", $skip, ") AS f(id)), ",
             "n AS (UPDATE runs x SET status = 'running', lease_owner = ", $owner, ", fence = x.fence + 1, ",
             "attempt = x.attempt + CASE WHEN ", $charge, " THEN 1 ELSE 0 END, lease_expires_at = c.t + ", $ttl,
-            ", heartbeat_at = c.t, updated_at = {now}, started_at = COALESCE(x.started_at, {now}) ",
+            ", heartbeat_at = c.t, claim_token = CASE WHEN ", $charge, " THEN (", $token, ")::bigint ELSE -(", $token, ")::bigint END, updated_at = {now}, started_at = COALESCE(x.started_at, {now}) ",
             "FROM c WHERE x.id = c.id RETURNING x.*, (", $charge, ") AS charged)"
         )
     };
@@ -34,7 +35,7 @@ pub(crate) use claim_ctes;
 
 macro_rules! claim {
     () => {
-        concat!("WITH ", claim_ctes!("$1", "$2", "$3", "'{}'::bigint[]", "c.k <= $4"), " SELECT * FROM n")
+        concat!("WITH ", claim_ctes!("$1", "$2", "$3", "'{}'::bigint[]", "c.k <= $4", "$5"), " SELECT * FROM n")
     };
 }
 

@@ -1181,6 +1181,7 @@ async fn claim_reads(db: &TestDb, batch: i64, planner: &str) -> Result<ClaimRead
                     .bind(1000_i64)
                     .bind(batch)
                     .bind(batch)
+                    .bind(0_i64)
                     .fetch_all(&mut *tx)
                     .await?;
                 tx.rollback().await?;

@@ -18,6 +18,7 @@ mod fake_model;
 mod hosts;
 mod model;
 mod openapi;
+mod orphans;
 mod replay;
 mod retention;
 mod conformance;
