@@ -452,7 +452,7 @@ impl Store {
         let token = crate::store::orphans::token();
         let rows = self
             .retry(|| async move {
-                Ok(sqlx::query(sql!(
+                sqlx::query(sql!(
                     self,
                     concat!(
                         "WITH b AS (SELECT * FROM jsonb_to_recordset($1::text::jsonb) AS b(i bigint, id bigint, \
@@ -511,7 +511,7 @@ impl Store {
                 .fetch_all(self.writer())
                 .await
                 .map_err(StoreError::from)
-                .and_then(|rows| if next.is_some() { self.faults().after_claim().map(|()| rows) } else { Ok(rows) })?)
+                .and_then(|rows| if next.is_some() { self.faults().after_claim().map(|()| rows) } else { Ok(rows) })
             })
             .await;
         let rows = match rows {
