@@ -60,6 +60,7 @@ fn init(store: &Store, run_id: i64, recorded: Vec<EffectRow>, emit_pos: i64) -> 
         created_at_ms: 0,
         secret: None,
         reserved: Vec::new().into(),
+        egress: Default::default(),
         offline: false,
     }
 }

@@ -102,6 +102,13 @@ pub struct ServeOptions {
     /// --plugins-dir may reach with `http`. [default: none]
     #[arg(long, env = "LEASEHOLD_HTTP_ALLOW", value_delimiter = ',')]
     pub http_allow: Option<Vec<String>>,
+    /// An HTTP proxy every guest `http` request goes through
+    /// (`http://host:port`). The proxy resolves the names, so the rule that
+    /// guests reach public addresses only becomes the proxy's to enforce
+    /// (docs/operations.md). HTTP_PROXY and its kin are never used for
+    /// guests. [default: none: guests connect directly]
+    #[arg(long, env = "LEASEHOLD_GUEST_HTTP_PROXY")]
+    pub guest_http_proxy: Option<String>,
     /// OpenAI-compatible API base for `model.chat`, up to /v1 (key from
     /// LEASEHOLD_MODEL_API_KEY or OPENAI_API_KEY). [default: none: model.chat is denied]
     #[arg(long, env = "LEASEHOLD_MODEL_BASE_URL")]
@@ -180,6 +187,7 @@ pub struct Serve {
     pub shutdown_grace: Duration,
     pub plugins_dir: PathBuf,
     pub http_allow: Vec<String>,
+    pub guest_http_proxy: Option<String>,
     pub model_base_url: Option<String>,
     pub model: Option<String>,
     /// What the plugins loaded from --plugins-dir may ask of `model.chat`.
@@ -238,6 +246,7 @@ impl ServeOptions {
             shutdown_grace: ms(self.shutdown_grace_ms.or(file.shutdown_grace_ms).unwrap_or(10_000)),
             plugins_dir: self.plugins_dir.or(file.plugins_dir).unwrap_or_else(|| "target/plugins".into()),
             http_allow: self.http_allow.or(file.http_allow).unwrap_or_default(),
+            guest_http_proxy: self.guest_http_proxy.or(file.guest_http_proxy).filter(|u| !u.is_empty()),
             model_base_url: self.model_base_url.or(file.model_base_url).filter(|u| !u.is_empty()),
             model: self.model.or(file.model),
             model_grant: leasehold::store::ModelGrant {

@@ -24,6 +24,10 @@ pub struct RunArgs {
     /// Comma-separated hosts (host or host:port) its `http` effects may reach.
     #[arg(long, default_value = "")]
     http_allow: String,
+    /// An HTTP proxy its `http` effects go through, as `serve
+    /// --guest-http-proxy`. [default: none: direct]
+    #[arg(long)]
+    guest_http_proxy: Option<String>,
     /// Comma-separated models its `model.chat` may ask for (`*`: any); the
     /// endpoint comes from LEASEHOLD_MODEL_BASE_URL. [default: none]
     #[arg(long, default_value = "")]
@@ -77,7 +81,11 @@ async fn run_in(args: &RunArgs, dir: &std::path::Path, name: &str, bytes: Vec<u8
     }
     leasehold::plugins::register(&store, &runtime, name, bytes, settings).await?;
     let (run, _) = store.create_run(&NewRun::new(name, input)).await?;
-    let exec = Executor::new(store.clone(), runtime, ExecutorConfig { owner: "leasehold-run".into(), ..ExecutorConfig::default() });
+    let mut exec_config = ExecutorConfig { owner: "leasehold-run".into(), ..ExecutorConfig::default() };
+    if let Some(proxy) = &args.guest_http_proxy {
+        exec_config.egress = leasehold::effects::http::Egress::through_proxy(proxy).map_err(anyhow::Error::msg)?;
+    }
+    let exec = Executor::new(store.clone(), runtime, exec_config);
     let deadline = Instant::now() + Duration::from_millis(args.timeout_ms);
     let mut answers = args.answers.iter();
     let mut shown = 0;

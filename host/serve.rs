@@ -82,6 +82,13 @@ pub async fn serve_with(cfg: config::Serve, dev: Option<crate::dev::Project>) ->
     if let Some(owner) = &cfg.owner {
         exec_config.owner = owner.clone();
     }
+    if let Some(proxy) = &cfg.guest_http_proxy {
+        exec_config.egress = leasehold::effects::http::Egress::through_proxy(proxy).map_err(anyhow::Error::msg)?;
+        tracing::warn!(
+            proxy = exec_config.egress.proxy(),
+            "guests' http goes through a proxy: the proxy, not leasehold, decides which addresses allowed names reach"
+        );
+    }
     let owner = exec_config.owner.clone();
     let executor = Arc::new(Executor::new(store.clone(), runtime.clone(), exec_config));
     let pool = WorkerPool::start(store.clone(), executor, PoolConfig { workers: cfg.workers, poll: cfg.poll, claim_batch: cfg.claim_batch, prefetch: cfg.prefetch });

@@ -217,12 +217,71 @@ impl reqwest::dns::Resolve for PublicOnly {
     }
 }
 
-/// The client of guests' `http` effects (names resolved to public
-/// addresses only, no redirects, no proxy). `HTTP_PROXY`, `HTTPS_PROXY`
-/// and `ALL_PROXY` are ignored: a proxy resolves the names itself, so the
-/// public-address rule would never run, and a guest could reach the
-/// host's own network through it.
-pub(crate) fn client() -> &'static reqwest::Client {
+/// Where guests' `http` requests go. Default ([`Egress::direct`]):
+/// straight to the host they name, resolved to public addresses only.
+/// `HTTP_PROXY`, `HTTPS_PROXY` and `ALL_PROXY` are ignored: a proxy
+/// resolves the names itself, so the public-address rule would never run,
+/// and a guest could reach the host's own network through it. A proxy is
+/// the operator's explicit choice ([`Egress::through_proxy`], `serve
+/// --guest-http-proxy`).
+#[derive(Clone, Debug)]
+pub struct Egress {
+    client: reqwest::Client,
+    /// The proxy's address without credentials, for logs; `None`: direct.
+    proxy: Option<String>,
+}
+
+impl Default for Egress {
+    fn default() -> Self {
+        Egress::direct()
+    }
+}
+
+impl Egress {
+    /// Straight to the named host, public addresses only, no proxy.
+    pub fn direct() -> Egress {
+        Egress { client: client().clone(), proxy: None }
+    }
+
+    /// Every guest request through the HTTP proxy at `url` (`http://` or
+    /// `https://`, credentials allowed in the URL). The allow-list still
+    /// decides which hosts a plugin may name, but the proxy resolves the
+    /// names and connects, so the public-address rule is the proxy's to
+    /// enforce: a proxy that can reach the host's own network lets every
+    /// allowed name reach it too. No redirects, as direct.
+    pub fn through_proxy(url: &str) -> Result<Egress, String> {
+        let parsed = reqwest::Url::parse(url).map_err(|e| format!("the guest HTTP proxy {url:?} is not a URL: {e}"))?;
+        if !matches!(parsed.scheme(), "http" | "https") || parsed.host_str().is_none() {
+            return Err(format!("the guest HTTP proxy must be an http:// or https:// URL with a host, not {}", shown(&parsed)));
+        }
+        install_tls();
+        let proxy = reqwest::Proxy::all(parsed.as_str()).map_err(|e| format!("the guest HTTP proxy {}: {e}", shown(&parsed)))?;
+        let client = reqwest::Client::builder()
+            .proxy(proxy)
+            .redirect(reqwest::redirect::Policy::none())
+            .timeout(TIMEOUT)
+            .build()
+            .map_err(|e| format!("building the guests' HTTP client: {e}"))?;
+        Ok(Egress { client, proxy: Some(shown(&parsed)) })
+    }
+
+    /// The proxy guests' requests go through (without credentials), if any.
+    pub fn proxy(&self) -> Option<&str> {
+        self.proxy.as_deref()
+    }
+}
+
+/// `url`'s scheme, host and port: never its credentials.
+fn shown(url: &reqwest::Url) -> String {
+    match (url.host_str(), url.port_or_known_default()) {
+        (Some(host), Some(port)) => format!("{}://{host}:{port}", url.scheme()),
+        _ => format!("{}://…", url.scheme()),
+    }
+}
+
+/// The client of guests' direct `http` effects (names resolved to public
+/// addresses only, no redirects, no proxy): see [`Egress`].
+fn client() -> &'static reqwest::Client {
     static CLIENT: OnceLock<reqwest::Client> = OnceLock::new();
     CLIENT.get_or_init(|| {
         install_tls();
@@ -272,11 +331,12 @@ fn refused_by_policy(e: &reqwest::Error) -> Option<String> {
     None
 }
 
-pub async fn perform(name: &str, req: HttpRequest, ctx: &RemoteCtx) -> Result<String, RemoteFailure> {
+pub async fn perform(name: &str, req: HttpRequest, ctx: &RemoteCtx, egress: &Egress) -> Result<String, RemoteFailure> {
     let failed = |m: String| RemoteFailure::Effect(EffectError::Failed(format!("{name}: {m}")));
     let method = req.method.as_deref().unwrap_or("GET").to_ascii_uppercase();
     let method = reqwest::Method::from_bytes(method.as_bytes()).map_err(|e| failed(format!("bad method: {e}")))?;
-    let mut builder = client()
+    let mut builder = egress
+        .client
         .request(method, &req.url)
         .header("Idempotency-Key", ctx.idempotency_key())
         .header("Leasehold-Fence", ctx.fence.to_string());

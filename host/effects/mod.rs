@@ -140,15 +140,17 @@ pub fn resolve(name: &str, request: &str, grants: &Grants<'_>) -> Result<Effect,
 
 /// Performs a remote effect. Dropping the future aborts the request (a
 /// courtesy; the ledger's `started` row is what makes it safe).
-/// `sink` receives streamed deltas (`model.chat`).
+/// `sink` receives streamed deltas (`model.chat`); `http` goes out
+/// through `egress`.
 pub async fn perform_remote(
     remote: Remote,
     ctx: &RemoteCtx,
     model: Option<&model::ModelConfig>,
+    egress: &http::Egress,
     sink: &mut impl model::DeltaSink,
 ) -> Result<String, RemoteFailure> {
     match remote {
-        Remote::Http { name, request, .. } => http::perform(name, request, ctx).await,
+        Remote::Http { name, request, .. } => http::perform(name, request, ctx, egress).await,
         Remote::Chat { request } => match model {
             Some(config) => model::perform(request, config, ctx, sink).await,
             None => Err(EffectError::Denied("model.chat: no model endpoint is configured".into()).into()),

@@ -47,6 +47,9 @@ pub struct ExecutorConfig {
     /// that names them with their port: the service's own listeners.
     /// Default: none.
     pub reserved: Vec<std::net::SocketAddr>,
+    /// Where guests' `http` goes. Default: direct, to public addresses
+    /// only ([`crate::effects::http::Egress`]).
+    pub egress: crate::effects::http::Egress,
     /// The clock a segment measures its lease deadline and budget on.
     /// Default: the process's monotonic clock; tests move it forward to
     /// simulate a pause.
@@ -62,6 +65,7 @@ impl Default for ExecutorConfig {
             renew_every: None,
             model: ModelConfig::from_env().map(Arc::new),
             reserved: Vec::new(),
+            egress: Default::default(),
             clock: Monotonic::default(),
         }
     }
@@ -300,6 +304,7 @@ impl Executor {
             created_at_ms: run.created_at,
             secret: run.secret.clone(),
             reserved: self.reserved.clone(),
+            egress: self.config.egress.clone(),
             offline: false,
         };
         self.store.faults().before_guest().await;

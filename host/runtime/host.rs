@@ -77,6 +77,8 @@ pub struct SegmentInit {
     /// Addresses `http` may never reach unless an allow-list entry names
     /// them with their port: the service's own API.
     pub reserved: Arc<[SocketAddr]>,
+    /// Where guests' `http` goes (default: direct, public addresses only).
+    pub egress: crate::effects::http::Egress,
     /// Offline replay (`leasehold replay`): recorded outcomes are returned
     /// and the first call with none stops the guest
     /// ([`Interrupt::Frontier`]); nothing is performed or written and
@@ -96,6 +98,7 @@ pub struct SegmentState {
     pub(super) limits: Limits,
     pub(super) model: Option<Arc<ModelConfig>>,
     pub(super) reserved: Arc<[SocketAddr]>,
+    pub(super) egress: crate::effects::http::Egress,
     pub(super) recorded: Recorded,
     pub(super) next_seq: i64,
     /// Rows and bytes of the run's ledger, this segment's included.
@@ -164,6 +167,7 @@ impl SegmentState {
             namespace: init.namespace,
             model: init.model,
             reserved: init.reserved,
+            egress: init.egress,
             ledger_rows: init.recorded.rows,
             ledger_bytes: init.recorded.bytes,
             recorded: init.recorded,
@@ -461,7 +465,7 @@ impl SegmentState {
         loop {
             let Some(this) = remote.take() else { unreachable!("a remote effect is performed once per round") };
             let again = this.again();
-            let answer = effects::perform_remote(this, ctx, self.model.as_deref(), &mut self.stream).await;
+            let answer = effects::perform_remote(this, ctx, self.model.as_deref(), &self.egress, &mut self.stream).await;
             match answer {
                 Ok(result) => return Ok(Ok(result)),
                 Err(RemoteFailure::Effect(error)) => return Ok(Err(error)),

@@ -125,6 +125,7 @@ pub async fn replay(rt: &Runtime, plugin: &Plugin, recording: Recording, budget:
         created_at_ms: recording.created_at_ms,
         secret: recording.secret,
         reserved: Vec::new().into(),
+        egress: Default::default(),
         offline: true,
     };
     let mut store = rt.store(plugin, init);

@@ -33,7 +33,7 @@ impl Server {
     async fn start_with(db: &TestDb, token: Option<&str>, pool: bool, tune: impl FnOnce(&mut ApiConfig)) -> Result<Server> {
         let runtime = plugins::runtime()?;
         let store = db.store.clone();
-        let config = ExecutorConfig { owner: "api-test".into(), lease_ttl: Duration::from_secs(30), renew_every: None, model: None, reserved: vec![], clock: Default::default() };
+        let config = ExecutorConfig { owner: "api-test".into(), lease_ttl: Duration::from_secs(30), renew_every: None, model: None, reserved: vec![], ..ExecutorConfig::default() };
         let exec = Arc::new(Executor::new(store.clone(), runtime.clone(), config));
         let pool = pool.then(|| {
             WorkerPool::start(store.clone(), exec, PoolConfig { workers: 2, poll: Duration::from_millis(200), ..PoolConfig::default() })

@@ -31,7 +31,7 @@ fn runtime(sink: &Sink) -> Result<Arc<Runtime>> {
 }
 
 fn worker(db: &TestDb, rt: &Arc<Runtime>, owner: &str) -> Executor {
-    let config = ExecutorConfig { owner: owner.into(), lease_ttl: Duration::from_secs(30), renew_every: None, model: None, reserved: vec![], clock: Default::default() };
+    let config = ExecutorConfig { owner: owner.into(), lease_ttl: Duration::from_secs(30), renew_every: None, model: None, reserved: vec![], ..ExecutorConfig::default() };
     Executor::new(db.store.clone(), rt.clone(), config)
 }
 

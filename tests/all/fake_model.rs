@@ -164,7 +164,7 @@ pub fn worker(
         renew_every: None,
         model: Some(Arc::new(config)),
         reserved: vec![],
-        clock: Default::default(),
+        ..ExecutorConfig::default()
     };
     Executor::new(db.store.clone(), rt.clone(), config)
 }

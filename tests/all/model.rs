@@ -218,7 +218,7 @@ both! {
     async fn model_chat_without_a_configured_endpoint_is_denied(db) {
         let tool = Sink::start().await?;
         let rt = runtime_with(&["agent-rust"], &tool)?;
-        let config = ExecutorConfig { owner: "w".into(), lease_ttl: Duration::from_secs(30), renew_every: None, model: None, reserved: vec![], clock: Default::default() };
+        let config = ExecutorConfig { owner: "w".into(), lease_ttl: Duration::from_secs(30), renew_every: None, model: None, reserved: vec![], ..ExecutorConfig::default() };
         let exec = Executor::new(db.store.clone(), rt, config);
         let id = submit(&db.store, "agent-rust", json!({ "prompt": "x", "tool_url": tool.url })).await?;
         let out = exec.run_once().await?;

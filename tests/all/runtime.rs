@@ -29,7 +29,7 @@ fn runtime_with_budget(budget: Duration) -> Result<Arc<Runtime>> {
 }
 
 fn worker(owner: &str) -> ExecutorConfig {
-    ExecutorConfig { owner: owner.into(), lease_ttl: Duration::from_secs(30), renew_every: None, model: None, reserved: vec![], clock: Default::default() }
+    ExecutorConfig { owner: owner.into(), lease_ttl: Duration::from_secs(30), renew_every: None, model: None, reserved: vec![], ..ExecutorConfig::default() }
 }
 
 async fn submit(store: &Store, input: serde_json::Value) -> Result<i64> {
@@ -336,7 +336,7 @@ both! {
             renew_every: Some(Duration::from_secs(600)),
             model: None,
             reserved: vec![],
-            clock: Default::default(),
+            ..ExecutorConfig::default()
         };
         let exec = Executor::new(db.store.clone(), runtime, config);
         let id = submit(&db.store, serde_json::json!({ "mode": "spin-then-put", "spins": 1u64 << 33 })).await?;
@@ -365,6 +365,7 @@ both! {
             model: None,
             reserved: vec![],
             clock: clock.clone(),
+            ..ExecutorConfig::default()
         };
         let exec = Executor::new(db.store.clone(), runtime, config);
         let id = submit(&db.store, serde_json::json!({ "mode": "spin-then-put", "spins": 1u64 << 33 })).await?;
@@ -397,7 +398,7 @@ both! {
             renew_every: Some(Duration::from_secs(60)),
             model: None,
             reserved: vec![],
-            clock: Default::default(),
+            ..ExecutorConfig::default()
         };
         let exec = Executor::new(db.store.clone(), runtime, config);
         let id = submit(&db.store, serde_json::json!({ "mode": "spin-then-put", "spins": 1u64 << 40 })).await?;

@@ -301,3 +301,76 @@ async fn guests_http_ignores_a_proxy_named_by_the_environment() -> Result<()> {
     ensure!(stdout.contains("through-a-proxy.invalid"), "the run did not report the failed request: {stdout}");
     Ok(())
 }
+
+/// A proxy for guests is the operator's explicit setting: with
+/// `--guest-http-proxy` every guest request goes to it (in absolute form,
+/// the proxy resolving the name), while one named by the environment is
+/// still ignored; a setting that is not a proxy URL stops the host with a
+/// clear message.
+#[tokio::test]
+async fn guests_http_goes_through_the_proxy_the_operator_set_and_no_other() -> Result<()> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let set = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let set_url = format!("http://{}", set.local_addr()?);
+    let env = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let env_url = format!("http://{}", env.local_addr()?);
+    let heads = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let seen = heads.clone();
+    let proxy = tokio::spawn(async move {
+        while let Ok((mut socket, _)) = set.accept().await {
+            let mut head = Vec::new();
+            let mut buf = [0u8; 4096];
+            while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                match socket.read(&mut buf).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => head.extend_from_slice(&buf[..n]),
+                }
+            }
+            seen.lock().unwrap().push(String::from_utf8_lossy(&head).into_owned());
+            let _ = socket.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\nconnection: close\r\n\r\nvia proxy").await;
+        }
+    });
+    let env_connects = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = env_connects.clone();
+    let env_listener = tokio::spawn(async move {
+        while let Ok((socket, _)) = env.accept().await {
+            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            drop(socket);
+        }
+    });
+    let dir = tempfile::tempdir()?;
+    let wasm = dir.path().join("testkit.wasm");
+    std::fs::write(&wasm, plugins::rust_plugin("testkit")?)?;
+    let request = json!({ "method": "POST", "url": "http://through-a-proxy.invalid/effect" }).to_string();
+    let input = json!({ "mode": "script", "ops": [{ "op": "effect", "name": "http", "request": request }] });
+    let run = |proxy: &str| {
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_leasehold"))
+            .arg("run")
+            .arg(&wasm)
+            .args(["--input", &input.to_string(), "--http-allow", "through-a-proxy.invalid", "--json"])
+            .args(["--guest-http-proxy", proxy])
+            .arg("--cache-dir")
+            .arg(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/component-cache"))
+            .env("HTTP_PROXY", &env_url)
+            .env("http_proxy", &env_url)
+            .env("ALL_PROXY", &env_url)
+            .kill_on_drop(true)
+            .output()
+    };
+    let out = tokio::time::timeout(Duration::from_secs(120), run(&set_url)).await??;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    ensure!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    ensure!(stdout.contains("via proxy"), "the proxy's answer did not reach the guest: {stdout}");
+    let heads = heads.lock().unwrap().clone();
+    ensure!(heads.len() == 1, "the proxy saw {} requests: {heads:?}", heads.len());
+    ensure!(heads[0].starts_with("POST http://through-a-proxy.invalid/effect HTTP/1.1"), "{:?}", heads[0]);
+    ensure!(heads[0].to_ascii_lowercase().contains("idempotency-key:"), "{:?}", heads[0]);
+    ensure!(env_connects.load(std::sync::atomic::Ordering::SeqCst) == 0, "a proxy from the environment was used");
+
+    let bad = tokio::time::timeout(Duration::from_secs(120), run("ftp://proxy.example:21")).await??;
+    let stderr = String::from_utf8_lossy(&bad.stderr);
+    ensure!(!bad.status.success() && stderr.contains("http:// or https://"), "a bad proxy setting: {stderr}");
+    proxy.abort();
+    env_listener.abort();
+    Ok(())
+}

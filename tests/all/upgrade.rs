@@ -16,7 +16,7 @@ use crate::harness::{TestDb, both};
 use crate::plugins;
 
 fn executor(db: &TestDb, rt: &Arc<Runtime>) -> Executor {
-    let config = ExecutorConfig { owner: "worker-a".into(), lease_ttl: Duration::from_secs(30), renew_every: None, model: None, reserved: vec![], clock: Default::default() };
+    let config = ExecutorConfig { owner: "worker-a".into(), lease_ttl: Duration::from_secs(30), renew_every: None, model: None, reserved: vec![], ..ExecutorConfig::default() };
     Executor::new(db.store.clone(), rt.clone(), config)
 }
 
