@@ -30,6 +30,7 @@ mod retry;
 pub(crate) mod retention;
 pub(crate) mod renewals;
 mod runs;
+pub mod search;
 pub mod sqlite;
 mod overview;
 mod stats;

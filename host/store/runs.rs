@@ -388,13 +388,27 @@ impl Store {
         limit: i64,
         max_bytes: i64,
     ) -> Result<(Vec<Run>, bool), StoreError> {
-        // `$4`: the text, as a LIKE pattern; `$5`, `$6`: status, plugin.
+        self.runs_page_from(filter, before, 0, limit, max_bytes).await
+    }
+
+    /// [`Store::runs_page`] over the runs with ids of at least `from` only
+    /// (a text search's window: [`super::search`]).
+    pub(crate) async fn runs_page_from(
+        &self,
+        filter: &RunFilter,
+        before: Option<i64>,
+        from: i64,
+        limit: i64,
+        max_bytes: i64,
+    ) -> Result<(Vec<Run>, bool), StoreError> {
+        // `$4`: the text, as a LIKE pattern; `$5`, `$6`: status, plugin;
+        // `$7`: the lowest id; `$8`: the thread.
         macro_rules! page {
             ($filter:literal) => {
                 concat!(
                     "SELECT * FROM (SELECT r.*, SUM(LENGTH(r.input) + LENGTH(r.partial) + COALESCE(LENGTH(r.output), 0) \
                      + COALESCE(LENGTH(r.error), 0)) OVER (ORDER BY r.id DESC) AS running FROM runs r \
-                     WHERE r.id < $1", $filter,
+                     WHERE r.id < $1 AND r.id >= $7", $filter,
                      " AND ($4 IS NULL OR LOWER(r.input) LIKE $4 ESCAPE '!' OR LOWER(COALESCE(r.output, '')) LIKE $4 ESCAPE '!' \
                      OR LOWER(COALESCE(r.error, '')) LIKE $4 ESCAPE '!') \
                      ORDER BY r.id DESC LIMIT $2) AS p WHERE p.running - \
@@ -409,14 +423,15 @@ impl Store {
         let query = match (&filter.thread, status, &filter.plugin) {
             (Some(_), _, _) => sqlx::query(sql!(
                 self,
-                page!(" AND r.thread_id = $7 AND ($5 IS NULL OR r.status = $5) AND ($6 IS NULL OR r.plugin = $6)")
+                page!(" AND r.thread_id = $8 AND ($5 IS NULL OR r.status = $5) AND ($6 IS NULL OR r.plugin = $6)")
             )),
             (None, None, None) => sqlx::query(sql!(self, page!(" AND $5 IS NULL AND $6 IS NULL"))),
             (None, Some(_), None) => sqlx::query(sql!(self, page!(" AND r.status = $5 AND $6 IS NULL"))),
             (None, None, Some(_)) => sqlx::query(sql!(self, page!(" AND $5 IS NULL AND r.plugin = $6"))),
             (None, Some(_), Some(_)) => sqlx::query(sql!(self, page!(" AND r.status = $5 AND r.plugin = $6"))),
         };
-        let mut query = query.bind(before).bind(limit).bind(max_bytes).bind(text).bind(status).bind(filter.plugin.clone());
+        let mut query =
+            query.bind(before).bind(limit).bind(max_bytes).bind(text).bind(status).bind(filter.plugin.clone()).bind(from);
         if let Some(thread) = &filter.thread {
             query = query.bind(thread.clone());
         }

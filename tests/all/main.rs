@@ -27,6 +27,7 @@ mod lease_cover;
 mod layout;
 mod runtime;
 mod sandbox;
+mod search;
 mod service;
 mod submits;
 mod slicing;

@@ -328,7 +328,11 @@ async function runsPage(ctx, params) {
       h('td', { text: `${r.attempt}/${r.max_attempts}` }),
       h('td', {}, when(r.created_at)),
       h('td', {}, when(r.updated_at)))));
-    if (!page.runs.length) tbody.append(h('tr', {}, h('td', { colspan: 7, class: 'muted', text: 'No runs.' })));
+    if (!page.runs.length) {
+      // A search that ran out of time stops early: the next page goes on.
+      const text = nextCursor != null ? 'No match in the runs searched so far; Next page searches older runs.' : 'No runs.';
+      tbody.append(h('tr', {}, h('td', { colspan: 7, class: 'muted', text })));
+    }
     ctx.ok();
   };
   // Ready once the counts show too (or, if /v1/stats fails, a while later).
