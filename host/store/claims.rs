@@ -272,7 +272,7 @@ impl group::Batched for Claim {
             // they go back unstarted.
             if !orphans.is_empty() {
                 tracing::warn!(runs = orphans.len(), "a claimer stopped before taking its runs; giving them back");
-                crate::store::closes::give_back_orphans(store, orphans);
+                crate::store::orphans::give_back_orphans(store, orphans);
             }
         }
     }}

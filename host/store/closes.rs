@@ -153,23 +153,9 @@ impl group::Batched for Close {
             // Its worker stopped waiting (its task was aborted): nobody here
             // runs the run claimed for it, so it goes back unstarted.
             tracing::warn!(closed = self.lease.run_id, run_id = orphan.run.id, "a worker stopped before taking the run claimed with its close; giving it back");
-            give_back_orphans(store, vec![orphan]);
+            crate::store::orphans::give_back_orphans(store, vec![orphan]);
         }
     }}
-
-/// Gives back, in a task of their own, runs claimed for a caller that
-/// stopped waiting for them: claimable by any host at once, their attempt
-/// returned. One that cannot be given back waits out its lease.
-pub(crate) fn give_back_orphans(store: &Store, orphans: Vec<Claimed>) {
-    let store = store.clone();
-    tokio::spawn(async move {
-        for c in orphans {
-            if let Err(e) = store.give_back(&c.lease, c.charged).await {
-                tracing::warn!(run_id = c.run.id, error = %e, "could not give back an orphaned claim; it is claimable again when its lease expires");
-            }
-        }
-    });
-}
 
 /// A close's final status, output, error and `message` event payload.
 fn closing(outcome: &Outcome) -> (RunStatus, Option<&str>, Option<&str>, String) {

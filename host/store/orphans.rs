@@ -25,7 +25,7 @@
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
-use crate::store::{Backend, Store, StoreError, sql};
+use crate::store::{Backend, Claimed, Store, StoreError, sql};
 
 /// How long after a lost claim its hand-back is made again: 5 s, longer
 /// than a claim statement runs even behind `lock_timeout` (2 s).
@@ -112,4 +112,18 @@ impl Store {
         }
         Ok(n)
     }
+}
+
+/// Gives back, in a task of their own, runs claimed for a caller that
+/// stopped waiting for them: claimable by any host at once, their attempt
+/// returned. One that cannot be given back waits out its lease.
+pub(crate) fn give_back_orphans(store: &Store, orphans: Vec<Claimed>) {
+    let store = store.clone();
+    tokio::spawn(async move {
+        for c in orphans {
+            if let Err(e) = store.give_back(&c.lease, c.charged).await {
+                tracing::warn!(run_id = c.run.id, error = %e, "could not give back an orphaned claim; it is claimable again when its lease expires");
+            }
+        }
+    });
 }
