@@ -81,6 +81,10 @@ impl Store {
     /// with `token`, returning the attempt it counted where it counted one.
     /// Reads only the in-flight part of the claim index (running runs whose
     /// lease has not run out). Returns how many it handed back.
+    ///
+    /// Guarded by (owner, token) rather than (owner, fence): the token is
+    /// one statement's, so a run since claimed again (by this host or any
+    /// other) or closed no longer carries it and is left alone.
     #[doc(hidden)]
     pub async fn hand_back_claims(&self, owner: &str, token: i64) -> Result<u64, StoreError> {
         let n = self

@@ -257,6 +257,22 @@ async fn the_component_cache_is_private_and_never_runs_a_file_it_did_not_write()
     Ok(())
 }
 
+/// A listener on loopback that counts who connects and answers nothing:
+/// its `http://` address, the count, and its task.
+async fn counting_listener() -> Result<(String, Arc<std::sync::atomic::AtomicUsize>, tokio::task::JoinHandle<()>)> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    let connects = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = connects.clone();
+    let task = tokio::spawn(async move {
+        while let Ok((socket, _)) = listener.accept().await {
+            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            drop(socket);
+        }
+    });
+    Ok((url, connects, task))
+}
+
 /// A proxy named by the environment would resolve guests' names itself, so
 /// the public-address rule would never run: guests' `http` ignores
 /// `HTTP_PROXY`, `HTTPS_PROXY` and `ALL_PROXY`. `leasehold run` is the
@@ -264,16 +280,7 @@ async fn the_component_cache_is_private_and_never_runs_a_file_it_did_not_write()
 /// listener that counts who connects.
 #[tokio::test]
 async fn guests_http_ignores_a_proxy_named_by_the_environment() -> Result<()> {
-    let proxy = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let proxy_url = format!("http://{}", proxy.local_addr()?);
-    let connects = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let counted = connects.clone();
-    let listener = tokio::spawn(async move {
-        while let Ok((socket, _)) = proxy.accept().await {
-            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            drop(socket);
-        }
-    });
+    let (proxy_url, connects, listener) = counting_listener().await?;
     let dir = tempfile::tempdir()?;
     let wasm = dir.path().join("testkit.wasm");
     std::fs::write(&wasm, plugins::rust_plugin("testkit")?)?;
@@ -312,8 +319,6 @@ async fn guests_http_goes_through_the_proxy_the_operator_set_and_no_other() -> R
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let set = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let set_url = format!("http://{}", set.local_addr()?);
-    let env = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let env_url = format!("http://{}", env.local_addr()?);
     let heads = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
     let seen = heads.clone();
     let proxy = tokio::spawn(async move {
@@ -330,14 +335,7 @@ async fn guests_http_goes_through_the_proxy_the_operator_set_and_no_other() -> R
             let _ = socket.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\nconnection: close\r\n\r\nvia proxy").await;
         }
     });
-    let env_connects = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let counted = env_connects.clone();
-    let env_listener = tokio::spawn(async move {
-        while let Ok((socket, _)) = env.accept().await {
-            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            drop(socket);
-        }
-    });
+    let (env_url, env_connects, env_listener) = counting_listener().await?;
     let dir = tempfile::tempdir()?;
     let wasm = dir.path().join("testkit.wasm");
     std::fs::write(&wasm, plugins::rust_plugin("testkit")?)?;
