@@ -167,7 +167,16 @@ async fn a_close_batch_stuck_on_a_frozen_sessions_row_writes_its_other_closes() 
             let (store, lease) = (db.store.clone(), lease(id));
             tokio::spawn(async move { store.close(&lease, &Outcome::Completed { output: id.to_string() }).await })
         };
-        let held = [close(x), close(y)];
+        // X first, and Y once X's batch waits: queued together, both would
+        // go in one batch and leave the second writer idle.
+        let held_x = close(x);
+        crate::harness::wait_for_count(
+            db,
+            "SELECT CASE WHEN COUNT(*) >= 1 THEN 1 ELSE 0 END::int8 FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            "the first batch writer waits on the frozen session's row",
+        )
+        .await?;
+        let held = [held_x, close(y)];
         crate::harness::wait_for_count(
             db,
             "SELECT CASE WHEN COUNT(*) >= 2 THEN 1 ELSE 0 END::int8 FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
