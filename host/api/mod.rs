@@ -147,7 +147,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/plugins", get(plugins::list))
         .route(
             "/v1/plugins/{name}",
-            put(plugins::put).layer(DefaultBodyLimit::max(config.max_component_bytes)),
+            put(plugins::put).layer(DefaultBodyLimit::max(config.max_component_bytes)).get(plugins::show),
         )
         .route("/v1/runs", json_post(runs::submit).get(runs::list))
         .route("/v1/runs:batch", json_post(runs::submit_batch))

@@ -22,7 +22,7 @@ use super::{events, overview, plugins, runs};
     ),
     paths(
         runs::submit, runs::submit_batch, runs::list, runs::show, runs::input, runs::cancel, runs::effects,
-        plugins::list, plugins::put,
+        plugins::list, plugins::show, plugins::put,
         events::events,
         overview::stats, overview::leases,
         super::metrics::metrics, super::healthz, openapi,

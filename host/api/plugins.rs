@@ -8,7 +8,7 @@ use utoipa::{IntoParams, ToSchema};
 
 use super::{ApiError, AppState, ErrorBody, Params, QueryParams, body_bytes};
 use crate::plugins::PluginSettings;
-use crate::store::{UpgradePolicy, VersionInfo};
+use crate::store::{KvQuota, KvUsage, PluginInfo, UpgradePolicy, VersionInfo};
 
 #[derive(Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
@@ -26,6 +26,13 @@ pub struct PutQuery {
     /// The most `max_tokens` one of its calls may ask for. Default: 4096.
     #[param(minimum = 1)]
     model_max_tokens: Option<u64>,
+    /// Bytes (of keys and values) the plugin's kv may hold over all its
+    /// runs. Default: 268435456 (256 MiB).
+    #[param(minimum = 1)]
+    kv_max_bytes: Option<u64>,
+    /// Keys the plugin's kv may hold. Default: 100000.
+    #[param(minimum = 1)]
+    kv_max_keys: Option<u64>,
 }
 
 /// A registered version.
@@ -47,6 +54,8 @@ pub struct PluginView {
     settings: PluginSettings,
     created_at: i64,
     updated_at: i64,
+    /// What its kv holds now, against `settings.kv`.
+    kv_usage: KvUsage,
     /// Every version, newest first, with its runs.
     versions: Vec<VersionInfo>,
 }
@@ -57,7 +66,7 @@ pub struct PluginsList {
     plugins: Vec<PluginView>,
 }
 
-/// `PUT /v1/plugins/{name}?http_allow=host:port,…&upgrade=pinned|auto&model_allow=m,…&model_max_tokens=N` with the component's
+/// `PUT /v1/plugins/{name}?http_allow=host:port,…&upgrade=pinned|auto&model_allow=m,…&model_max_tokens=N&kv_max_bytes=N&kv_max_keys=N` with the component's
 /// bytes: 201 `{name, digest}`; 422 with the reason when the bytes are not a
 /// component implementing `leasehold:turn/turn`.
 #[utoipa::path(put, path = "/v1/plugins/{name}", tag = "plugins",
@@ -113,7 +122,16 @@ pub async fn put(
         }
         model.max_tokens = n;
     }
-    let settings = PluginSettings { http_allow, upgrade, model };
+    let mut kv = KvQuota::default();
+    for (value, cap, name) in [(q.kv_max_bytes, &mut kv.max_bytes, "kv_max_bytes"), (q.kv_max_keys, &mut kv.max_keys, "kv_max_keys")] {
+        match value {
+            Some(0) => return Err(ApiError::bad_request(format!("{name} must be at least 1"))),
+            Some(n) if n > i64::MAX as u64 => return Err(ApiError::bad_request(format!("{name} must be at most {}", i64::MAX))),
+            Some(n) => *cap = n,
+            None => {}
+        }
+    }
+    let settings = PluginSettings { http_allow, upgrade, model, kv };
     // Awaited here, holding the permit: a caller that goes away drops the
     // registration, and with it the compiler child (`serve` compiles in
     // one), so nothing is left compiling for nobody.
@@ -129,16 +147,37 @@ pub async fn put(
 pub async fn list(State(s): State<AppState>) -> Result<Json<PluginsList>, ApiError> {
     let mut plugins = Vec::new();
     for p in s.store.list_plugins().await? {
-        let versions = s.store.plugin_versions(&p.name).await?;
-        plugins.push(PluginView {
-            name: p.name,
-            digest: p.digest,
-            size: p.size,
-            settings: p.settings,
-            created_at: p.created_at,
-            updated_at: p.updated_at,
-            versions,
-        });
+        plugins.push(view(&s, p).await?);
     }
     Ok(Json(PluginsList { plugins }))
+}
+
+/// `GET /v1/plugins/{name}`: one plugin, its versions and its kv usage.
+#[utoipa::path(get, path = "/v1/plugins/{name}", tag = "plugins",
+    params(("name" = String, Path, description = "The plugin's name.")),
+    responses(
+        (status = 200, description = "The plugin.", body = PluginView),
+        (status = 404, description = "No plugin of that name is registered.", body = ErrorBody),
+    ))]
+pub async fn show(State(s): State<AppState>, Params(name): Params<String>) -> Result<Json<PluginView>, ApiError> {
+    let plugin = s.store.list_plugins().await?.into_iter().find(|p| p.name == name);
+    let Some(plugin) = plugin else {
+        return Err(ApiError::not_found(format!("no plugin named {name:?} is registered")));
+    };
+    Ok(Json(view(&s, plugin).await?))
+}
+
+async fn view(s: &AppState, p: PluginInfo) -> Result<PluginView, ApiError> {
+    let versions = s.store.plugin_versions(&p.name).await?;
+    let kv_usage = s.store.kv_usage(&p.name).await?;
+    Ok(PluginView {
+        name: p.name,
+        digest: p.digest,
+        size: p.size,
+        settings: p.settings,
+        created_at: p.created_at,
+        updated_at: p.updated_at,
+        kv_usage,
+        versions,
+    })
 }

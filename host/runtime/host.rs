@@ -18,6 +18,7 @@ use wasmtime::component::{HasSelf, Linker, ResourceTable};
 use wasmtime_wasi::WasiCtx;
 
 use super::clocks::{self, GuestTime};
+use super::kv_quota::KvQuotaState;
 use super::replay::Recorded;
 use super::stream::{Buffer, Stream};
 use super::output::GuestOutput;
@@ -108,6 +109,8 @@ pub struct SegmentState {
     pub(super) pending_input: Option<String>,
     /// The turn's output stream (`emit` and `model.chat` deltas).
     pub(super) stream: Stream,
+    /// What the segment knows of its plugin's kv usage.
+    pub(super) kv: KvQuotaState,
     pub(crate) time: GuestTime,
     pub(super) started: Instant,
     pub(super) host_calls: u64,
@@ -158,6 +161,7 @@ impl SegmentState {
                 recorded: init.recorded_emit_pos,
                 bytes: 0,
                 cap: init.limits.max_emit_bytes,
+                max_emits: i64::try_from(init.limits.max_emits).unwrap_or(i64::MAX),
                 stopped: None,
                 buffer: Arc::new(tokio::sync::Mutex::new(Buffer::default())),
                 offline: init.offline,
@@ -171,6 +175,7 @@ impl SegmentState {
             ledger_rows: init.recorded.rows,
             ledger_bytes: init.recorded.bytes,
             recorded: init.recorded,
+            kv: KvQuotaState::default(),
             limits: init.limits,
             next_seq: 0,
             pending_input: init.pending_input,
@@ -357,8 +362,13 @@ impl SegmentState {
             return self.frontier(&call, "not recorded");
         }
         let _db = self.phase.enter(Phase::DATABASE);
+        // A put is counted by its size (its row's `kv_bytes`).
+        let put_bytes = match &effect {
+            Effect::Local(LocalOp::KvPut { key, value, .. }) => key.len() + value.len(),
+            _ => 0,
+        };
         if !reissue {
-            self.room(0)?;
+            self.room(put_bytes)?;
         }
         // A put is held for the segment's next write (see `EMIT_FLUSH`), so
         // a turn's puts and deltas cost one write together. Other runs see
@@ -367,11 +377,23 @@ impl SegmentState {
         // writes it first, and `kv.get` too, so a turn reads its own puts.
         let effect = match effect {
             Effect::Local(LocalOp::KvPut { namespace, key, value }) => {
+                // See `kv_quota`: exact only when the estimate is over.
+                if !self.kv.fits_estimate(&self.limits.kv, put_bytes as i64) {
+                    self.flush_stream().await?;
+                    let (db, ns, k) = (self.db.clone(), self.namespace.clone(), key.clone());
+                    let room = match detached(async move { db.kv_room(&ns, Some(&k)).await }).await {
+                        Ok(room) => room,
+                        Err(e) => return self.store_failed(e),
+                    };
+                    if let Err(refusal) = self.kv.decide(&self.limits.kv, room, put_bytes as i64, &self.namespace) {
+                        return self.refuse(&call, refusal).await;
+                    }
+                }
                 let put = HeldPut { call: call.clone(), namespace, key, value };
                 return match self.stream.hold(put).await {
                     Ok(()) => {
                         self.settled += 1;
-                        self.wrote(&call, 4);
+                        self.wrote(&call, put_bytes + 4);
                         Ok(Ok("null".to_string()))
                     }
                     Err(why) => self.stop(why),

@@ -17,6 +17,9 @@ pub struct Limits {
     pub max_host_calls: u64,
     /// Bytes one turn may emit in total. Default: 4 MiB.
     pub max_emit_bytes: usize,
+    /// Emits (each one an event of the run's thread) one turn may make in
+    /// all. Default: 100,000.
+    pub max_emits: u64,
     /// Bytes of the final output (or error). Default: 1 MiB.
     pub max_output_bytes: usize,
     /// Bytes of one effect request or result. Default: 1 MiB.
@@ -55,6 +58,9 @@ pub struct Limits {
     /// Bytes of one `kv.put` value (each `kv.get` of it is recorded in the
     /// ledger). Default: 64 KiB.
     pub max_kv_value_bytes: usize,
+    /// What the plugin's kv namespace may hold over all its runs (a
+    /// plugin setting). Default: 256 MiB in 100,000 keys.
+    pub kv: crate::store::KvQuota,
     /// Rows in a run's ledger, over all its segments; past it the run fails
     /// as `ledger-too-large`. Default: 50,000.
     pub max_ledger_rows: u64,
@@ -69,6 +75,7 @@ impl Default for Limits {
             max_wasm_stack: 1 << 20,
             max_host_calls: 100_000,
             max_emit_bytes: 4 << 20,
+            max_emits: 100_000,
             max_output_bytes: 1 << 20,
             max_effect_bytes: 1 << 20,
             segment_budget: Duration::from_secs(30),
@@ -82,6 +89,7 @@ impl Default for Limits {
             max_random_bytes: 1 << 20,
             max_resources: 10_000,
             max_kv_value_bytes: 64 << 10,
+            kv: crate::store::KvQuota::default(),
             max_ledger_rows: 50_000,
             max_ledger_bytes: 64 << 20,
         }

@@ -12,6 +12,7 @@ mod cache;
 mod calls;
 mod clocks;
 mod interrupt;
+mod kv_quota;
 mod limits;
 mod output;
 mod phase;

@@ -35,6 +35,8 @@ pub(super) struct Stream {
     /// Bytes emitted so far in the turn, replayed ones included.
     pub(super) bytes: usize,
     pub(super) cap: usize,
+    /// Emits the turn may make in all, replayed ones included.
+    pub(super) max_emits: i64,
     /// Why the last delta was refused.
     pub(super) stopped: Option<Interrupt>,
     pub(super) buffer: Arc<tokio::sync::Mutex<Buffer>>,
@@ -111,6 +113,13 @@ impl DeltaSink for Stream {
         self.bytes += text.len();
         if self.bytes > self.cap {
             let message = format!("emitted more than {} bytes", self.cap);
+            self.stopped = Some(Interrupt::Limit { kind: GuestErrorKind::OutputTooLarge, message });
+            return Err(());
+        }
+        // Each emit is an event row of the thread: bounded by count too,
+        // so a turn of one-byte emits cannot write millions of rows.
+        if self.pos > self.max_emits {
+            let message = format!("emitted more than {} times", self.max_emits);
             self.stopped = Some(Interrupt::Limit { kind: GuestErrorKind::OutputTooLarge, message });
             return Err(());
         }

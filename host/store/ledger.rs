@@ -45,7 +45,8 @@ pub struct Streamed {
 #[derive(Debug, Clone, Default)]
 pub struct LedgerSummary {
     pub rows: i64,
-    /// Bytes of names and results.
+    /// Bytes of names and results, and of the keys and values of the
+    /// `kv.put`s made (a put is counted by its size).
     pub bytes: i64,
     pub last: Option<EffectRow>,
 }
@@ -391,7 +392,8 @@ impl Store {
         use sqlx::Row;
         let totals = sqlx::query(sql!(
             self,
-            "SELECT COUNT(*) AS n, COALESCE(SUM(LENGTH(name) + COALESCE(LENGTH(result), 0)), 0) AS bytes \
+            "SELECT COUNT(*) AS n, CAST(COALESCE(SUM(LENGTH(name) + COALESCE(LENGTH(result), 0) \
+             + kv_bytes), 0) AS BIGINT) AS bytes \
              FROM effects WHERE run_id = $1"
         ))
         .bind(run_id)

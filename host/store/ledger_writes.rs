@@ -52,7 +52,7 @@ impl LedgerWrite {
     /// Written as several statements behind one guard (every write on
     /// SQLite; consuming input on PostgreSQL): on its own, a transaction.
     fn several_statements(&self, backend: Backend) -> bool {
-        backend == Backend::Sqlite || matches!(self, LedgerWrite::Local { op: LocalOp::TakeInput { .. }, .. })
+        backend == Backend::Sqlite || matches!(self, LedgerWrite::Local { op: LocalOp::TakeInput { .. } | LocalOp::KvPut { .. }, .. })
     }
 }
 

@@ -54,11 +54,11 @@ macro_rules! pg_held_puts {
     ($list:literal, $on:literal) => {
         concat!(
             ", l AS (SELECT * FROM jsonb_to_recordset(", $list, "::text::jsonb) AS \
-             l(i bigint, seq bigint, name text, hash text, request text, emit_pos bigint, ns text, key text, value text, ikey text)), \
+             l(i bigint, seq bigint, name text, hash text, request text, emit_pos bigint, ns text, key text, value text, ikey text, size bigint)), \
              w AS (INSERT INTO effects (run_id, seq, name, request_hash, idempotency_key, class, state, \
-             result, emit_pos, fence_started, fence_completed, created_at, updated_at, request) \
+             result, emit_pos, fence_started, fence_completed, created_at, updated_at, request, kv_bytes) \
              SELECT r.id, l.seq, l.name, l.hash, l.ikey, 'local', 'committed', 'null', \
-             l.emit_pos, r.fence, r.fence, {now}, {now}, l.request FROM r JOIN l ON ", $on, " RETURNING run_id, seq), \
+             l.emit_pos, r.fence, r.fence, {now}, {now}, l.request, l.size FROM r JOIN l ON ", $on, " RETURNING run_id, seq), \
              k AS (INSERT INTO kv (namespace, key, value, updated_at) \
              SELECT DISTINCT ON (l.ns, l.key) l.ns, l.key, l.value, {now} \
              FROM l JOIN r ON ", $on, " JOIN w ON w.run_id = r.id AND w.seq = l.seq \
@@ -80,7 +80,7 @@ pub(crate) fn held_put_json(i: usize, database: &str, run_id: i64, p: &HeldPut) 
     serde_json::json!({
         "i": i, "seq": p.call.seq, "name": p.call.name, "hash": p.call.request_hash, "request": p.call.request,
         "emit_pos": p.call.emit_pos, "ns": p.namespace, "key": p.key, "value": p.value,
-        "ikey": idempotency_key(database, run_id, p.call.seq),
+        "ikey": idempotency_key(database, run_id, p.call.seq), "size": p.key.len() + p.value.len(),
     })
 }
 
@@ -117,10 +117,10 @@ pub(crate) async fn insert_held_puts_json(store: &Store, conn: &mut sqlx::AnyCon
     sqlx::query(sql!(
         store,
         "INSERT INTO effects (run_id, seq, name, request_hash, idempotency_key, class, state, \
-         result, emit_pos, fence_started, fence_completed, created_at, updated_at, request) \
+         result, emit_pos, fence_started, fence_completed, created_at, updated_at, request, kv_bytes) \
          SELECT value ->> 'run', value ->> 'seq', value ->> 'name', value ->> 'hash', value ->> 'ikey', \
          'local', 'committed', 'null', value ->> 'emit_pos', value ->> 'fence', value ->> 'fence', \
-         {now}, {now}, value ->> 'request' FROM jsonb_each($1)"
+         {now}, {now}, value ->> 'request', value ->> 'size' FROM jsonb_each($1)"
     ))
     .bind(list)
     .execute(&mut *conn)
@@ -185,20 +185,6 @@ impl Store {
                     let extra = [Some(namespace.as_str()), Some(key.as_str())];
                     return pg_ledger_row_on(self, conn, statement, lease, call, local, committed, &extra).await;
                 }
-                LocalOp::KvPut { namespace, key, value } => {
-                    let statement = sql!(
-                        self,
-                        pg_ledger_row!(
-                            "'null'",
-                            ", k AS (INSERT INTO kv (namespace, key, value, updated_at) \
-                             SELECT $13, $14, $15, {now} FROM e \
-                             ON CONFLICT (namespace, key) DO UPDATE SET value = excluded.value, \
-                             updated_at = excluded.updated_at)"
-                        )
-                    );
-                    let extra = [Some(namespace.as_str()), Some(key.as_str()), Some(value.as_str())];
-                    return pg_ledger_row_on(self, conn, statement, lease, call, local, committed, &extra).await;
-                }
                 LocalOp::Record { value } => {
                     let statement = sql!(self, pg_ledger_row!("$13", ""));
                     return pg_ledger_row_on(self, conn, statement, lease, call, local, committed, &[Some(value.as_str())])
@@ -206,7 +192,10 @@ impl Store {
                 }
                 // It writes the run row, which the guard CTE already updates
                 // (a row may be updated once per statement): a transaction.
-                LocalOp::TakeInput { .. } => {}
+                // A put (held and written with the segment's next write by
+                // the runtime; here only for callers of the store) sets its
+                // row's `kv_bytes` after inserting it: a transaction too.
+                LocalOp::TakeInput { .. } | LocalOp::KvPut { .. } => {}
             }
         }
         guard(self, conn, lease).await?;
@@ -227,7 +216,15 @@ impl Store {
         // yet, so a write in a batch needs no savepoint of its own.
         let row = insert_row(self, conn, lease, call, EffectClass::Local, EffectState::Committed, Some(&result)).await?;
         match op {
-            LocalOp::KvPut { namespace, key, value } => kv_put(self, conn, namespace, key, value).await?,
+            LocalOp::KvPut { namespace, key, value } => {
+                kv_put(self, conn, namespace, key, value).await?;
+                sqlx::query(sql!(self, "UPDATE effects SET kv_bytes = $3 WHERE run_id = $1 AND seq = $2"))
+                    .bind(lease.run_id)
+                    .bind(call.seq)
+                    .bind((key.len() + value.len()) as i64)
+                    .execute(&mut *conn)
+                    .await?;
+            }
             LocalOp::TakeInput { .. } => {
                 sqlx::query(sql!(
                     self,

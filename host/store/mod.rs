@@ -17,6 +17,7 @@ pub mod faults;
 pub(crate) mod group;
 mod guard;
 pub mod hub;
+mod kv_usage;
 pub mod ledger;
 pub(crate) mod ledger_writes;
 mod local;
@@ -51,6 +52,7 @@ pub(crate) use closes::{max_batch as closes_max_batch, writers as close_writers}
 pub use claims::{baseline_sql, claim_sql};
 pub use retry::is_lock_timeout;
 pub use ledger::{Completion, EffectCall, LedgerSummary, REQUEST_PREVIEW, Streamed, idempotency_key};
+pub use kv_usage::{KvQuota, KvRoom, KvUsage};
 pub use local::{HeldPut, LocalOp};
 pub use plugins::{ModelGrant, PluginInfo, PluginSettings, UpgradePolicy};
 pub use reap::ReapReport;

@@ -4,7 +4,7 @@
 use serde::{Deserialize, Serialize};
 use sqlx::Row;
 
-use crate::store::{Store, StoreError, sql};
+use crate::store::{KvQuota, Store, StoreError, sql};
 
 /// What an operator sets per plugin. Every field documents its default.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq, utoipa::ToSchema)]
@@ -22,6 +22,10 @@ pub struct PluginSettings {
     /// `model.chat` is denied to it.
     #[serde(default)]
     pub model: ModelGrant,
+    /// How much the plugin's kv namespace may hold. Default: 256 MiB in
+    /// 100,000 keys.
+    #[serde(default)]
+    pub kv: KvQuota,
 }
 
 /// What a plugin may ask of `model.chat`, as its `http` allow-list says

@@ -167,6 +167,10 @@ both! {
         ensure!(status == 200 && effects["effects"].as_array().map(Vec::len) == Some(3), "{effects}");
         let (_, list) = server.get("/v1/runs?status=completed&plugin=testkit").await?;
         ensure!(list["runs"][0]["id"] == id, "{list}");
+        // The plugin shows what its kv holds (three keys of step-i = i) against its quota.
+        let (status, plugin) = server.get("/v1/plugins/testkit").await?;
+        ensure!(status == 200 && plugin["kv_usage"] == json!({ "keys": 3, "bytes": 3 * 7 }), "{status} {plugin}");
+        ensure!(plugin["settings"]["kv"] == json!({ "max_bytes": 256 << 20, "max_keys": 100_000 }), "{plugin}");
         let (_, json_events) = server.get(&format!("/v1/threads/{thread}/events?after=4")).await?;
         ensure!(json_events["events"].as_array().map(Vec::len) == Some(1), "{json_events}");
         server.stop().await;
@@ -275,6 +279,8 @@ both! {
             ("missing import", server.req(reqwest::Method::PUT, "/v1/plugins/junk").body(plugins::hostile_wat("missing-import.wat")?), 422),
             ("bad plugin name", server.req(reqwest::Method::PUT, "/v1/plugins/Bad%20Name").body(b"x".to_vec()), 400),
             ("bad upgrade policy", server.req(reqwest::Method::PUT, "/v1/plugins/testkit?upgrade=sometimes").body(b"x".to_vec()), 400),
+            ("zero kv quota", server.req(reqwest::Method::PUT, "/v1/plugins/testkit?kv_max_keys=0").body(b"x".to_vec()), 400),
+            ("unknown plugin", server.req(reqwest::Method::GET, "/v1/plugins/nothing"), 404),
             ("unknown endpoint", server.req(reqwest::Method::GET, "/v1/nothing"), 404),
             ("wrong method", server.req(reqwest::Method::DELETE, "/v1/runs"), 405),
         ];

@@ -23,6 +23,7 @@ mod replay;
 mod retention;
 mod conformance;
 mod interleaving;
+mod kv_quota;
 mod lease_cover;
 mod layout;
 mod runtime;
