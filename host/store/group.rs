@@ -35,6 +35,8 @@ pub(crate) struct Queue<T, R> {
     commits: AtomicU64,
     /// Writers started for writes left waiting behind a slow batch.
     stalls: AtomicU64,
+    /// Batches the database rolled back, written again one by one.
+    split: AtomicU64,
 }
 
 #[derive(Debug)]
@@ -51,6 +53,7 @@ impl<T, R> Default for Queue<T, R> {
             written: AtomicU64::new(0),
             commits: AtomicU64::new(0),
             stalls: AtomicU64::new(0),
+            split: AtomicU64::new(0),
         }
     }
 }
@@ -148,6 +151,12 @@ impl<T: Send + 'static, R: Send + 'static> Queue<T, R> {
     pub(crate) fn stalls(&self) -> u64 {
         self.stalls.load(Relaxed)
     }
+
+    /// Batches the database rolled back and that were written again one
+    /// write at a time.
+    pub(crate) fn split(&self) -> u64 {
+        self.split.load(Relaxed)
+    }
 }
 
 /// A kind of write that is group-committed: how a writer takes, writes
@@ -203,6 +212,7 @@ pub(crate) async fn write_batches<B: Batched>(store: Store) {
                     continue;
                 }
                 Err(e) if rolled_back(&e) => {
+                    B::queue(&store).split.fetch_add(1, Relaxed);
                     if crate::store::is_lock_timeout(&e) {
                         // One row another session holds: written one by one,
                         // only that write waits (and gives up) again.

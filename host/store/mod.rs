@@ -535,6 +535,12 @@ impl Store {
         self.closes.stalls()
     }
 
+    /// Close batches the database rolled back (one close it refused, a
+    /// lock wait given up) and that were written again one by one.
+    pub fn closes_split(&self) -> u64 {
+        self.closes.split()
+    }
+
     /// Renewals this store has written, and the statements that wrote
     /// them: fewer statements when concurrent renewals were batched (see
     /// `renewals`).

@@ -208,3 +208,56 @@ async fn a_close_batch_stuck_on_a_frozen_sessions_row_writes_its_other_closes() 
     })
     .await
 }
+
+both! {
+    async fn a_close_the_database_refuses_in_a_batch_fails_alone_and_the_others_close(db) {
+        use leasehold::store::{NewRun, Outcome, RunStatus};
+        let s = &db.store;
+        // The database refuses one close, as a constraint would: a trigger.
+        let refuse: &[&'static str] = match db.backend {
+            leasehold::Backend::Sqlite => &["CREATE TRIGGER test_refuse BEFORE UPDATE OF output ON runs \
+                 WHEN NEW.output = 'refused' BEGIN SELECT RAISE(ABORT, 'refused by the test'); END"],
+            leasehold::Backend::Postgres => &[
+                "CREATE FUNCTION test_refuse() RETURNS trigger LANGUAGE plpgsql AS \
+                 $$ BEGIN RAISE EXCEPTION 'refused by the test'; END $$",
+                "CREATE TRIGGER test_refuse BEFORE UPDATE OF output ON runs FOR EACH ROW \
+                 WHEN (NEW.output = 'refused') EXECUTE FUNCTION test_refuse()",
+            ],
+        };
+        for &statement in refuse {
+            sqlx::query(statement).execute(s.pool()).await?;
+        }
+        // Closes made at once usually share a batch; a round whose refused
+        // close did is one whose batch was rolled back and split.
+        for _ in 0..10 {
+            for _ in 0..8 {
+                s.create_run(&NewRun::new("p", "{}")).await?;
+            }
+            let claimed = s.claim_batch("w", TTL, 8).await?;
+            ensure!(claimed.len() == 8, "{} claimed", claimed.len());
+            let split = s.closes_split();
+            let mut tasks = tokio::task::JoinSet::new();
+            for (i, c) in claimed.into_iter().enumerate() {
+                let s = s.clone();
+                tasks.spawn(async move {
+                    let output = if i == 3 { "refused" } else { "fine" };
+                    (i, c.run.id, s.close_and_claim(&c.lease, &[], &[], &Outcome::Completed { output: output.into() }, None).await)
+                });
+            }
+            while let Some(joined) = tasks.join_next().await {
+                let (i, id, got) = joined?;
+                let run = s.get_run(id).await?;
+                if i == 3 {
+                    ensure!(got.as_ref().is_err_and(|e| !e.is_lease_lost() && e.to_string().contains("refused by the test")), "{got:?}");
+                    ensure!(run.status == RunStatus::Running && run.output.is_none(), "the refused close wrote nothing: {run:?}");
+                } else {
+                    ensure!(got.is_ok() && run.status == RunStatus::Completed && run.output.as_deref() == Some("fine"), "{i}: {got:?} {run:?}");
+                }
+            }
+            if s.closes_split() > split {
+                return Ok(());
+            }
+        }
+        anyhow::bail!("in 10 rounds of 8 closes at once, the refused one never shared a batch")
+    }
+}
