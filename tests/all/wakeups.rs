@@ -141,7 +141,15 @@ async fn a_run_given_back_wakes_an_idle_pool_on_another_host() -> Result<()> {
         let pool = WorkerPool::start(db.store.clone(), exec, PoolConfig { workers: 2, poll: Duration::from_secs(3600), ..PoolConfig::default() });
         wait_listening(db).await?;
         // Its first claim found the run leased; it waits for a signal now.
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        // Seen in the server's sessions: besides the one that queued the
+        // run, a session whose last statement was a claim.
+        crate::harness::wait_for_count(
+            db,
+            "SELECT COUNT(*) - 1 FROM pg_stat_activity WHERE datname = current_database() \
+             AND query LIKE '%claim_token = CASE%' AND pid <> pg_backend_pid()",
+            "the idle pool made its first claim",
+        )
+        .await?;
         other.give_back(&queued.lease, queued.charged).await?;
         let started = Instant::now();
         while db.store.get_run(run.id).await?.status != RunStatus::Completed {
