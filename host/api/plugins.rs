@@ -160,7 +160,7 @@ pub async fn list(State(s): State<AppState>) -> Result<Json<PluginsList>, ApiErr
         (status = 404, description = "No plugin of that name is registered.", body = ErrorBody),
     ))]
 pub async fn show(State(s): State<AppState>, Params(name): Params<String>) -> Result<Json<PluginView>, ApiError> {
-    let plugin = s.store.list_plugins().await?.into_iter().find(|p| p.name == name);
+    let plugin = s.store.plugin(&name).await?;
     let Some(plugin) = plugin else {
         return Err(ApiError::not_found(format!("no plugin named {name:?} is registered")));
     };

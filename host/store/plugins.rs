@@ -154,6 +154,7 @@ impl Store {
             .await?)
     }
 
+    /// Every registered plugin, by name.
     pub async fn list_plugins(&self) -> Result<Vec<PluginInfo>, StoreError> {
         let rows = sqlx::query(sql!(
             self,
@@ -162,18 +163,21 @@ impl Store {
         ))
         .fetch_all(self.pool())
         .await?;
-        rows.iter()
-            .map(|r| {
-                Ok(PluginInfo {
-                    name: r.try_get("name")?,
-                    digest: r.try_get("digest")?,
-                    size: r.try_get::<i64, _>("size").or_else(|_| r.try_get::<i32, _>("size").map(i64::from))?,
-                    settings: parse_settings(&r.try_get::<String, _>("settings")?)?,
-                    created_at: r.try_get("created_at")?,
-                    updated_at: r.try_get("updated_at")?,
-                })
-            })
-            .collect()
+        rows.iter().map(plugin_info).collect()
+    }
+
+    /// Plugin `name`, as [`Store::list_plugins`] lists it; `None` if no
+    /// plugin has that name.
+    pub async fn plugin(&self, name: &str) -> Result<Option<PluginInfo>, StoreError> {
+        let row = sqlx::query(sql!(
+            self,
+            "SELECT name, digest, LENGTH(component) AS size, settings, created_at, updated_at \
+             FROM plugins WHERE name = $1"
+        ))
+        .bind(name)
+        .fetch_optional(self.pool())
+        .await?;
+        row.as_ref().map(plugin_info).transpose()
     }
 
     /// Whether plugin `name` is registered. The service never removes a
@@ -242,4 +246,15 @@ impl Store {
         .fetch_all(self.pool())
         .await?)
     }
+}
+
+fn plugin_info(r: &sqlx::any::AnyRow) -> Result<PluginInfo, StoreError> {
+    Ok(PluginInfo {
+        name: r.try_get("name")?,
+        digest: r.try_get("digest")?,
+        size: r.try_get::<i64, _>("size").or_else(|_| r.try_get::<i32, _>("size").map(i64::from))?,
+        settings: parse_settings(&r.try_get::<String, _>("settings")?)?,
+        created_at: r.try_get("created_at")?,
+        updated_at: r.try_get("updated_at")?,
+    })
 }
