@@ -292,8 +292,8 @@ impl Store {
                     self,
                     "UPDATE runs SET status = b.value ->> 'status', output = b.value ->> 'output', \
                      error = b.value ->> 'error', lease_owner = NULL, lease_expires_at = NULL, \
-                     finished_at = {now}, updated_at = {now}, partial = runs.partial || (b.value ->> 'tail'), \
-                     emit_pos = runs.emit_pos + (b.value ->> 'n') \
+                     finished_at = {now}, updated_at = {now}, partial = runs.partial || {unfolded} || (b.value ->> 'tail'), \
+                     emit_pos = runs.emit_pos + (b.value ->> 'n'), partial_pos = runs.emit_pos + (b.value ->> 'n') \
                      FROM jsonb_each($1) AS b \
                      WHERE runs.id = b.value ->> 'id' AND runs.lease_owner = b.value ->> 'owner' \
                      AND runs.fence = b.value ->> 'fence' AND runs.status = 'running' \
@@ -448,8 +448,8 @@ impl Store {
                          jsonb_array_elements_text(b.deltas) WITH ORDINALITY AS x(delta, ord)), \
                          r AS (UPDATE runs SET status = b.status, output = b.output, error = b.error, \
                          lease_owner = NULL, lease_expires_at = NULL, finished_at = {now}, updated_at = {now}, \
-                         partial = runs.partial || COALESCE((SELECT string_agg(d.delta, '' ORDER BY d.ord) \
-                         FROM d WHERE d.i = b.i), ''), emit_pos = runs.emit_pos + b.n \
+                         partial = runs.partial || {unfolded} || COALESCE((SELECT string_agg(d.delta, '' ORDER BY d.ord) \
+                         FROM d WHERE d.i = b.i), ''), emit_pos = runs.emit_pos + b.n, partial_pos = runs.emit_pos + b.n \
                          FROM b WHERE runs.id = b.id AND runs.lease_owner = b.owner AND runs.fence = b.fence \
                          AND runs.status = 'running' \
                          RETURNING runs.id, runs.fence, runs.thread_id, runs.emit_pos - b.n AS first, b.i, b.n, \

@@ -1,5 +1,5 @@
-//! Statement 3: a segment's streamed output (its deltas, to the run's
-//! `partial` and its thread's log) and its held `kv.put`s, written
+//! Statement 3: a segment's streamed output (its deltas, to its thread's
+//! log, moving the run's `emit_pos` on; see `store::partial`) and its held `kv.put`s, written
 //! together; and the cut of the stream after a death (`retract`).
 
 use serde_json::json;
@@ -52,8 +52,8 @@ macro_rules! pg_append_deltas {
     };
 }
 
-/// Statement 3 inside the caller's transaction: appends `deltas` to the
-/// run's `partial` and one `delta` event each. `None` when the guard does
+/// Statement 3 inside the caller's transaction: appends one `delta` event
+/// per delta and moves the run's `emit_pos` on. `None` when the guard does
 /// not hold; otherwise the thread and the first delta's position.
 pub(crate) async fn append_deltas(
     store: &Store,
@@ -61,12 +61,10 @@ pub(crate) async fn append_deltas(
     lease: &Lease,
     deltas: &[&str],
 ) -> Result<Option<(String, i64)>, StoreError> {
-    let joined: String = deltas.concat();
     let Some(row) = sqlx::query(sql!(
         store,
         concat!(
-            "UPDATE runs SET partial = partial || $4, emit_pos = emit_pos + $5, \
-             heartbeat_at = {now}, updated_at = {now} WHERE ",
+            "UPDATE runs SET emit_pos = emit_pos + $4, heartbeat_at = {now}, updated_at = {now} WHERE ",
             guarded!(),
             " RETURNING thread_id, emit_pos"
         )
@@ -74,7 +72,6 @@ pub(crate) async fn append_deltas(
     .bind(lease.run_id)
     .bind(&lease.owner)
     .bind(lease.fence)
-    .bind(&joined)
     .bind(deltas.len() as i64)
     .fetch_optional(&mut *conn)
     .await?
@@ -129,15 +126,14 @@ pub(crate) async fn sqlite_append_events(
 }
 
 impl Store {
-    /// Statement 3: appends `delta` to the run's `partial` and to its thread
-    /// log, and refreshes the heartbeat. Returns the delta's position.
+    /// Statement 3: appends `delta` to the run's stream (its thread log), and refreshes the heartbeat. Returns the delta's position.
     pub async fn emit(&self, lease: &Lease, delta: &str) -> Result<i64, StoreError> {
         self.emit_deltas(lease, &[delta]).await
     }
 
     /// Statement 3 for several deltas at once (a segment buffers its deltas
     /// for a few milliseconds, see `runtime::host`): appends them, in order,
-    /// to `partial` and as one `delta` event each. Returns the position of
+    /// as one `delta` event each. Returns the position of
     /// the first. One write however many deltas.
     pub async fn emit_deltas(&self, lease: &Lease, deltas: &[&str]) -> Result<i64, StoreError> {
         if deltas.is_empty() {
@@ -171,9 +167,7 @@ impl Store {
                         self,
                         concat!(
                             pg_deltas!("$4"),
-                            "r AS (UPDATE runs SET \
-                             partial = partial || COALESCE((SELECT string_agg(delta, '' ORDER BY ord) FROM d), ''), \
-                             emit_pos = emit_pos + $5, heartbeat_at = {now}, updated_at = {now} WHERE ",
+                            "r AS (UPDATE runs SET emit_pos = emit_pos + $5, heartbeat_at = {now}, updated_at = {now} WHERE ",
                             guarded!(),
                             " RETURNING id, fence, thread_id, emit_pos - $5 AS first)",
                             pg_append_deltas!("$5", "0", ""),
@@ -245,9 +239,13 @@ impl Store {
             .await?;
             let kept = log::replay_stream(payloads.iter().map(|(k, p)| (k.as_str(), p.as_str())));
             let partial: String = kept.iter().take(cut.max(0) as usize).map(String::as_str).collect();
+            let payload = json!({ "from": cut, "to": emit_pos });
+            let seq = log::append(self, &mut tx, &thread_id, lease.run_id, lease.fence, kind::RETRACT, &payload).await?;
+            // The cut folds the stream (`store::partial`): what stands up to
+            // `cut`, and no event before the retract is read again.
             sqlx::query(sql!(
                 self,
-                "UPDATE runs SET partial = $4, emit_pos = $5, updated_at = {now} \
+                "UPDATE runs SET partial = $4, emit_pos = $5, partial_pos = $5, partial_seq = $6, updated_at = {now} \
                  WHERE id = $1 AND lease_owner = $2 AND fence = $3 AND status = 'running'"
             ))
             .bind(lease.run_id)
@@ -255,10 +253,9 @@ impl Store {
             .bind(lease.fence)
             .bind(&partial)
             .bind(cut)
+            .bind(seq)
             .execute(&mut *tx)
             .await?;
-            let payload = json!({ "from": cut, "to": emit_pos });
-            log::append(self, &mut tx, &thread_id, lease.run_id, lease.fence, kind::RETRACT, &payload).await?;
             tx.commit().await?;
             Ok((cut, Some(thread_id)))
         })

@@ -34,6 +34,7 @@ mod runs;
 pub mod search;
 pub mod sqlite;
 mod overview;
+pub(crate) mod partial;
 mod stats;
 pub(crate) mod submits;
 mod suspend;
@@ -107,6 +108,10 @@ pub struct Dialect {
     /// from it, so a statement that waited on a lock hands out the lease
     /// it says, not one shortened by the wait. Templates: `{clock}`.
     pub clock: &'static str,
+    /// The run's streamed output not yet folded into `partial` (see
+    /// [`partial`]), as one string: an expression over the row `runs`,
+    /// cheap (no read) when nothing is unfolded. Templates: `{unfolded}`.
+    pub unfolded: &'static str,
     /// Claims up to `$3` claimable runs for owner `$1` with a lease of `$2` ms.
     /// Template: `{now}` is replaced by [`Dialect::now`].
     pub claim: &'static str,
@@ -161,6 +166,7 @@ fn render(backend: Backend, template: &str) -> &'static str {
         template
             .replace("{now}", backend.dialect().now)
             .replace("{clock}", backend.dialect().clock)
+            .replace("{unfolded}", backend.dialect().unfolded)
             .into_boxed_str(),
     )
 }

@@ -54,6 +54,8 @@ pub static DIALECT: Dialect = Dialect {
     // now() is the transaction's start: one consistent instant per statement.
     now: "(extract(epoch from now()) * 1000)::bigint",
     clock: "(extract(epoch from clock_timestamp()) * 1000)::bigint",
+    unfolded: "CASE WHEN runs.emit_pos > runs.partial_pos THEN COALESCE((SELECT string_agg(e.payload::jsonb ->> 'delta', '' ORDER BY e.seq) FROM events e \
+               WHERE e.run_id = runs.id AND e.kind = 'delta' AND e.seq > runs.partial_seq), '') ELSE '' END",
     // Under READ COMMITTED, FOR UPDATE re-checks the WHERE clause on the
     // newest row version after locking it, so a run claimed or closed by a
     // concurrent transaction is skipped or dropped, never claimed twice.

@@ -100,7 +100,7 @@ impl Store {
                     "UPDATE runs SET fence = fence WHERE id = $1 AND fence = $2 AND status = $3 \
                      AND ((status = 'running' AND lease_expires_at < {now}) \
                           OR (status <> 'running' AND attempt >= max_attempts)) \
-                     RETURNING attempt, max_attempts, partial, thread_id, lease_owner"
+                     RETURNING attempt, max_attempts, runs.partial || {unfolded} AS partial, thread_id, lease_owner"
                 ))
                 .bind(id)
                 .bind(fence)
@@ -149,6 +149,7 @@ impl Store {
                     sqlx::query(sql!(
                         store,
                         "UPDATE runs SET status = 'aborted', output = $4, error = $3, \
+                         partial = $5, partial_pos = emit_pos, \
                          lease_owner = NULL, lease_expires_at = NULL, finished_at = {now}, updated_at = {now} \
                          WHERE id = $1 AND fence = $2"
                     ))
@@ -156,6 +157,7 @@ impl Store {
                     .bind(fence)
                     .bind(&error)
                     .bind(output)
+                    .bind(&partial)
                     .execute(&mut *tx)
                     .await?;
                     let payload = json!({ "status": RunStatus::Aborted, "output": output, "error": error });

@@ -180,7 +180,7 @@ impl Store {
     /// run and whether it is new (`false`: its key was taken; the run that
     /// holds it). Wakes workers for the new runs.
     pub(crate) async fn insert_runs(&self, submits: &[Submit]) -> Result<Vec<(Run, bool)>, StoreError> {
-        let created = match (self.backend(), submits) {
+        let mut created = match (self.backend(), submits) {
             (_, []) => Vec::new(),
             (Backend::Postgres, _) => self.insert_runs_pg(submits).await?,
             (Backend::Sqlite, _) => {
@@ -200,6 +200,14 @@ impl Store {
         for (run, _) in created.iter().filter(|(_, new)| *new) {
             self.hub().wake(&run.thread_id);
             self.signal_work(false).await;
+        }
+        // A taken key's run may be streaming. The batch is written: a
+        // failed read leaves that run's partial short, never an error that
+        // would have the batch submitted again.
+        for (run, _) in created.iter_mut().filter(|(_, new)| !*new) {
+            if let Err(e) = self.unfold(run).await {
+                tracing::warn!(run = run.id, error = %e, "reading a run's streamed output failed");
+            }
         }
         Ok(created)
     }
@@ -358,7 +366,9 @@ impl Store {
             .fetch_optional(self.pool())
             .await?
             .ok_or(StoreError::RunNotFound(id))?;
-        Run::from_row(&row)
+        let mut run = Run::from_row(&row)?;
+        self.unfold(&mut run).await?;
+        Ok(run)
     }
 
     /// Runs, newest first, optionally filtered; `before` is a cursor (an id).
@@ -403,6 +413,8 @@ impl Store {
     ) -> Result<(Vec<Run>, bool), StoreError> {
         // `$4`: the text, as a LIKE pattern; `$5`, `$6`: status, plugin;
         // `$7`: the lowest id; `$8`: the thread.
+        // The byte budget counts the stored partial; a running run's
+        // unfolded deltas (`store::partial`) are not counted.
         macro_rules! page {
             ($filter:literal) => {
                 concat!(
@@ -440,7 +452,9 @@ impl Store {
             Some(last) => last.try_get::<i64, _>("running")? >= max_bytes,
             None => false,
         };
-        Ok((rows.iter().map(Run::from_row).collect::<Result<_, _>>()?, cut))
+        let mut runs = rows.iter().map(Run::from_row).collect::<Result<Vec<_>, _>>()?;
+        self.unfold_all(&mut runs).await?;
+        Ok((runs, cut))
     }
 
     /// Statement 2: extends the lease to `ttl` from the database's now and

@@ -39,6 +39,8 @@ pub static DIALECT: Dialect = Dialect {
     now: "CAST(unixepoch('subsec') * 1000 AS INTEGER)",
     // A statement never waits on a lock once it runs (it waits before).
     clock: "CAST(unixepoch('subsec') * 1000 AS INTEGER)",
+    unfolded: "CASE WHEN runs.emit_pos > runs.partial_pos THEN COALESCE((SELECT group_concat(e.payload ->> 'delta', '' ORDER BY e.seq) FROM events e \
+               WHERE e.run_id = runs.id AND e.kind = 'delta' AND e.seq > runs.partial_seq), '') ELSE '' END",
     // One statement: SQLite runs the sub-select and the update under the
     // same write lock, so no other writer can claim the same run between them.
     // INDEXED BY pins the claim to runs_claim: without statistics SQLite may

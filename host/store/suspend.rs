@@ -100,7 +100,7 @@ impl Store {
     /// state instead (`waiting_input`, no owner, no input yet), so a second
     /// delivery is a `Conflict`, never an overwrite.
     pub async fn deliver_input(&self, run_id: i64, input: &str) -> Result<Run, StoreError> {
-        let run = self.retry(|| async move {
+        let mut run = self.retry(|| async move {
             let mut tx = self.writer().begin().await?;
             let row = sqlx::query(sql!(
                 self,
@@ -135,6 +135,10 @@ impl Store {
         .await?;
         self.hub().wake(&run.thread_id);
         self.signal_work(true).await;
+        // Delivered: a failed read leaves the shown partial short.
+        if let Err(e) = self.unfold(&mut run).await {
+            tracing::warn!(run = run.id, error = %e, "reading a run's streamed output failed");
+        }
         Ok(run)
     }
 
@@ -146,7 +150,8 @@ impl Store {
             let row = sqlx::query(sql!(
                 self,
                 "UPDATE runs SET status = 'cancelled', fence = fence + 1, lease_owner = NULL, \
-                 lease_expires_at = NULL, finished_at = {now}, updated_at = {now} \
+                 lease_expires_at = NULL, finished_at = {now}, updated_at = {now}, \
+                 partial = runs.partial || {unfolded}, partial_pos = emit_pos \
                  WHERE id = $1 AND status NOT IN ('completed','failed','aborted','cancelled') \
                  RETURNING *"
             ))

@@ -88,10 +88,15 @@ pub struct Run {
     pub attempt: i64,
     pub max_attempts: i64,
     pub heartbeat_at: Option<i64>,
-    /// Streamed output not yet promoted to `output`.
+    /// Streamed output not yet promoted to `output`. Only as read through
+    /// the store's run reads (`get_run`, lists), which join what a flush
+    /// appended since the last fold (see `store::partial`).
     pub partial: String,
     /// How many emits `partial` holds (the next emit's position).
     pub emit_pos: i64,
+    /// Where the stored `partial` stops (see `store::partial`).
+    #[serde(skip)]
+    pub(crate) folded: crate::store::partial::Folded,
     /// Input delivered to a `waiting_input` run, not yet consumed.
     pub pending_input: Option<String>,
     pub output: Option<String>,
@@ -133,6 +138,7 @@ impl Run {
             heartbeat_at: row.try_get("heartbeat_at")?,
             partial: row.try_get("partial")?,
             emit_pos: row.try_get("emit_pos")?,
+            folded: crate::store::partial::Folded::from_row(row)?,
             pending_input: row.try_get("pending_input")?,
             output: row.try_get("output")?,
             error: row.try_get("error")?,
@@ -199,6 +205,9 @@ pub struct Lease {
 /// A successful claim: the run as it is now, and the lease to write with.
 #[derive(Debug, Clone)]
 pub struct Claimed {
+    /// The run as claimed. Its `partial` is the stored, folded part only
+    /// (see `store::partial`): a segment resumes from `emit_pos`, never
+    /// from the text, so a claim does not read the deltas back.
     pub run: Run,
     pub lease: Lease,
     /// Whether the claim counted an attempt (`attempt` includes it). An

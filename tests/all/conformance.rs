@@ -170,7 +170,7 @@ both! {
         ensure!(after.status == RunStatus::Running && after.output.is_none(), "partial not promoted");
         ensure!(s.effects(id).await?[0].state == EffectState::InDoubt);
         let b = claim(s, "b").await?;
-        ensure!(b.run.id == id && b.run.fence == a.run.fence + 1 && b.run.partial == "half an ans");
+        ensure!(b.run.id == id && b.run.fence == a.run.fence + 1 && s.get_run(id).await?.partial == "half an ans");
         Ok(())
     }
 

@@ -17,6 +17,7 @@ mod edges;
 mod fake_model;
 mod hosts;
 mod model;
+mod partial;
 mod openapi;
 mod orphans;
 mod replay;

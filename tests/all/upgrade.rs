@@ -31,7 +31,8 @@ async fn in_flight(db: &TestDb, kept: i64, policy: UpgradePolicy) -> Result<(Arc
     let partial: String = (0..kept).map(|i| format!("step {i} ")).collect();
     sqlx::query(
         "UPDATE runs SET status = 'waiting_takeover', output = NULL, finished_at = NULL, lease_owner = NULL, \
-         partial = $2, emit_pos = $3 WHERE id = $1",
+         partial = $2, emit_pos = $3, partial_pos = $3, \
+         partial_seq = (SELECT MAX(seq) FROM events WHERE run_id = $1) WHERE id = $1",
     )
     .bind(id)
     .bind(partial)
