@@ -15,6 +15,13 @@
 //!   on a cluster the suite owns. SQLite: an outside process holds the
 //!   write lock for up to 2 s (kills may also land mid-transaction; that
 //!   is not detected separately).
+//! * **partition** (PostgreSQL): each host runs in a network namespace of
+//!   its own (`netns.rs`), reaching the database and the sink through a
+//!   veth pair; a host's link is cut while it holds runs, until every one
+//!   is taken over elsewhere, then restored. Its writes, held up in TCP,
+//!   arrive late and must all be refused (no stale write); its runs come
+//!   back within the takeover bound. Without namespaces (not root, or a
+//!   kernel that refuses them) the PostgreSQL run fails, naming why.
 //! * **clock skew**: host 1 runs an hour ahead and host 2 an hour behind
 //!   (`--test-clock-skew-ms`); leases use the database clock, so no lease
 //!   is taken before it expires (`steals`), every lease expiry written is
@@ -37,7 +44,8 @@
 //! `LEASEHOLD_CHAOS_RUNS` (200), `LEASEHOLD_CHAOS_KILLS` (10),
 //! `LEASEHOLD_CHAOS_ZOMBIES` (kills / 5, at least 2),
 //! `LEASEHOLD_CHAOS_DB_FAULTS` (kills / 5, at least 3),
-//! `LEASEHOLD_CHAOS_PREFETCH` (each host's `--prefetch`; default `serve`'s,
+//! `LEASEHOLD_CHAOS_PARTITIONS` (kills / 5, at least 2; 0 leaves the fault
+//! out), `LEASEHOLD_CHAOS_PREFETCH` (each host's `--prefetch`; default `serve`'s,
 //! and in the long mode a mix: the default, none, 256). The long mode is
 //! `LEASEHOLD_CHAOS_RUNS=10000 LEASEHOLD_CHAOS_KILLS=200`. Each run ends with
 //! one JSON line on stderr, also written to `target/chaos/`.
@@ -58,6 +66,7 @@ use serde_json::{Value, json};
 
 use crate::plugins;
 use crate::serve_proc::{ServeArgs, ServeProc};
+use crate::netns::Net;
 use crate::sink::Sink;
 
 const HOSTS: usize = 3;
@@ -85,6 +94,9 @@ struct Settings {
     kills: usize,
     zombies: usize,
     db_faults: usize,
+    /// PostgreSQL only: a host's link to the database cut while it holds
+    /// runs, then restored.
+    partitions: usize,
 }
 
 impl Settings {
@@ -94,7 +106,8 @@ impl Settings {
         let kills = env_num("LEASEHOLD_CHAOS_KILLS").unwrap_or(10) as usize;
         let zombies = env_num("LEASEHOLD_CHAOS_ZOMBIES").map_or((kills / 5).max(2), |v| v as usize);
         let db_faults = env_num("LEASEHOLD_CHAOS_DB_FAULTS").map_or((kills / 5).max(3), |v| v as usize);
-        Settings { seed, runs, kills, zombies, db_faults }
+        let partitions = env_num("LEASEHOLD_CHAOS_PARTITIONS").map_or((kills / 5).max(2), |v| v as usize);
+        Settings { seed, runs, kills, zombies, db_faults, partitions }
     }
 }
 
@@ -114,6 +127,9 @@ enum Fault {
     Kill { host: usize, restart_after_ms: u64 },
     Zombie { host: usize },
     Db(DbFault),
+    /// Cut `host`'s network link (database, sink and API) while it holds
+    /// runs, until they are all taken over; then restore it.
+    Partition { host: usize },
 }
 
 #[derive(Debug, Clone)]
@@ -174,6 +190,12 @@ fn plan(s: &Settings, backend: Backend) -> (Vec<(u64, Fault)>, Vec<Kind>) {
             Backend::Sqlite => DbFault::HoldWriteLock { ms: rng.random_range(300..2000) },
         }));
     }
+    // SQLite hosts share a file, not a network.
+    if backend == Backend::Postgres {
+        for _ in 0..s.partitions {
+            faults.push(Fault::Partition { host: rng.random_range(0..HOSTS) });
+        }
+    }
     faults.shuffle(&mut rng);
     let schedule = faults.into_iter().map(|f| (rng.random_range(100..700), f)).collect();
     let load = (0..s.runs)
@@ -230,7 +252,9 @@ fn as_postgres(runas: &[String], program: &Path) -> Command {
 }
 
 impl PgCluster {
-    fn start() -> Result<PgCluster> {
+    /// A cluster listening on 127.0.0.1 and, with `also`, on that address
+    /// (the chaos hosts' namespaces reach it there).
+    fn start(also: Option<std::net::Ipv4Addr>) -> Result<PgCluster> {
         let (Some(initdb), Some(pg_ctl)) = (pg_bin("initdb"), pg_bin("pg_ctl")) else {
             bail!("the PostgreSQL chaos run restarts its own cluster: install the server (apt-get install postgresql)");
         };
@@ -248,12 +272,23 @@ impl PgCluster {
         let data = dir.path().join("data");
         let out = as_postgres(&runas, &initdb).arg("-D").arg(&data).args(["-U", "postgres", "--auth=trust"]).output()?;
         ensure!(out.status.success(), "initdb: {}", String::from_utf8_lossy(&out.stderr));
+        let mut listen = "127.0.0.1".to_string();
+        if let Some(ip) = also {
+            listen = format!("{listen},{ip}");
+            // initdb trusts loopback only; the namespaces' addresses too.
+            use std::io::Write;
+            std::fs::OpenOptions::new()
+                .append(true)
+                .open(data.join("pg_hba.conf"))?
+                .write_all(b"host all all 10.0.0.0/8 trust\n")?;
+        }
         let opts = format!(
-            "-p {port} -k {} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=300",
+            "-p {port} -k {} -c listen_addresses={listen} -c fsync=off -c max_connections=300",
             dir.path().display()
         );
         let log = dir.path().join("server.log");
-        let cluster = PgCluster { url: format!("postgres://postgres@127.0.0.1:{port}/postgres"), dir, pg_ctl, runas };
+        let host = also.unwrap_or(std::net::Ipv4Addr::LOCALHOST);
+        let cluster = PgCluster { url: format!("postgres://postgres@{host}:{port}/postgres"), dir, pg_ctl, runas };
         cluster.pg_ctl(&["-l", log.to_str().context("log path")?, "-w", "-o", &opts, "start"])?;
         Ok(cluster)
     }
@@ -381,6 +416,8 @@ struct Slot {
     generation: u32,
     /// SIGSTOPped now.
     stopped: bool,
+    /// Its link cut now.
+    partitioned: bool,
 }
 
 struct Cluster<'a> {
@@ -396,6 +433,8 @@ struct Cluster<'a> {
     http_allow: String,
     /// 5xx answers other than 503 from live hosts.
     server_errors: Mutex<Vec<String>>,
+    /// The hosts' network namespaces (PostgreSQL with partitions).
+    net: Option<&'a Net>,
 }
 
 /// The long mode's local queues by host: serve's default, none, deep.
@@ -410,6 +449,10 @@ impl<'a> Cluster<'a> {
         let mut a = ServeArgs::new(self.db_url, self.dir, owner(host, slot.generation))?;
         a.log = self.dir.join(format!("host-{host}.log"));
         a.port = slot.port;
+        if let Some(net) = self.net {
+            a.listen_ip = net.host(host).to_string();
+            a.wrap = net.exec_prefix(host);
+        }
         a.lease_ttl_ms = TTL_MS;
         a.reaper_interval_ms = REAPER_MS;
         a.poll_ms = POLL_MS;
@@ -432,13 +475,19 @@ impl<'a> Cluster<'a> {
         Ok(a)
     }
 
-    async fn start(db_url: &'a str, dir: &'a Path, http_allow: String) -> Result<Cluster<'a>> {
+    async fn start(db_url: &'a str, dir: &'a Path, http_allow: String, net: Option<&'a Net>) -> Result<Cluster<'a>> {
         let http = crate::serve_proc::client(
             reqwest::Client::builder().timeout(Duration::from_secs(10)).connect_timeout(Duration::from_secs(1)),
         )?;
         let mut slots = Vec::new();
         for _ in 0..HOSTS {
-            slots.push(Mutex::new(Slot { proc: None, port: crate::serve_proc::free_port()?, generation: 0, stopped: false }));
+            slots.push(Mutex::new(Slot {
+                proc: None,
+                port: crate::serve_proc::free_port()?,
+                generation: 0,
+                stopped: false,
+                partitioned: false,
+            }));
         }
         let c = Cluster {
             slots,
@@ -449,6 +498,7 @@ impl<'a> Cluster<'a> {
             host_crashes: AtomicU64::new(0),
             http_allow,
             server_errors: Mutex::new(Vec::new()),
+            net,
         };
         for h in 0..HOSTS {
             c.spawn(h)?;
@@ -465,6 +515,7 @@ impl<'a> Cluster<'a> {
         let p = ServeProc::spawn(&self.args(host, &slot)?)?;
         slot.proc = Some(p);
         slot.stopped = false;
+        slot.partitioned = false;
         Ok(())
     }
 
@@ -473,7 +524,8 @@ impl<'a> Cluster<'a> {
     }
 
     fn base(&self, host: usize) -> String {
-        format!("http://127.0.0.1:{}", self.slots[host].lock().unwrap().port)
+        let ip = self.net.map_or(std::net::Ipv4Addr::LOCALHOST, |n| n.host(host));
+        format!("http://{ip}:{}", self.slots[host].lock().unwrap().port)
     }
 
     fn owner_of(&self, host: usize) -> String {
@@ -484,12 +536,12 @@ impl<'a> Cluster<'a> {
         self.slots[host].lock().unwrap().proc.as_ref().map(|p| p.pid())
     }
 
-    /// Hosts that answer: running and not stopped.
+    /// Hosts that answer: running, not stopped, not cut off.
     fn live(&self) -> Vec<usize> {
         (0..HOSTS)
             .filter(|&h| {
                 let s = self.slots[h].lock().unwrap();
-                s.proc.is_some() && !s.stopped
+                s.proc.is_some() && !s.stopped && !s.partitioned
             })
             .collect()
     }
@@ -568,6 +620,8 @@ struct Counters {
     kills: AtomicU64,
     zombies: AtomicU64,
     zombie_writes_rejected: AtomicU64,
+    partitions: AtomicU64,
+    partition_writes_rejected: AtomicU64,
     db_faults: AtomicU64,
     duplicate_submits: AtomicU64,
     duplicate_inputs: AtomicU64,
@@ -614,8 +668,17 @@ async fn chaos(backend: Backend) -> Result<()> {
     let (schedule, load) = plan(&settings, backend);
     let dir = tempfile::Builder::new().prefix("leasehold-chaos").tempdir()?;
     std::fs::write(dir.path().join("testkit.wasm"), plugins::rust_plugin("testkit")?)?;
+    // The partition fault's namespaces: made or the run fails, loudly
+    // (LEASEHOLD_CHAOS_PARTITIONS=0 leaves the fault out).
+    let net = match backend {
+        Backend::Postgres if settings.partitions > 0 => {
+            Some(Net::create(HOSTS).context("the chaos run's partition fault could not make its network namespaces")?)
+        }
+        _ => None,
+    };
+    let service = net.as_ref().map(Net::service);
     let pg = match backend {
-        Backend::Postgres => Some(PgCluster::start()?),
+        Backend::Postgres => Some(PgCluster::start(service)?),
         Backend::Sqlite => None,
     };
     let db_url = match &pg {
@@ -634,9 +697,9 @@ async fn chaos(backend: Backend) -> Result<()> {
         .bind(TTL_MS as i64 + 1000)
         .execute(store.pool())
         .await?;
-    let sink = Sink::start_with_jitter(Duration::ZERO, Duration::from_millis(30)).await?;
+    let sink = Sink::start_at(service.unwrap_or(std::net::Ipv4Addr::LOCALHOST), Duration::ZERO, Duration::from_millis(30)).await?;
     leasehold::effects::http::install_tls();
-    let cluster = Cluster::start(&db_url, dir.path(), sink.allow()).await?;
+    let cluster = Cluster::start(&db_url, dir.path(), sink.allow(), net.as_ref()).await?;
     let result = drive(&settings, backend, &schedule, load, &cluster, &store, pg.as_ref(), &sink).await;
     drop(cluster);
     store.shutdown().await;
@@ -1077,6 +1140,7 @@ async fn inject(
             counters.zombie_writes_rejected.fetch_add(rejected, Relaxed);
             eprintln!("chaos: zombie {owner} held {held} runs, {taken} taken over; {rejected} of its writes refused after SIGCONT");
         }
+        Fault::Partition { host } => partition(cluster, store, counters, host).await?,
         Fault::Db(f) => {
             wait_recoveries(counters).await;
             counters.db_faults.fetch_add(1, Relaxed);
@@ -1238,6 +1302,85 @@ async fn zombie_round(
         }
     }
     Ok(Some((held.len(), taken, rejected, after.join(", "))))
+}
+
+/// The partition fault: cuts `host`'s link while it holds runs, waits
+/// until every one is taken over elsewhere (or finished by a write that
+/// got out first), then restores the link. Its held-up writes then reach
+/// the database late and must all be refused (the audit's stale writes);
+/// the refusals its metrics count are reported.
+async fn partition(cluster: &Cluster<'_>, store: &Store, counters: &Arc<Counters>, host: usize) -> Result<()> {
+    let net = cluster.net.context("a partition fault needs the hosts' namespaces")?;
+    wait_recoveries(counters).await;
+    let owner = cluster.owner_of(host);
+    let base = cluster.base(host);
+    let mut tries = 0;
+    let (before, held) = loop {
+        until_busy(store, counters, &owner, Duration::from_secs(5)).await?;
+        let before = scrape(&cluster.http, &base, "leasehold_fenced_writes_rejected_total").await.unwrap_or(0);
+        net.cut(host)?;
+        let held = held_by(store, &owner).await?;
+        tries += 1;
+        if !held.is_empty() || tries >= 20 {
+            break (before, held);
+        }
+        net.restore(host)?;
+    };
+    let cut_at = Instant::now();
+    cluster.slots[host].lock().unwrap().partitioned = true;
+    cluster.faulted.lock().unwrap().insert(owner.clone());
+    counters.partitions.fetch_add(1, Relaxed);
+    counters.pending_recoveries.fetch_add(held.len() as i64, Relaxed);
+    tokio::spawn(track_recovery(store.clone(), counters.clone(), held.clone(), cut_at));
+    let deadline = Instant::now() + Duration::from_millis(TTL_MS + REAPER_MS + 10_000);
+    let taken = loop {
+        let (mut resolved, mut grew) = (0, 0);
+        for (id, fence) in &held {
+            let (f, status): (i64, String) = patiently(async || {
+                sqlx::query_as("SELECT fence, status FROM runs WHERE id = $1").bind(id).fetch_one(store.pool()).await
+            })
+            .await?;
+            grew += usize::from(f > *fence);
+            resolved += usize::from(f > *fence || status != "running");
+        }
+        if resolved == held.len() || Instant::now() > deadline {
+            if resolved < held.len() {
+                counters.unbitten.lock().unwrap().push(format!(
+                    "partition of {owner}: {} of its {} runs were neither taken over nor finished",
+                    held.len() - resolved,
+                    held.len()
+                ));
+            }
+            break grew;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let cut_for = cut_at.elapsed();
+    net.restore(host)?;
+    cluster.slots[host].lock().unwrap().partitioned = false;
+    // Its segments' writes arrive as the link comes back (TCP retransmits
+    // back off, so give them time): each is refused by the fence.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let mut rejected = 0;
+    while taken > 0 && Instant::now() < deadline {
+        rejected = scrape(&cluster.http, &base, "leasehold_fenced_writes_rejected_total").await.unwrap_or(before).saturating_sub(before);
+        if rejected > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    counters.partition_writes_rejected.fetch_add(rejected, Relaxed);
+    if held.is_empty() {
+        counters.unbitten.lock().unwrap().push(format!("partition of {owner}: it held no run in 20 tries"));
+    } else if taken == 0 {
+        counters.unbitten.lock().unwrap().push(format!("partition of {owner}: none of its runs was taken over"));
+    }
+    eprintln!(
+        "chaos: cut {owner} off for {} ms holding {} runs, {taken} taken over; {rejected} of its writes refused after",
+        cut_for.as_millis(),
+        held.len()
+    );
+    Ok(())
 }
 
 /// Whether some process holds SQLite's write lock for more than a moment.
@@ -1561,6 +1704,8 @@ async fn check(
         "kills": counters.kills.load(Relaxed),
         "zombies": zombies,
         "zombie_writes_rejected": counters.zombie_writes_rejected.load(Relaxed),
+        "partitions": counters.partitions.load(Relaxed),
+        "partition_writes_rejected": counters.partition_writes_rejected.load(Relaxed),
         "db_faults": counters.db_faults.load(Relaxed),
         "lost": lost,
         "duplicate_effects": duplicate_effects,

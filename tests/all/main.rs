@@ -17,6 +17,7 @@ mod edges;
 mod fake_model;
 mod hosts;
 mod model;
+mod netns;
 mod partial;
 mod openapi;
 mod orphans;

@@ -15,7 +15,12 @@ pub struct ServeArgs<'a> {
     /// stderr goes here (appended, so a restarted host keeps its history).
     pub log: PathBuf,
     pub owner: String,
+    /// The API's address (default 127.0.0.1) and port.
+    pub listen_ip: String,
     pub port: u16,
+    /// A command the host runs under (e.g. `ip netns exec <ns>`); none by
+    /// default.
+    pub wrap: Vec<String>,
     pub workers: usize,
     pub lease_ttl_ms: u64,
     pub reaper_interval_ms: u64,
@@ -32,7 +37,9 @@ impl ServeArgs<'_> {
             plugins_dir,
             log: plugins_dir.join(format!("{owner}.log")),
             owner,
+            listen_ip: "127.0.0.1".into(),
             port: free_port()?,
+            wrap: Vec::new(),
             workers: 4,
             lease_ttl_ms: 3000,
             reaper_interval_ms: 500,
@@ -51,8 +58,17 @@ pub struct ServeProc {
 impl ServeProc {
     pub fn spawn(a: &ServeArgs<'_>) -> Result<ServeProc> {
         let log = std::fs::OpenOptions::new().create(true).append(true).open(&a.log)?;
-        let child = Command::new(env!("CARGO_BIN_EXE_leasehold"))
-            .args(["serve", "--database-url", a.db_url, "--listen", &format!("127.0.0.1:{}", a.port)])
+        let bin = env!("CARGO_BIN_EXE_leasehold");
+        let mut command = match a.wrap.split_first() {
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(bin);
+                c
+            }
+            None => Command::new(bin),
+        };
+        let child = command
+            .args(["serve", "--database-url", a.db_url, "--listen", &format!("{}:{}", a.listen_ip, a.port)])
             .arg("--plugins-dir")
             .arg(a.plugins_dir)
             .args(["--http-allow", &a.http_allow.join(","), "--workers", &a.workers.to_string()])
@@ -70,7 +86,7 @@ impl ServeProc {
             .stderr(log)
             .spawn()
             .context("starting leasehold serve")?;
-        Ok(ServeProc { child, base: format!("http://127.0.0.1:{}", a.port) })
+        Ok(ServeProc { child, base: format!("http://{}:{}", a.listen_ip, a.port) })
     }
 
     pub fn pid(&self) -> u32 {

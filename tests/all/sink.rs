@@ -36,6 +36,7 @@ pub struct Sink {
     pub port: u16,
     hits: Arc<Mutex<Vec<Hit>>>,
     conflicts: Arc<std::sync::atomic::AtomicU32>,
+    ip: std::net::Ipv4Addr,
     gate: tokio::sync::watch::Sender<bool>,
     server: tokio::task::JoinHandle<()>,
 }
@@ -53,19 +54,25 @@ impl Sink {
     /// A sink that takes `delay` plus a random part of `jitter` to answer
     /// each request: a window in which a worker can die mid-effect.
     pub async fn start_with_jitter(delay: std::time::Duration, jitter: std::time::Duration) -> Result<Sink> {
+        Sink::start_at(std::net::Ipv4Addr::LOCALHOST, delay, jitter).await
+    }
+
+    /// [`Sink::start_with_jitter`], listening on `ip` (e.g. an address
+    /// other network namespaces reach).
+    pub async fn start_at(ip: std::net::Ipv4Addr, delay: std::time::Duration, jitter: std::time::Duration) -> Result<Sink> {
         let hits = Arc::new(Mutex::new(Vec::new()));
         let (gate, open) = tokio::sync::watch::channel(true);
         let conflicts = Arc::new(std::sync::atomic::AtomicU32::new(0));
         let app = axum::Router::new()
             .route("/effect", post(hit))
             .with_state(Shared { hits: hits.clone(), open, delay, jitter, conflicts: conflicts.clone() });
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let listener = tokio::net::TcpListener::bind((ip, 0)).await?;
         let port = listener.local_addr()?.port();
-        let url = format!("http://127.0.0.1:{port}/effect");
+        let url = format!("http://{ip}:{port}/effect");
         let server = tokio::spawn(async move {
             let _ = axum::serve(listener, app).await;
         });
-        Ok(Sink { url, port, hits, conflicts, gate, server })
+        Ok(Sink { url, port, hits, conflicts, ip, gate, server })
     }
 
     /// While held, requests are counted but not answered.
@@ -84,9 +91,9 @@ impl Sink {
         self.conflicts.store(n, std::sync::atomic::Ordering::SeqCst);
     }
 
-    /// The allow-list entry for this sink: `127.0.0.1:<port>`.
+    /// The allow-list entry for this sink: `<ip>:<port>`.
     pub fn allow(&self) -> String {
-        format!("127.0.0.1:{}", self.port)
+        format!("{}:{}", self.ip, self.port)
     }
 }
 
