@@ -120,6 +120,13 @@ impl WorkerPool {
         self.local.behind.load(Ordering::Relaxed)
     }
 
+    /// How many runs the local queue aims to hold now, with the claims on
+    /// their way: a second of the workers' measured pace, at most
+    /// `prefetch` (0 without a queue). Reading it moves the pace on.
+    pub fn queue_target(&self) -> usize {
+        self.local.room().1
+    }
+
     /// Stops claiming, waits up to `grace` for running segments, then stops
     /// the rest (they suspend as `waiting_takeover`) and waits for them.
     pub async fn shutdown(mut self, grace: Duration) {

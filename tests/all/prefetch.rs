@@ -171,10 +171,14 @@ both! {
             exec,
             PoolConfig { workers: 1, poll: Duration::from_millis(50), claim_batch: 32, prefetch: 20 },
         );
-        // Idle for eight pace windows: the pace it starts with (all of
-        // prefetch) halves with each window in which nothing ends, so
-        // nothing is queued ahead until the worker has shown its pace.
-        tokio::time::sleep(Duration::from_secs(2)).await;
+        // Idle: the pace it starts with (all of prefetch) halves with each
+        // window in which nothing ends, until nothing is queued ahead
+        // before the worker has shown its pace.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while pool.queue_target() > 0 {
+            ensure!(Instant::now() < deadline, "an idle pool still aims to queue {} runs", pool.queue_target());
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
         // 300 ms turns: about 3.3 a second for its one worker.
         let ids = submit_sleepers(&db.store, 12, 300).await?;
         let (mut most, deadline) = (0, Instant::now() + Duration::from_secs(30));
