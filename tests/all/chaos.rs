@@ -1243,29 +1243,7 @@ async fn zombie_round(
     cluster.slots[host].lock().unwrap().stopped = true;
     // Until every run it held is taken over, or finished by a write it sent
     // before it stopped.
-    let deadline = Instant::now() + Duration::from_millis(TTL_MS + REAPER_MS + 10_000);
-    let taken = loop {
-        let (mut resolved, mut grew) = (0, 0);
-        for (id, fence) in &held {
-            let (f, status): (i64, String) = patiently(async || {
-                sqlx::query_as("SELECT fence, status FROM runs WHERE id = $1").bind(id).fetch_one(store.pool()).await
-            })
-            .await?;
-            grew += usize::from(f > *fence);
-            resolved += usize::from(f > *fence || status != "running");
-        }
-        if resolved == held.len() || Instant::now() > deadline {
-            if resolved < held.len() {
-                counters.unbitten.lock().unwrap().push(format!(
-                    "zombie {owner}: {} of its {} runs were neither taken over nor finished",
-                    held.len() - resolved,
-                    held.len()
-                ));
-            }
-            break grew;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let taken = until_taken_over(store, counters, &held, &format!("zombie {owner}")).await?;
     signal(pid, "CONT")?;
     cluster.slots[host].lock().unwrap().stopped = false;
     // Its segments wake up and try to write: every write is refused. A
@@ -1332,29 +1310,7 @@ async fn partition(cluster: &Cluster<'_>, store: &Store, counters: &Arc<Counters
     counters.partitions.fetch_add(1, Relaxed);
     counters.pending_recoveries.fetch_add(held.len() as i64, Relaxed);
     tokio::spawn(track_recovery(store.clone(), counters.clone(), held.clone(), cut_at));
-    let deadline = Instant::now() + Duration::from_millis(TTL_MS + REAPER_MS + 10_000);
-    let taken = loop {
-        let (mut resolved, mut grew) = (0, 0);
-        for (id, fence) in &held {
-            let (f, status): (i64, String) = patiently(async || {
-                sqlx::query_as("SELECT fence, status FROM runs WHERE id = $1").bind(id).fetch_one(store.pool()).await
-            })
-            .await?;
-            grew += usize::from(f > *fence);
-            resolved += usize::from(f > *fence || status != "running");
-        }
-        if resolved == held.len() || Instant::now() > deadline {
-            if resolved < held.len() {
-                counters.unbitten.lock().unwrap().push(format!(
-                    "partition of {owner}: {} of its {} runs were neither taken over nor finished",
-                    held.len() - resolved,
-                    held.len()
-                ));
-            }
-            break grew;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let taken = until_taken_over(store, counters, &held, &format!("partition of {owner}")).await?;
     let cut_for = cut_at.elapsed();
     net.restore(host)?;
     cluster.slots[host].lock().unwrap().partitioned = false;
@@ -1381,6 +1337,35 @@ async fn partition(cluster: &Cluster<'_>, store: &Store, counters: &Arc<Counters
         held.len()
     );
     Ok(())
+}
+
+/// Waits until every run of `held` is taken over (a later fence) or
+/// finished, for up to the lease, the reaper and 10 s; one not resolved
+/// then is an unbitten fault of `who`. Returns how many were taken over.
+async fn until_taken_over(store: &Store, counters: &Counters, held: &[(i64, i64)], who: &str) -> Result<usize> {
+    let deadline = Instant::now() + Duration::from_millis(TTL_MS + REAPER_MS + 10_000);
+    loop {
+        let (mut resolved, mut grew) = (0, 0);
+        for (id, fence) in held {
+            let (f, status): (i64, String) = patiently(async || {
+                sqlx::query_as("SELECT fence, status FROM runs WHERE id = $1").bind(id).fetch_one(store.pool()).await
+            })
+            .await?;
+            grew += usize::from(f > *fence);
+            resolved += usize::from(f > *fence || status != "running");
+        }
+        if resolved == held.len() || Instant::now() > deadline {
+            if resolved < held.len() {
+                counters.unbitten.lock().unwrap().push(format!(
+                    "{who}: {} of its {} runs were neither taken over nor finished",
+                    held.len() - resolved,
+                    held.len()
+                ));
+            }
+            return Ok(grew);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// Whether some process holds SQLite's write lock for more than a moment.
