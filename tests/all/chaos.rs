@@ -1248,15 +1248,7 @@ async fn zombie_round(
     cluster.slots[host].lock().unwrap().stopped = false;
     // Its segments wake up and try to write: every write is refused. A
     // segment may first finish a remote call (the slice's grace is 5 s).
-    let deadline = Instant::now() + Duration::from_secs(15);
-    let mut rejected = 0;
-    while taken > 0 && Instant::now() < deadline {
-        rejected = scrape(&cluster.http, &base, "leasehold_fenced_writes_rejected_total").await.unwrap_or(before).saturating_sub(before);
-        if rejected > 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let rejected = refused_since(cluster, &base, before, taken).await;
     // What its segments did once it woke, for a round with no refusal.
     let mut after = Vec::new();
     if rejected == 0 {
@@ -1316,15 +1308,7 @@ async fn partition(cluster: &Cluster<'_>, store: &Store, counters: &Arc<Counters
     cluster.slots[host].lock().unwrap().partitioned = false;
     // Its segments' writes arrive as the link comes back (TCP retransmits
     // back off, so give them time): each is refused by the fence.
-    let deadline = Instant::now() + Duration::from_secs(15);
-    let mut rejected = 0;
-    while taken > 0 && Instant::now() < deadline {
-        rejected = scrape(&cluster.http, &base, "leasehold_fenced_writes_rejected_total").await.unwrap_or(before).saturating_sub(before);
-        if rejected > 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let rejected = refused_since(cluster, &base, before, taken).await;
     counters.partition_writes_rejected.fetch_add(rejected, Relaxed);
     if held.is_empty() {
         counters.unbitten.lock().unwrap().push(format!("partition of {owner}: it held no run in 20 tries"));
@@ -1337,6 +1321,23 @@ async fn partition(cluster: &Cluster<'_>, store: &Store, counters: &Arc<Counters
         held.len()
     );
     Ok(())
+}
+
+/// The writes `base`'s host had refused by the fence since it counted
+/// `before`, waiting up to 15 s for a first one when `taken` runs of its
+/// were taken over (its segments may first finish a remote call, or wait
+/// for TCP to retransmit).
+async fn refused_since(cluster: &Cluster<'_>, base: &str, before: u64, taken: usize) -> u64 {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let mut rejected = 0;
+    while taken > 0 && Instant::now() < deadline {
+        rejected = scrape(&cluster.http, base, "leasehold_fenced_writes_rejected_total").await.unwrap_or(before).saturating_sub(before);
+        if rejected > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    rejected
 }
 
 /// Waits until every run of `held` is taken over (a later fence) or
