@@ -66,6 +66,7 @@ use serde_json::{Value, json};
 
 use crate::plugins;
 use crate::serve_proc::{ServeArgs, ServeProc};
+use crate::lockwatch::LockWatch;
 use crate::netns::Net;
 use crate::sink::Sink;
 
@@ -435,6 +436,10 @@ struct Cluster<'a> {
     server_errors: Mutex<Vec<String>>,
     /// The hosts' network namespaces (PostgreSQL with partitions).
     net: Option<&'a Net>,
+    /// Every host process started, by pid: its owner name.
+    pids: Mutex<HashMap<u32, String>>,
+    /// SQLite: who held the write lock for long (see [`LockWatch`]).
+    lock_watch: Option<LockWatch>,
 }
 
 /// The long mode's local queues by host: serve's default, none, deep.
@@ -499,12 +504,18 @@ impl<'a> Cluster<'a> {
             http_allow,
             server_errors: Mutex::new(Vec::new()),
             net,
+            pids: Mutex::new(HashMap::new()),
+            lock_watch: None,
         };
         for h in 0..HOSTS {
             c.spawn(h)?;
         }
         for h in 0..HOSTS {
             c.wait_healthy(h).await?;
+        }
+        let mut c = c;
+        if let Some(file) = db_url.strip_prefix("sqlite://") {
+            c.lock_watch = Some(LockWatch::start(Path::new(file), Duration::from_millis(1_000))?);
         }
         Ok(c)
     }
@@ -513,6 +524,7 @@ impl<'a> Cluster<'a> {
         let mut slot = self.slots[host].lock().unwrap();
         slot.generation += 1;
         let p = ServeProc::spawn(&self.args(host, &slot)?)?;
+        self.pids.lock().unwrap().insert(p.pid(), owner(host, slot.generation));
         slot.proc = Some(p);
         slot.stopped = false;
         slot.partitioned = false;
@@ -1636,6 +1648,15 @@ async fn check(
     delays.sort_unstable();
     let max_delay = delays.last().copied().unwrap_or(0);
     let bound = 2 * (POLL_MS + REAPER_MS) as i64 + 1_000;
+    // SQLite: each hold of the write lock over 1 s, by whom and doing what.
+    let pids = cluster.pids.lock().unwrap().clone();
+    let stalls: Vec<String> = cluster.lock_watch.iter().flat_map(LockWatch::stalls).map(|s| {
+        let who = pids.get(&s.pid).cloned().unwrap_or_else(|| if s.pid == std::process::id() { "the test".into() } else { format!("pid {}", s.pid) });
+        format!("{who} from {} for {} ms ({})", s.since_ms, s.held_ms, s.threads)
+    }).collect();
+    for s in &stalls {
+        eprintln!("chaos: write lock held by {s}");
+    }
     if max_delay > bound {
         // Which run, whose, and when (database clock), to match with the
         // faults' log lines and the hosts' logs.
@@ -1646,7 +1667,8 @@ async fn check(
             .next()
             .unwrap_or_default();
         failures.push(format!(
-            "a dead host's run was taken over {max_delay} ms after its lease ran out; bound {bound} ms ({worst}; database faults: {windows:?})"
+            "a dead host's run was taken over {max_delay} ms after its lease ran out; bound {bound} ms ({worst}; database faults: {windows:?}; \
+             write-lock holds over 1 s: {stalls:?})"
         ));
     }
     let unbitten = counters.unbitten.lock().unwrap().clone();
@@ -1708,6 +1730,7 @@ async fn check(
         "recoveries": rec.len(),
         "max_takeover_delay_ms": max_delay,
         "takeover_delay_bound_ms": bound,
+        "write_lock_holds_over_1s": stalls.len(),
         "aborted_on_attempts": aborted_on_attempts,
         "server_errors": server_errors.len(),
         "unbitten_faults": unbitten.len(),

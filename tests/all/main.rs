@@ -28,6 +28,7 @@ mod interleaving;
 mod kv_quota;
 mod lease_cover;
 mod layout;
+mod lockwatch;
 mod runtime;
 mod sandbox;
 mod search;
