@@ -8,7 +8,6 @@
 //! wait channel say whether it is writing, syncing or idle inside an open
 //! transaction. Reading it takes no lock on the database.
 
-use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -102,35 +101,40 @@ fn write_holder(locks: &str, inode: u64) -> Option<u32> {
     })
 }
 
-/// Each thread of `pid` that is not parked in a futex or epoll wait,
-/// `name state wchan [kernel stack]`, then the parked ones counted by name
-/// (all of SQLite's worker threads parked while the lock is held: the
-/// transaction is open and its owner is awaiting something else).
+/// The threads of `pid`, grouped by `name state wchan` and counted; a
+/// group that is running or in an uninterruptible wait (`R`, `D`) shows
+/// one thread's kernel stack. All of SQLite's worker threads parked in a
+/// futex wait while the lock is held means the transaction is open and its
+/// owner awaits something else; `T` is a stopped process.
 fn threads_of(pid: u32) -> String {
     let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
         return "gone".into();
     };
-    let mut counts: HashMap<String, usize> = HashMap::new();
-    let mut busy = Vec::new();
+    let me = format!("{}", std::process::id());
+    let mut groups: std::collections::BTreeMap<String, (usize, String)> = Default::default();
     for t in tasks.flatten() {
         let dir = t.path();
         let read = |f: &str| std::fs::read_to_string(dir.join(f)).unwrap_or_default().trim().to_string();
-        let comm = read("comm");
-        let stat = read("stat");
         // The state follows the parenthesised name.
+        let stat = read("stat");
         let state = stat.rsplit_once(") ").and_then(|(_, r)| r.split_whitespace().next()).unwrap_or("?").to_string();
-        let wchan = read("wchan");
-        let parked = state == "S" && (wchan.contains("futex") || wchan.contains("epoll") || wchan.is_empty() || wchan == "0");
-        if parked {
-            *counts.entry(comm).or_default() += 1;
-            continue;
+        let stack = if state == "R" || state == "D" {
+            let frames: Vec<String> = read("stack").lines().take(6).map(|l| l.split_whitespace().nth(1).unwrap_or("").to_string()).collect();
+            // This watcher reading the test's own stacks.
+            if pid.to_string() == me && frames.first().is_some_and(|f| f.starts_with("proc_pid_stack")) {
+                continue;
+            }
+            format!(" [{}]", frames.join(" < "))
+        } else {
+            String::new()
+        };
+        let group = groups.entry(format!("{} {state} {}", read("comm"), read("wchan"))).or_default();
+        group.0 += 1;
+        if group.1.is_empty() {
+            group.1 = stack;
         }
-        let stack: Vec<String> = read("stack").lines().take(6).map(|l| l.split_whitespace().nth(1).unwrap_or("").to_string()).collect();
-        busy.push(format!("{comm} {state} {wchan} [{}]", stack.join(" < ")));
     }
-    let mut parked: Vec<String> = counts.into_iter().map(|(c, n)| format!("{c}×{n}")).collect();
-    parked.sort();
-    format!("{}; parked: {}", busy.join("; "), parked.join(" "))
+    groups.into_iter().map(|(k, (n, stack))| format!("{k} ×{n}{stack}")).collect::<Vec<_>>().join("; ")
 }
 
 #[test]
