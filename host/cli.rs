@@ -95,6 +95,9 @@ pub struct SubmitArgs {
     /// Failed segments allowed before the run is aborted. Default: 3.
     #[arg(long)]
     max_attempts: Option<i64>,
+    /// Higher is claimed first, -1000 to 1000. Default: 0.
+    #[arg(long, allow_negative_numbers = true)]
+    priority: Option<i64>,
     /// Stream the run's events until it finishes or waits for input.
     #[arg(long)]
     follow: bool,
@@ -277,6 +280,7 @@ pub async fn submit(api: &Api, args: SubmitArgs) -> Result<()> {
         "thread_id": args.thread,
         "idempotency_key": args.idempotency_key,
         "max_attempts": args.max_attempts,
+        "priority": args.priority,
     });
     let run = api.send(api.client().post(api.url("/v1/runs")).json(&body)).await?;
     api.print(&run, |r| println!("run {} queued on thread {}", r["id"], r["thread_id"].as_str().unwrap_or("")));
@@ -370,7 +374,7 @@ pub async fn runs(api: &Api, command: RunsCommand) -> Result<()> {
         RunsCommand::Show { id } => {
             let v = api.send(c.get(api.url(&format!("/v1/runs/{id}")))).await?;
             api.print(&v, |r| {
-                for key in ["id", "status", "plugin", "thread_id", "attempt", "max_attempts", "fence", "lease_owner", "lease_expires_at", "plugin_digest", "upgrade_note", "error"] {
+                for key in ["id", "status", "plugin", "thread_id", "attempt", "max_attempts", "priority", "fence", "lease_owner", "lease_expires_at", "plugin_digest", "upgrade_note", "error"] {
                     if !r[key].is_null() {
                         println!("{key:<17} {}", r[key].as_str().map(str::to_string).unwrap_or_else(|| r[key].to_string()));
                     }

@@ -36,6 +36,11 @@ pub struct Submit {
     /// return the first run.
     #[schema(min_length = 1, max_length = 256, pattern = r"^[^\u0000]+$")]
     idempotency_key: Option<String>,
+    /// Higher is claimed first, -1000 to 1000; within one priority, runs
+    /// start in the order they became ready. Default: 0.
+    #[schema(minimum = -1000, maximum = 1000)]
+    #[serde(default, deserialize_with = "whole_number")]
+    priority: Option<i64>,
 }
 
 /// An integer, also written as a float with no fraction (`3.0`), as JSON
@@ -49,6 +54,10 @@ fn whole_number<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<i64>, D
         Some(f) if f.fract() == 0.0 && f.abs() < 9.0e15 => Ok(Some(f as i64)),
         _ => Err(serde::de::Error::custom(format!("expected an integer, not {n}"))),
     }
+}
+
+fn check_priority(p: Option<i64>) -> Result<i64, ApiError> {
+    crate::store::priority::check(p.unwrap_or(0)).map_err(ApiError::bad_request)
 }
 
 fn check_key(what: &str, v: &Option<String>) -> Result<(), ApiError> {
@@ -79,6 +88,7 @@ pub async fn submit(State(s): State<AppState>, JsonBody(req): JsonBody<Submit>) 
     {
         return Err(ApiError::bad_request("max_attempts must be between 1 and 1000"));
     }
+    let priority = check_priority(req.priority)?;
     if !crate::plugins::valid_name(&req.plugin) {
         return Err(ApiError::not_found(format!("no plugin named {:?}", req.plugin)));
     }
@@ -96,6 +106,7 @@ pub async fn submit(State(s): State<AppState>, JsonBody(req): JsonBody<Submit>) 
         thread_id: req.thread_id.clone(),
         max_attempts: req.max_attempts,
         idempotency_key: req.idempotency_key.clone(),
+        priority,
     };
     let (run, created) = s.store.create_run(&new).await?;
     if !created {
@@ -140,6 +151,8 @@ pub struct BatchRun {
     max_attempts: Option<i64>,
     #[schema(min_length = 1, max_length = 256, pattern = r"^[^\u0000]+$")]
     idempotency_key: String,
+    #[schema(minimum = -1000, maximum = 1000)]
+    priority: Option<i64>,
 }
 
 /// One result per run of a batch, in order.
@@ -195,6 +208,7 @@ pub async fn submit_batch(State(s): State<AppState>, JsonBody(req): JsonBody<Bat
         {
             return Err(at(ApiError::bad_request("max_attempts must be between 1 and 1000")));
         }
+        let priority = check_priority(r.priority).map_err(at)?;
         if !(crate::plugins::valid_name(&r.plugin) && s.store.plugin_exists(&r.plugin).await?) {
             return Err(at(ApiError::not_found(format!("no plugin named {:?}", r.plugin))));
         }
@@ -206,6 +220,7 @@ pub async fn submit_batch(State(s): State<AppState>, JsonBody(req): JsonBody<Bat
             thread_id: r.thread_id.clone(),
             max_attempts: r.max_attempts,
             idempotency_key: r.idempotency_key.clone(),
+            priority,
         });
     }
     let written = s.store.create_runs(&news).await?;

@@ -11,11 +11,12 @@ use crate::store::{Backend, Claimed, Lease, Run, Store, StoreError, dialect_sql,
 /// `waiting_takeover`, `waiting_input` with its input delivered) or
 /// `running`, has attempts left, and its *eligible time* has passed:
 /// `not_before` for an open run, just after `lease_expires_at` for a running
-/// one. One partial expression index, `runs_claim (eligible_at!(), id)` with
-/// `claimable!()` as its predicate, serves the whole claim as one range scan:
-/// finished and waiting runs are not in it, in-flight runs sort after `now`,
-/// and expired leases and open runs come out in the order they became
-/// eligible, so neither can starve the other.
+/// one. One partial expression index, `runs_claim (priority DESC,
+/// eligible_at!(), id)` with `claimable!()` as its predicate, serves the
+/// claim as one range scan per priority that claimable runs hold, highest
+/// first: finished and waiting runs are not in it, in-flight runs sort
+/// after `now`, and within a priority expired leases and open runs come
+/// out in the order they became eligible, so neither can starve the other.
 ///
 /// Queries that should use the index repeat these texts verbatim (both
 /// planners match partial-index predicates and index expressions by text).
@@ -68,8 +69,8 @@ impl Store {
         Ok(self.claim_batch(owner, ttl, 1).await?.pop())
     }
 
-    /// Statement 1, batched: claims up to `max` runs in one statement, oldest
-    /// first. A run is claimable when it is open (`queued`,
+    /// Statement 1, batched: claims up to `max` runs in one statement,
+    /// highest priority first, then in the order they became eligible. A run is claimable when it is open (`queued`,
     /// `waiting_takeover`, or `waiting_input` with its input delivered) or
     /// `running` with an expired lease, has attempts left, and its
     /// `not_before` has passed. Each claimed run gets `fence + 1`,

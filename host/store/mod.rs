@@ -26,6 +26,7 @@ mod notify;
 mod orphans;
 mod plugins;
 pub mod postgres;
+pub mod priority;
 mod reap;
 mod retry;
 pub(crate) mod retention;

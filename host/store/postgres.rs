@@ -43,7 +43,7 @@ macro_rules! baseline {
     () => {
         concat!(
             "WITH c AS (SELECT id FROM runs WHERE ", crate::claimable!(),
-            " AND ", crate::eligible_at!(), " <= {now}",
+            " AND priority = 0 AND ", crate::eligible_at!(), " <= {now}",
             " ORDER BY ", crate::eligible_at!(), ", id LIMIT $1 FOR UPDATE SKIP LOCKED) ",
             "UPDATE runs r SET status = 'running' FROM c WHERE r.id = c.id RETURNING r.id"
         )
@@ -65,8 +65,9 @@ pub static DIALECT: Dialect = Dialect {
         "INSERT INTO runs (thread_id, plugin, plugin_digest, input, status, max_attempts, not_before, created_at, updated_at) ",
         "SELECT 'bench-' || i, $2, '', '{}', $3, 3, {now}, {now}, {now} FROM generate_series(1, $1::bigint) AS s(i)"
     ),
-    // The claim's own index path (runs_claim), so the ratio measures what
-    // the protocol adds: fence, attempt, lease and the returned row.
+    // The claim's own index path (runs_claim, at the benches' one
+    // priority), so the ratio measures what the protocol adds: fence,
+    // attempt, lease, priorities and the returned row.
     // (Ordering by id instead let the planner walk the primary key past
     // every claimed row.)
     baseline_claim: baseline!(),

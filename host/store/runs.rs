@@ -39,6 +39,7 @@ struct PgSubmit<'a> {
     input: &'a str,
     key: Option<&'a str>,
     max_attempts: i64,
+    priority: i64,
     payload: String,
     secret: &'a str,
 }
@@ -55,17 +56,17 @@ async fn insert_runs_sqlite(store: &Store, conn: &mut AnyConnection, submits: &[
     let list: Vec<serde_json::Value> = submits
         .iter()
         .map(|s| {
-            json!([s.thread_id, s.new.plugin, s.new.plugin_digest, s.new.input, s.new.idempotency_key, s.max_attempts, s.secret])
+            json!([s.thread_id, s.new.plugin, s.new.plugin_digest, s.new.input, s.new.idempotency_key, s.max_attempts, s.secret, s.new.priority])
         })
         .collect();
     let rows = sqlx::query(sql!(
         store,
         "INSERT INTO runs (thread_id, plugin, plugin_digest, input, idempotency_key, status, \
-         max_attempts, not_before, created_at, updated_at, secret) \
+         max_attempts, not_before, created_at, updated_at, secret, priority) \
          SELECT value ->> 0, value ->> 1, \
          CASE WHEN value ->> 2 = 'current' THEN (SELECT p.digest FROM plugins p WHERE p.name = value ->> 1) \
          ELSE value ->> 2 END, value ->> 3, value ->> 4, 'queued', value ->> 5, \
-         {now}, {now}, {now}, value ->> 6 FROM jsonb_each($1) WHERE true ORDER BY key \
+         {now}, {now}, {now}, value ->> 6, value ->> 7 FROM jsonb_each($1) WHERE true ORDER BY key \
          ON CONFLICT (idempotency_key) DO NOTHING RETURNING *"
     ))
     .bind(serde_json::Value::Array(list).to_string())
@@ -135,6 +136,7 @@ impl Store {
                 "max_attempts must be at least 1, got {max_attempts}"
             )));
         }
+        crate::store::priority::check(new.priority).map_err(StoreError::Config)?;
         let secret = format!("{:032x}", rand::random::<u128>());
         let submit = Submit { new: new.clone(), thread_id, max_attempts, secret };
         crate::store::submits::submit(self, submit).await
@@ -158,6 +160,7 @@ impl Store {
             if max_attempts < 1 {
                 return Err(StoreError::Config(format!("run {i}: max_attempts must be at least 1, got {max_attempts}")));
             }
+            crate::store::priority::check(new.priority).map_err(|e| StoreError::Config(format!("run {i}: {e}")))?;
             if let Some(key) = &new.idempotency_key
                 && !keys.insert(key.as_str())
             {
@@ -233,6 +236,7 @@ impl Store {
                 input: &s.new.input,
                 key: s.new.idempotency_key.as_deref(),
                 max_attempts: s.max_attempts,
+                priority: s.new.priority,
                 payload: submitted_payload(&s.new),
                 secret: &s.secret,
             })
@@ -245,12 +249,12 @@ impl Store {
                 Ok(sqlx::query(sql!(
                     self,
                     "WITH l AS (SELECT * FROM jsonb_to_recordset($1::text::jsonb) AS l(i bigint, thread_id text, \
-                     plugin text, digest text, input text, key text, max_attempts bigint, payload text, secret text)), \
+                     plugin text, digest text, input text, key text, max_attempts bigint, priority bigint, payload text, secret text)), \
                      r AS (INSERT INTO runs (thread_id, plugin, plugin_digest, input, idempotency_key, \
-                     status, max_attempts, not_before, created_at, updated_at, secret) \
+                     status, max_attempts, not_before, created_at, updated_at, secret, priority) \
                      SELECT thread_id, plugin, \
                      CASE WHEN digest = 'current' THEN (SELECT p.digest FROM plugins p WHERE p.name = l.plugin) ELSE digest END, \
-                     input, key, 'queued', max_attempts, {now}, {now}, {now}, secret \
+                     input, key, 'queued', max_attempts, {now}, {now}, {now}, secret, priority \
                      FROM l ORDER BY i ON CONFLICT (idempotency_key) DO NOTHING RETURNING *), \
                      t AS (INSERT INTO threads (id, last_seq) SELECT thread_id, 1 FROM r ORDER BY thread_id \
                      ON CONFLICT (id) DO UPDATE SET last_seq = threads.last_seq + 1 RETURNING id, last_seq), \

@@ -15,12 +15,47 @@ macro_rules! claim_set {
     };
 }
 
+/// The runs a claim takes (`$limit` of them), highest priority first and
+/// within a priority in eligible order. The priorities to read are 0 and
+/// those `lv` walks down runs_priority (claimable runs whose priority is
+/// not 0, an empty index while none is), one probe each. `IN` walks that
+/// list in runs_claim's order, so nothing is sorted, and for each priority
+/// the claim reads runs_claim from its first entry up to the clock: a
+/// priority whose runs are all asleep or leased costs one probe. One scan
+/// ordered by (priority, eligible time) would instead step over every
+/// not-yet-eligible run of the higher priorities on each claim.
 macro_rules! claim_select {
-    () => {
+    ($limit:literal) => {
         concat!(
-            "SELECT id FROM runs INDEXED BY runs_claim WHERE ", crate::claimable!(),
-            " AND ", crate::eligible_at!(), " <= {now} AND attempt < max_attempts",
-            " ORDER BY ", crate::eligible_at!(), ", id LIMIT $3"
+            "WITH RECURSIVE lv(p) AS (SELECT * FROM (", next_priority!("1 = 1"), ") ",
+            "UNION ALL SELECT (", next_priority!("priority < lv.p"), ") FROM lv WHERE lv.p IS NOT NULL) ",
+            "SELECT id FROM runs INDEXED BY runs_claim WHERE priority IN (SELECT 0 UNION ALL SELECT p FROM lv) AND ",
+            crate::claimable!(), " AND ", crate::eligible_at!(), " <= ", now_bound!(), " AND attempt < max_attempts",
+            " ORDER BY priority DESC, ", crate::eligible_at!(), ", id LIMIT ", $limit
+        )
+    };
+}
+
+/// The database's now (ms) as a claim's range end in runs_claim: not cast
+/// to an integer as `{now}` is, because a cast gives the bound INTEGER
+/// affinity, and SQLite then will not compare it with the index's
+/// expression (which has none) inside the index: the claim read every
+/// not-yet-eligible run of its priority (leased or asleep) and filtered
+/// them, whenever the queue was shorter than the claim. For whole numbers,
+/// `e <= x` and `e <= floor(x)` agree.
+macro_rules! now_bound {
+    () => {
+        "(unixepoch('subsec') * 1000)"
+    };
+}
+
+/// The highest priority other than 0 that a claimable run holds, among
+/// those meeting `$cond` (runs_priority).
+macro_rules! next_priority {
+    ($cond:literal) => {
+        concat!(
+            "SELECT priority FROM runs INDEXED BY runs_priority WHERE ", crate::claimable!(),
+            " AND priority <> 0 AND ", $cond, " ORDER BY priority DESC LIMIT 1"
         )
     };
 }
@@ -29,7 +64,7 @@ macro_rules! baseline_select {
     () => {
         concat!(
             "SELECT id FROM runs INDEXED BY runs_claim WHERE ", crate::claimable!(),
-            " AND ", crate::eligible_at!(), " BETWEEN 0 AND {now}",
+            " AND priority = 0 AND ", crate::eligible_at!(), " BETWEEN 0 AND {now}",
             " ORDER BY ", crate::eligible_at!(), ", id LIMIT $1"
         )
     };
@@ -48,13 +83,13 @@ pub static DIALECT: Dialect = Dialect {
     // index ever stops matching, the statement fails to prepare instead of
     // going slow.
     claim: concat!(
-        "UPDATE runs SET ", claim_set!(), " WHERE id IN (", claim_select!(), ") RETURNING *"
+        "UPDATE runs SET ", claim_set!(), " WHERE id IN (", claim_select!("$3"), ") RETURNING *"
     ),
     // `id = (…)` lets SQLite update in one pass; `id IN (…)` first collects
     // the ids, which costs more than the rest of the claim (measured: 124 µs
     // against 53 µs per claim on the same machine).
     claim_one: concat!(
-        "UPDATE runs SET ", claim_set!(), " WHERE id = (", claim_select!(), ") RETURNING *"
+        "UPDATE runs SET ", claim_set!(), " WHERE id = (", claim_select!("$3"), ") RETURNING *"
     ),
     bulk_load: concat!(
         "WITH RECURSIVE s(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM s WHERE i < $1) ",
@@ -85,10 +120,7 @@ pub static DIALECT: Dialect = Dialect {
 /// of a single claim's.
 pub(super) const CLAIM_SLOTS: &str = concat!(
     "WITH w AS (SELECT key AS k, value ->> 0 AS owner, value ->> 1 AS ttl FROM jsonb_each($1)), ",
-    "p AS (SELECT id, row_number() OVER () - 1 AS k FROM (",
-    "SELECT id FROM runs INDEXED BY runs_claim WHERE ", crate::claimable!(),
-    " AND ", crate::eligible_at!(), " <= {now} AND attempt < max_attempts",
-    " ORDER BY ", crate::eligible_at!(), ", id LIMIT $2)) ",
+    "p AS (SELECT id, row_number() OVER () - 1 AS k FROM (", claim_select!("$2"), ")) ",
     "UPDATE runs SET status = 'running', lease_owner = w.owner, fence = fence + 1, attempt = attempt + $3, ",
     "lease_expires_at = {now} + w.ttl, heartbeat_at = {now}, updated_at = {now}, ",
     "started_at = COALESCE(started_at, {now}) ",

@@ -87,6 +87,9 @@ pub struct Run {
     pub lease_expires_at: Option<i64>,
     pub attempt: i64,
     pub max_attempts: i64,
+    /// Higher is claimed first; within one priority, runs go in the order
+    /// they became eligible. Default 0.
+    pub priority: i64,
     pub heartbeat_at: Option<i64>,
     /// Streamed output not yet promoted to `output`. Only as read through
     /// the store's run reads (`get_run`, lists), which join what a flush
@@ -135,6 +138,7 @@ impl Run {
             lease_expires_at: row.try_get("lease_expires_at")?,
             attempt: row.try_get("attempt")?,
             max_attempts: row.try_get("max_attempts")?,
+            priority: row.try_get("priority")?,
             heartbeat_at: row.try_get("heartbeat_at")?,
             partial: row.try_get("partial")?,
             emit_pos: row.try_get("emit_pos")?,
@@ -171,6 +175,9 @@ pub struct NewRun {
     pub max_attempts: Option<i64>,
     /// A second create with the same key returns the first run.
     pub idempotency_key: Option<String>,
+    /// Higher is claimed first, within [`crate::store::priority::PRIORITIES`].
+    /// Default 0.
+    pub priority: i64,
 }
 
 impl NewRun {
@@ -190,6 +197,7 @@ impl NewRun {
             thread_id: None,
             max_attempts: None,
             idempotency_key: None,
+            priority: 0,
         }
     }
 }

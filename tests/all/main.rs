@@ -19,6 +19,7 @@ mod hosts;
 mod model;
 mod netns;
 mod partial;
+mod priority;
 mod openapi;
 mod orphans;
 mod replay;
