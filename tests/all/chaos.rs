@@ -32,6 +32,8 @@
 //!   twice at once.
 //! * **hostile guests**: loops, memory bombs, emit bombs, traps and huge
 //!   outputs mixed into the load.
+//! * **priorities**: a quarter of the load at priority 7 or -7 and one run
+//!   in sixteen at 1000, so claims read several priorities throughout.
 //!
 //! At the end: every acknowledged run is terminal; each chaos run's local
 //! counter equals its steps; each keyed POST reached the sink under one
@@ -158,6 +160,18 @@ impl Kind {
             Kind::Hostile(_) => 2,
             Kind::Duplicate { .. } | Kind::Cancel { .. } => 100,
         }
+    }
+}
+
+/// Run `i`'s priority, from the seed alone: most runs 0, one in eight 7,
+/// one in eight -7, one in sixteen 1000 (so claims read several priorities,
+/// and some runs wait behind others, while hosts die).
+fn priority_of(seed: u64, i: usize) -> i64 {
+    match (seed ^ i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 60 {
+        0 | 1 => 7,
+        2 | 3 => -7,
+        4 => 1000,
+        _ => 0,
     }
 }
 
@@ -841,7 +855,8 @@ async fn drive(
                 Kind::Hostile(mode) => json!({ "mode": mode }),
             };
             let max_attempts = kind.max_attempts();
-            let body = json!({ "plugin": "testkit", "input": input, "idempotency_key": key, "max_attempts": max_attempts });
+            let priority = priority_of(settings.seed, i);
+            let body = json!({ "plugin": "testkit", "input": input, "idempotency_key": key, "max_attempts": max_attempts, "priority": priority });
             let id = if let Kind::Duplicate { .. } = kind {
                 // Three at once, one key: one run.
                 let tries = (0..3).map(|k| {
