@@ -36,7 +36,15 @@ pub async fn metrics(State(state): State<AppState>) -> Result<Response, ApiError
 pub(super) async fn cached_gauges(state: &AppState, ttl: std::time::Duration) -> Result<Gauges, ApiError> {
     let mut gauges = state.gauges.lock().await;
     match gauges.as_ref() {
-        Some((at, g)) if at.elapsed() < ttl => Ok(g.clone()),
+        // The counts as read; `now_ms` advanced by the time since on this
+        // host's monotonic clock, so it stays the database's now (clients
+        // set their clocks from it) and an age computed from it keeps
+        // growing while the counts are reused.
+        Some((at, g)) if at.elapsed() < ttl => {
+            let mut g = g.clone();
+            g.now_ms += i64::try_from(at.elapsed().as_millis()).unwrap_or(i64::MAX);
+            Ok(g)
+        }
         _ => {
             let fresh = state.store.gauges().await?;
             *gauges = Some((std::time::Instant::now(), fresh.clone()));

@@ -31,7 +31,8 @@ pub struct Stats {
     effects: BTreeMap<String, i64>,
     /// When the oldest finished run kept finished (epoch ms); null if none.
     oldest_finished_at: Option<i64>,
-    /// The database's clock when the counts were read (epoch ms).
+    /// The database's clock now (epoch ms): read with the counts, plus the
+    /// time since on this host's monotonic clock.
     now: i64,
 }
 

@@ -306,6 +306,23 @@ both! {
         Ok(())
     }
 
+    async fn stats_give_the_database_clock_now_though_their_counts_are_cached(db) {
+        // The dashboard sets its clock from `now`: a `now` as old as the
+        // cached counts made times just past read as "in 300 ms".
+        let server = Server::start(db, None).await?;
+        let (status, first) = server.get("/v1/stats").await?;
+        ensure!(status == 200, "{status} {first}");
+        // Less than the counts' 2 s cache, so the second answer is cached.
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        let (_, second) = server.get("/v1/stats").await?;
+        let db_now = db.store.now_ms().await?;
+        let now = second["now"].as_i64().context("now")?;
+        ensure!(second["runs"] == first["runs"], "{first} {second}");
+        ensure!((db_now - now).abs() < 300, "stats say now is {now}, {} ms from the database's {db_now}", db_now - now);
+        server.stop().await;
+        Ok(())
+    }
+
     async fn a_configured_token_is_required_on_every_v1_request(db) {
         let server = Server::start(db, Some("s3cret")).await?;
         let (status, _) = server.get("/v1/runs").await?;
