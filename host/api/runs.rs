@@ -253,12 +253,16 @@ pub struct ListQuery {
     /// Only runs with this status.
     #[param(value_type = Option<RunStatus>)]
     status: Option<String>,
-    /// Only runs of this plugin.
+    /// Only runs of this plugin. Each text filter: at most 1024
+    /// characters, without NUL characters.
+    #[param(max_length = 1024, pattern = r"^[^\u0000]*$")]
     plugin: Option<String>,
     /// Only runs of this thread.
+    #[param(max_length = 1024, pattern = r"^[^\u0000]*$")]
     thread: Option<String>,
     /// Only runs whose input, output or error holds this text (ignoring
     /// ASCII case). Scans newest first.
+    #[param(max_length = 1024, pattern = r"^[^\u0000]*$")]
     q: Option<String>,
     /// Runs per page, 1 to 1000. Default: 50.
     #[param(minimum = 1, maximum = 1000)]
@@ -298,8 +302,8 @@ pub async fn list(State(s): State<AppState>, QueryParams(q): QueryParams<ListQue
     }
     let given = |name: &str, v: Option<String>| -> Result<Option<String>, ApiError> {
         let v = v.filter(|v| !v.is_empty());
-        if v.as_ref().is_some_and(|v| v.contains('\0') || v.len() > 1024) {
-            return Err(ApiError::bad_request(format!("{name} must be at most 1024 bytes without NUL characters")));
+        if v.as_ref().is_some_and(|v| v.contains('\0') || v.chars().count() > 1024) {
+            return Err(ApiError::bad_request(format!("{name} must be at most 1024 characters without NUL characters")));
         }
         Ok(v)
     };
