@@ -20,7 +20,7 @@ use crate::store::{Backend, Claimed, Lease, Run, Store, StoreError, dialect_sql,
 ///
 /// Queries that should use the index repeat these texts verbatim (both
 /// planners match partial-index predicates and index expressions by text).
-/// So does PostgreSQL's `leasehold_claimable` (migration 0004), written
+/// So does PostgreSQL's `leasehold_claimable` (migrations 0004 and 0012), written
 /// out in SQL; the claim plan tests fail if it stops matching the index.
 #[doc(hidden)]
 #[macro_export]

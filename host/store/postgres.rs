@@ -6,8 +6,9 @@ use super::Dialect;
 
 /// The claim as two CTEs: `c` locks up to `$limit` claimable runs, never
 /// one whose id is in the `bigint[]` expression `$skip`, through the
-/// `leasehold_claimable` function (migration 0004: it reads the claim index
-/// in order, never sorting the queue), and numbers them (`k`, from 1) and
+/// `leasehold_claimable` function (migrations 0004 and 0012: it reads the
+/// claim index one priority at a time, each in order, never sorting the
+/// queue), and numbers them (`k`, from 1) and
 /// reads the clock once a run (`t`: a lease runs from when it is given,
 /// not from when the statement began, which may have waited on locks); `n`
 /// leases them to `$owner` for `$ttl` ms, counts an attempt for those that
