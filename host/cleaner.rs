@@ -31,6 +31,9 @@ impl Default for RetentionConfig {
 /// Deletes one batch of finished runs past retention (the cut-off is on the
 /// database's clock). Nothing when retention is off.
 pub async fn tick(store: &Store, config: &RetentionConfig) -> Result<Deleted, StoreError> {
+    // Whatever the retention: a key rows' table holds no key that has
+    // neither a limit nor runs to claim (a submit writes it again).
+    store.forget_idle_keys(config.batch).await?;
     if config.keep.is_zero() {
         return Ok(Deleted::default());
     }

@@ -3,6 +3,8 @@
 //! terminal; `--json` prints the API's JSON for scripts. An API error is
 //! printed with its code and the command exits non-zero.
 
+pub mod limits;
+
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -98,6 +100,10 @@ pub struct SubmitArgs {
     /// Higher is claimed first, -1000 to 1000. Default: 0.
     #[arg(long, allow_negative_numbers = true)]
     priority: Option<i64>,
+    /// The run's concurrency key: it shares the key's limit (`leasehold
+    /// limits`) and takes turns with other keys. Default: none.
+    #[arg(long)]
+    key: Option<String>,
     /// Stream the run's events until it finishes or waits for input.
     #[arg(long)]
     follow: bool,
@@ -281,6 +287,7 @@ pub async fn submit(api: &Api, args: SubmitArgs) -> Result<()> {
         "idempotency_key": args.idempotency_key,
         "max_attempts": args.max_attempts,
         "priority": args.priority,
+        "concurrency_key": args.key,
     });
     let run = api.send(api.client().post(api.url("/v1/runs")).json(&body)).await?;
     api.print(&run, |r| println!("run {} queued on thread {}", r["id"], r["thread_id"].as_str().unwrap_or("")));
@@ -374,7 +381,7 @@ pub async fn runs(api: &Api, command: RunsCommand) -> Result<()> {
         RunsCommand::Show { id } => {
             let v = api.send(c.get(api.url(&format!("/v1/runs/{id}")))).await?;
             api.print(&v, |r| {
-                for key in ["id", "status", "plugin", "thread_id", "attempt", "max_attempts", "priority", "fence", "lease_owner", "lease_expires_at", "plugin_digest", "upgrade_note", "error"] {
+                for key in ["id", "status", "plugin", "thread_id", "attempt", "max_attempts", "priority", "concurrency_key", "fence", "lease_owner", "lease_expires_at", "plugin_digest", "upgrade_note", "error"] {
                     if !r[key].is_null() {
                         println!("{key:<17} {}", r[key].as_str().map(str::to_string).unwrap_or_else(|| r[key].to_string()));
                     }

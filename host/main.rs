@@ -71,6 +71,13 @@ enum Command {
         #[command(subcommand)]
         command: cli::RunsCommand,
     },
+    /// Set, list and remove concurrency keys' limits (through the API).
+    Limits {
+        #[command(flatten)]
+        api: cli::Api,
+        #[command(subcommand)]
+        command: cli::limits::LimitsCommand,
+    },
     /// Print a thread's events; --follow streams new ones.
     Events {
         #[command(flatten)]
@@ -169,6 +176,7 @@ async fn run(cli: Cli) -> Result<()> {
         Command::Submit { api, args } => cli::submit(&api, args).await,
         Command::Runs { api, command } => cli::runs(&api, command).await,
         Command::Events { api, args } => cli::events(&api, args).await,
+        Command::Limits { api, command } => cli::limits::limits(&api, command).await,
         Command::Dashboard { api } => cli::dashboard(&api).await,
         Command::New { args } => new::new(args),
         Command::Dev { args } => {

@@ -17,6 +17,7 @@
 mod dashboard;
 mod error;
 mod events;
+mod limits;
 pub mod listener;
 mod metrics;
 mod openapi;
@@ -155,6 +156,8 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/runs/{id}/input", json_post(runs::input))
         .route("/v1/runs/{id}/cancel", json_post(runs::cancel))
         .route("/v1/runs/{id}/effects", get(runs::effects))
+        .route("/v1/limits", get(limits::list))
+        .route("/v1/limits/{key}", json_put(limits::put).get(limits::show).delete(limits::remove))
         .route("/v1/stats", get(overview::stats))
         .route("/v1/leases", get(overview::leases))
         .layer(middleware::from_fn_with_state(state.clone(), timeout));
@@ -224,6 +227,15 @@ where
     post(handler).layer(middleware::from_fn(require_json))
 }
 
+/// [`json_post`] for `PUT`.
+fn json_put<H, T>(handler: H) -> axum::routing::MethodRouter<AppState>
+where
+    H: axum::handler::Handler<T, AppState>,
+    T: 'static,
+{
+    put(handler).layer(middleware::from_fn(require_json))
+}
+
 async fn require_json(req: Request, next: Next) -> Response {
     let json = req
         .headers()
@@ -235,7 +247,7 @@ async fn require_json(req: Request, next: Next) -> Response {
         return ApiError::new(
             StatusCode::UNSUPPORTED_MEDIA_TYPE,
             "unsupported_media_type",
-            "a POST must have Content-Type: application/json",
+            "a request with a body must have Content-Type: application/json",
         )
         .into_response();
     }

@@ -9,7 +9,7 @@ use utoipa::openapi::{Content, HttpMethod, OpenApi as Doc, Ref, RefOr, Response,
 use utoipa::{Modify, OpenApi};
 
 use super::error::{ErrorBody, ErrorDetail};
-use super::{events, overview, plugins, runs};
+use super::{events, limits, overview, plugins, runs};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -23,6 +23,7 @@ use super::{events, overview, plugins, runs};
     paths(
         runs::submit, runs::submit_batch, runs::list, runs::show, runs::input, runs::cancel, runs::effects,
         plugins::list, plugins::show, plugins::put,
+        limits::list, limits::show, limits::put, limits::remove,
         events::events,
         overview::stats, overview::leases,
         super::metrics::metrics, super::healthz, openapi,
@@ -32,6 +33,7 @@ use super::{events, overview, plugins, runs};
     tags(
         (name = "runs", description = "Submit, list, show, deliver input, cancel; a run's ledger."),
         (name = "plugins", description = "Register components and list their versions."),
+        (name = "limits", description = "Concurrency keys: their limits, pauses and runs."),
         (name = "events", description = "A thread's durable event log, as JSON or a live stream."),
         (name = "hosts", description = "Counts, leases and takeovers."),
         (name = "service", description = "Health and this description."),
@@ -65,6 +67,7 @@ impl Modify for Common {
                 (HttpMethod::Get, &mut item.get),
                 (HttpMethod::Post, &mut item.post),
                 (HttpMethod::Put, &mut item.put),
+                (HttpMethod::Delete, &mut item.delete),
             ] {
                 let Some(op) = op.as_mut() else { continue };
                 let mut add = |status: &str, why: &str| {
@@ -75,7 +78,7 @@ impl Modify for Common {
                     add("401", "No bearer token, or a wrong one.");
                 }
                 add("405", "The path takes other methods.");
-                if method != HttpMethod::Get {
+                if method == HttpMethod::Post || method == HttpMethod::Put {
                     add("413", "The body is over its cap (JSON: 1 MiB by default).");
                 }
                 if method == HttpMethod::Post {

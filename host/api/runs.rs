@@ -41,11 +41,17 @@ pub struct Submit {
     #[schema(minimum = -1000, maximum = 1000)]
     #[serde(default, deserialize_with = "whole_number")]
     priority: Option<i64>,
+    /// Its concurrency key (a tenant, a user, a document: 1 to 256
+    /// characters, no control characters, not starting with `http:` or
+    /// `model:`): its runs share the key's limit (`/v1/limits`) and take
+    /// turns with other keys' runs. Default: none.
+    #[schema(min_length = 1, max_length = 256, pattern = r"^(?!http:|model:)[^\u0000-\u001f\u007f-\u009f]+$")]
+    concurrency_key: Option<String>,
 }
 
 /// An integer, also written as a float with no fraction (`3.0`), as JSON
 /// Schema's `integer` allows.
-fn whole_number<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<i64>, D::Error> {
+pub(super) fn whole_number<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<i64>, D::Error> {
     let Some(n) = Option::<serde_json::Number>::deserialize(d)? else { return Ok(None) };
     if let Some(i) = n.as_i64() {
         return Ok(Some(i));
@@ -54,6 +60,10 @@ fn whole_number<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<i64>, D
         Some(f) if f.fract() == 0.0 && f.abs() < 9.0e15 => Ok(Some(f as i64)),
         _ => Err(serde::de::Error::custom(format!("expected an integer, not {n}"))),
     }
+}
+
+fn check_concurrency_key(key: &Option<String>) -> Result<(), ApiError> {
+    key.as_deref().map_or(Ok(()), |k| crate::store::concurrency::check_key(k).map_err(ApiError::bad_request))
 }
 
 fn check_priority(p: Option<i64>) -> Result<i64, ApiError> {
@@ -89,6 +99,7 @@ pub async fn submit(State(s): State<AppState>, JsonBody(req): JsonBody<Submit>) 
         return Err(ApiError::bad_request("max_attempts must be between 1 and 1000"));
     }
     let priority = check_priority(req.priority)?;
+    check_concurrency_key(&req.concurrency_key)?;
     if !crate::plugins::valid_name(&req.plugin) {
         return Err(ApiError::not_found(format!("no plugin named {:?}", req.plugin)));
     }
@@ -107,6 +118,7 @@ pub async fn submit(State(s): State<AppState>, JsonBody(req): JsonBody<Submit>) 
         max_attempts: req.max_attempts,
         idempotency_key: req.idempotency_key.clone(),
         priority,
+        concurrency_key: req.concurrency_key.clone(),
     };
     let (run, created) = s.store.create_run(&new).await?;
     if !created {
@@ -153,6 +165,8 @@ pub struct BatchRun {
     idempotency_key: String,
     #[schema(minimum = -1000, maximum = 1000)]
     priority: Option<i64>,
+    #[schema(min_length = 1, max_length = 256, pattern = r"^(?!http:|model:)[^\u0000-\u001f\u007f-\u009f]+$")]
+    concurrency_key: Option<String>,
 }
 
 /// One result per run of a batch, in order.
@@ -209,6 +223,7 @@ pub async fn submit_batch(State(s): State<AppState>, JsonBody(req): JsonBody<Bat
             return Err(at(ApiError::bad_request("max_attempts must be between 1 and 1000")));
         }
         let priority = check_priority(r.priority).map_err(at)?;
+        check_concurrency_key(&r.concurrency_key).map_err(at)?;
         if !(crate::plugins::valid_name(&r.plugin) && s.store.plugin_exists(&r.plugin).await?) {
             return Err(at(ApiError::not_found(format!("no plugin named {:?}", r.plugin))));
         }
@@ -221,6 +236,7 @@ pub async fn submit_batch(State(s): State<AppState>, JsonBody(req): JsonBody<Bat
             max_attempts: r.max_attempts,
             idempotency_key: r.idempotency_key.clone(),
             priority,
+            concurrency_key: r.concurrency_key.clone(),
         });
     }
     let written = s.store.create_runs(&news).await?;

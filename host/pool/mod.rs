@@ -267,6 +267,7 @@ fn spawn_segment(
         let mut next = Some(claimed);
         while let Some(claimed) = next.take() {
             let go_on = !*stopping.borrow();
+            let keyed = claimed.run.concurrency_key.is_some();
             // With runs queued, the slot may leave its close behind it and
             // start one; with none, the close claims the slot's next run.
             let queued = local.len() > 0;
@@ -279,6 +280,12 @@ fn spawn_segment(
                     settled(&local, run_id, Ok(exec.run_claimed_then(claimed, take_next).await))
                 }
             };
+            if keyed {
+                // Its key's slot is free (or will be once its close is
+                // written): a dispatcher that found the key full claims
+                // again now rather than at its next poll.
+                store.signal_work(false).await;
+            }
             if *stopping.borrow() {
                 // A close that ended after the stop may still have claimed
                 // the next run: it is handed back unstarted, not run.

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use crate::store::guard::ms;
-use crate::store::{Backend, Claimed, Lease, Run, Store, StoreError, dialect_sql, group};
+use crate::store::{Backend, Claimed, Lease, Run, Store, StoreError, concurrency, dialect_sql, group};
 
 /// A run is claimable (docs/design.md, "How claims work") when it is open (`queued`,
 /// `waiting_takeover`, `waiting_input` with its input delivered) or
@@ -139,6 +139,28 @@ impl Store {
         Ok(claimed)
     }
 
+    /// SQLite: claims up to `max` runs for `owner` inside `conn`'s
+    /// transaction, which it starts with a write: through the keys' turns
+    /// when a concurrency key is active ([`concurrency::claim_lanes_sqlite`]),
+    /// else with the one claim statement. Every run counts an attempt.
+    pub(crate) async fn claim_sqlite(&self, conn: &mut sqlx::AnyConnection, owner: &str, ttl: Duration, max: i64) -> Result<Vec<Claimed>, StoreError> {
+        let Some(ids) = concurrency::claim_lanes_sqlite(self, conn, max).await? else {
+            return self.claim_on(&mut *conn, owner, ttl, max, max, 0).await;
+        };
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let rows = sqlx::query(crate::store::sql!(self, super::sqlite::CLAIM_OF))
+            .bind(owner)
+            .bind(ms(ttl))
+            .bind(serde_json::json!(ids).to_string())
+            .fetch_all(&mut *conn)
+            .await?;
+        let mut claimed = claimed_rows(&rows, owner)?;
+        claimed.sort_by_key(|c| c.run.id);
+        Ok(claimed)
+    }
+
     /// SQLite: a batch of claims in one statement and one commit (one
     /// fsync under `synchronous=FULL`). Claims of one owner take their runs
     /// from one claim statement; a batch with several owners gives every
@@ -151,7 +173,14 @@ impl Store {
         let all_charged = claims.iter().all(|c| c.charged == c.max);
         if all_charged && claims.iter().all(|c| c.owner == first.owner) {
             let total: i64 = claims.iter().map(|c| c.max).sum();
-            let claimed = self.retry(|| self.claim_on(self.writer(), &first.owner, first.ttl, total, total, 0)).await?;
+            let claimed = self
+                .retry(|| async {
+                    let mut tx = self.writer().begin().await?;
+                    let claimed = self.claim_sqlite(&mut tx, &first.owner, first.ttl, total).await?;
+                    tx.commit().await?;
+                    Ok(claimed)
+                })
+                .await?;
             return Ok(deal(claims, claimed));
         }
         // A slot per wanted run: the runs that count an attempt first, then
@@ -177,12 +206,15 @@ impl Store {
                     if n == 0 {
                         continue;
                     }
-                    let claimed = sqlx::query(crate::store::sql!(self, super::sqlite::CLAIM_SLOTS))
-                        .bind(slots)
-                        .bind(n)
-                        .bind(charge)
-                        .fetch_all(&mut *tx)
-                        .await?;
+                    let claimed = match concurrency::claim_lanes_sqlite(self, &mut tx, n).await? {
+                        None => sqlx::query(crate::store::sql!(self, super::sqlite::CLAIM_SLOTS)).bind(slots).bind(n),
+                        Some(ids) => sqlx::query(crate::store::sql!(self, super::sqlite::CLAIM_SLOTS_OF))
+                            .bind(slots)
+                            .bind(serde_json::json!(ids).to_string()),
+                    }
+                    .bind(charge)
+                    .fetch_all(&mut *tx)
+                    .await?;
                     rows.extend(claimed.into_iter().map(|row| (row, charge == 1)));
                 }
                 tx.commit().await?;

@@ -377,7 +377,7 @@ impl Store {
                 if let (Some((owner, ttl)), true) = (next, wanted > 0) {
                     // The closed runs are no longer claimable: this
                     // transaction has just finished them.
-                    let mut claimed = self.claim_on(&mut *conn, owner, ttl, wanted as i64, wanted as i64, 0).await?.into_iter();
+                    let mut claimed = self.claim_sqlite(conn, owner, ttl, wanted as i64).await?.into_iter();
                     for (c, result) in closes.iter().zip(results.iter_mut()) {
                         if let (Ok(slot), true) = (result.as_mut(), c.next.is_some()) {
                             *slot = claimed.next();

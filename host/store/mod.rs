@@ -11,6 +11,7 @@
 //! from the worker.
 
 mod claims;
+pub mod concurrency;
 pub(crate) mod closes;
 mod emits;
 pub mod faults;

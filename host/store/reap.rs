@@ -64,7 +64,7 @@ impl Store {
                 "UNION ALL ",
                 "SELECT id, fence, status FROM (SELECT id, fence, status FROM runs WHERE ",
                 crate::claimable!(),
-                " AND status <> 'running' AND attempt >= max_attempts ORDER BY priority DESC, ",
+                " AND status <> 'running' AND attempt >= max_attempts ORDER BY concurrency_key, priority DESC, ",
                 crate::eligible_at!(),
                 ", id LIMIT $1) AS exhausted"
             )

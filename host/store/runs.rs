@@ -40,6 +40,7 @@ struct PgSubmit<'a> {
     key: Option<&'a str>,
     max_attempts: i64,
     priority: i64,
+    ckey: &'a str,
     payload: String,
     secret: &'a str,
 }
@@ -56,22 +57,44 @@ async fn insert_runs_sqlite(store: &Store, conn: &mut AnyConnection, submits: &[
     let list: Vec<serde_json::Value> = submits
         .iter()
         .map(|s| {
-            json!([s.thread_id, s.new.plugin, s.new.plugin_digest, s.new.input, s.new.idempotency_key, s.max_attempts, s.secret, s.new.priority])
+            json!([
+                s.thread_id,
+                s.new.plugin,
+                s.new.plugin_digest,
+                s.new.input,
+                s.new.idempotency_key,
+                s.max_attempts,
+                s.secret,
+                s.new.priority,
+                s.new.concurrency_key.as_deref().unwrap_or("")
+            ])
         })
         .collect();
     let rows = sqlx::query(sql!(
         store,
         "INSERT INTO runs (thread_id, plugin, plugin_digest, input, idempotency_key, status, \
-         max_attempts, not_before, created_at, updated_at, secret, priority) \
+         max_attempts, not_before, created_at, updated_at, secret, priority, concurrency_key) \
          SELECT value ->> 0, value ->> 1, \
          CASE WHEN value ->> 2 = 'current' THEN (SELECT p.digest FROM plugins p WHERE p.name = value ->> 1) \
          ELSE value ->> 2 END, value ->> 3, value ->> 4, 'queued', value ->> 5, \
-         {now}, {now}, {now}, value ->> 6, value ->> 7 FROM jsonb_each($1) WHERE true ORDER BY key \
+         {now}, {now}, {now}, value ->> 6, value ->> 7, value ->> 8 FROM jsonb_each($1) WHERE true ORDER BY key \
          ON CONFLICT (idempotency_key) DO NOTHING RETURNING *"
     ))
     .bind(serde_json::Value::Array(list).to_string())
     .fetch_all(&mut *conn)
     .await?;
+    if submits.iter().any(|s| s.new.concurrency_key.is_some()) {
+        // Their keys take turns from now (see `store::concurrency`).
+        let keys: std::collections::BTreeSet<&str> = submits.iter().filter_map(|s| s.new.concurrency_key.as_deref()).collect();
+        sqlx::query(sql!(
+            store,
+            "INSERT INTO concurrency_keys (key, active) SELECT value, true FROM json_each($1) WHERE true \
+             ON CONFLICT (key) DO UPDATE SET active = true WHERE NOT concurrency_keys.active"
+        ))
+        .bind(json!(keys).to_string())
+        .execute(&mut *conn)
+        .await?;
+    }
     let mut inserted = std::collections::HashMap::with_capacity(rows.len());
     for row in &rows {
         let run = Run::from_row(row)?;
@@ -137,6 +160,9 @@ impl Store {
             )));
         }
         crate::store::priority::check(new.priority).map_err(StoreError::Config)?;
+        if let Some(key) = &new.concurrency_key {
+            crate::store::concurrency::check_key(key).map_err(StoreError::Config)?;
+        }
         let secret = format!("{:032x}", rand::random::<u128>());
         let submit = Submit { new: new.clone(), thread_id, max_attempts, secret };
         crate::store::submits::submit(self, submit).await
@@ -161,6 +187,9 @@ impl Store {
                 return Err(StoreError::Config(format!("run {i}: max_attempts must be at least 1, got {max_attempts}")));
             }
             crate::store::priority::check(new.priority).map_err(|e| StoreError::Config(format!("run {i}: {e}")))?;
+            if let Some(key) = &new.concurrency_key {
+                crate::store::concurrency::check_key(key).map_err(|e| StoreError::Config(format!("run {i}: {e}")))?;
+            }
             if let Some(key) = &new.idempotency_key
                 && !keys.insert(key.as_str())
             {
@@ -237,6 +266,7 @@ impl Store {
                 key: s.new.idempotency_key.as_deref(),
                 max_attempts: s.max_attempts,
                 priority: s.new.priority,
+                ckey: s.new.concurrency_key.as_deref().unwrap_or(""),
                 payload: submitted_payload(&s.new),
                 secret: &s.secret,
             })
@@ -249,12 +279,15 @@ impl Store {
                 Ok(sqlx::query(sql!(
                     self,
                     "WITH l AS (SELECT * FROM jsonb_to_recordset($1::text::jsonb) AS l(i bigint, thread_id text, \
-                     plugin text, digest text, input text, key text, max_attempts bigint, priority bigint, payload text, secret text)), \
+                     plugin text, digest text, input text, key text, max_attempts bigint, priority bigint, ckey text, payload text, \
+                     secret text)), \
+                     k AS (INSERT INTO concurrency_keys (key, active) SELECT DISTINCT ckey, true FROM l WHERE ckey <> '' \
+                     ORDER BY 1 ON CONFLICT (key) DO UPDATE SET active = true WHERE NOT concurrency_keys.active), \
                      r AS (INSERT INTO runs (thread_id, plugin, plugin_digest, input, idempotency_key, \
-                     status, max_attempts, not_before, created_at, updated_at, secret, priority) \
+                     status, max_attempts, not_before, created_at, updated_at, secret, priority, concurrency_key) \
                      SELECT thread_id, plugin, \
                      CASE WHEN digest = 'current' THEN (SELECT p.digest FROM plugins p WHERE p.name = l.plugin) ELSE digest END, \
-                     input, key, 'queued', max_attempts, {now}, {now}, {now}, secret, priority \
+                     input, key, 'queued', max_attempts, {now}, {now}, {now}, secret, priority, ckey \
                      FROM l ORDER BY i ON CONFLICT (idempotency_key) DO NOTHING RETURNING *), \
                      t AS (INSERT INTO threads (id, last_seq) SELECT thread_id, 1 FROM r ORDER BY thread_id \
                      ON CONFLICT (id) DO UPDATE SET last_seq = threads.last_seq + 1 RETURNING id, last_seq), \

@@ -15,8 +15,9 @@ macro_rules! claim_set {
     };
 }
 
-/// The runs a claim takes (`$limit` of them), highest priority first and
-/// within a priority in eligible order. The priorities to read are 0 and
+/// The runs a claim takes from one lane (`$limit` of them; `$lane` is a
+/// concurrency key, or `''` for the runs without one), highest priority
+/// first and within a priority in eligible order. The priorities to read are 0 and
 /// those `lv` walks down runs_priority (claimable runs whose priority is
 /// not 0, an empty index while none is), one probe each. `IN` walks that
 /// list in runs_claim's order, so nothing is sorted, and for each priority
@@ -25,11 +26,11 @@ macro_rules! claim_set {
 /// ordered by (priority, eligible time) would instead step over every
 /// not-yet-eligible run of the higher priorities on each claim.
 macro_rules! claim_select {
-    ($limit:literal) => {
+    ($limit:literal, $lane:literal) => {
         concat!(
-            "WITH RECURSIVE lv(p) AS (SELECT * FROM (", next_priority!("1 = 1"), ") ",
-            "UNION ALL SELECT (", next_priority!("priority < lv.p"), ") FROM lv WHERE lv.p IS NOT NULL) ",
-            "SELECT id FROM runs INDEXED BY runs_claim WHERE priority IN (SELECT 0 UNION ALL SELECT p FROM lv) AND ",
+            "WITH RECURSIVE lv(p) AS (SELECT * FROM (", next_priority!($lane, "1 = 1"), ") ",
+            "UNION ALL SELECT (", next_priority!($lane, "priority < lv.p"), ") FROM lv WHERE lv.p IS NOT NULL) ",
+            "SELECT id FROM runs INDEXED BY runs_claim WHERE concurrency_key = ", $lane, " AND priority IN (SELECT 0 UNION ALL SELECT p FROM lv) AND ",
             crate::claimable!(), " AND ", crate::eligible_at!(), " <= ", now_bound!(), " AND attempt < max_attempts",
             " ORDER BY priority DESC, ", crate::eligible_at!(), ", id LIMIT ", $limit
         )
@@ -49,13 +50,13 @@ macro_rules! now_bound {
     };
 }
 
-/// The highest priority other than 0 that a claimable run holds, among
-/// those meeting `$cond` (runs_priority).
+/// The highest priority other than 0 that a claimable run of `$lane`
+/// holds, among those meeting `$cond` (runs_priority).
 macro_rules! next_priority {
-    ($cond:literal) => {
+    ($lane:literal, $cond:literal) => {
         concat!(
             "SELECT priority FROM runs INDEXED BY runs_priority WHERE ", crate::claimable!(),
-            " AND priority <> 0 AND ", $cond, " ORDER BY priority DESC LIMIT 1"
+            " AND concurrency_key = ", $lane, " AND priority <> 0 AND ", $cond, " ORDER BY priority DESC LIMIT 1"
         )
     };
 }
@@ -64,7 +65,7 @@ macro_rules! baseline_select {
     () => {
         concat!(
             "SELECT id FROM runs INDEXED BY runs_claim WHERE ", crate::claimable!(),
-            " AND priority = 0 AND ", crate::eligible_at!(), " BETWEEN 0 AND {now}",
+            " AND concurrency_key = '' AND priority = 0 AND ", crate::eligible_at!(), " BETWEEN 0 AND {now}",
             " ORDER BY ", crate::eligible_at!(), ", id LIMIT $1"
         )
     };
@@ -83,13 +84,13 @@ pub static DIALECT: Dialect = Dialect {
     // index ever stops matching, the statement fails to prepare instead of
     // going slow.
     claim: concat!(
-        "UPDATE runs SET ", claim_set!(), " WHERE id IN (", claim_select!("$3"), ") RETURNING *"
+        "UPDATE runs SET ", claim_set!(), " WHERE id IN (", claim_select!("$3", "''"), ") RETURNING *"
     ),
     // `id = (…)` lets SQLite update in one pass; `id IN (…)` first collects
     // the ids, which costs more than the rest of the claim (measured: 124 µs
     // against 53 µs per claim on the same machine).
     claim_one: concat!(
-        "UPDATE runs SET ", claim_set!(), " WHERE id = (", claim_select!("$3"), ") RETURNING *"
+        "UPDATE runs SET ", claim_set!(), " WHERE id = (", claim_select!("$3", "''"), ") RETURNING *"
     ),
     bulk_load: concat!(
         "WITH RECURSIVE s(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM s WHERE i < $1) ",
@@ -120,12 +121,34 @@ pub static DIALECT: Dialect = Dialect {
 /// of a single claim's.
 pub(super) const CLAIM_SLOTS: &str = concat!(
     "WITH w AS (SELECT key AS k, value ->> 0 AS owner, value ->> 1 AS ttl FROM jsonb_each($1)), ",
-    "p AS (SELECT id, row_number() OVER () - 1 AS k FROM (", claim_select!("$2"), ")) ",
+    "p AS (SELECT id, row_number() OVER () - 1 AS k FROM (", claim_select!("$2", "''"), ")) ",
     "UPDATE runs SET status = 'running', lease_owner = w.owner, fence = fence + 1, attempt = attempt + $3, ",
     "lease_expires_at = {now} + w.ttl, heartbeat_at = {now}, updated_at = {now}, ",
     "started_at = COALESCE(started_at, {now}) ",
     "FROM p JOIN w ON w.k = p.k WHERE runs.id = p.id RETURNING *"
 );
+
+/// [`CLAIM_SLOTS`] for runs chosen beforehand (a claim that met a
+/// concurrency key, `store::concurrency`): `$2` is the JSON list of their
+/// ids, the k-th taking the k-th slot.
+pub(super) const CLAIM_SLOTS_OF: &str = concat!(
+    "WITH w AS (SELECT key AS k, value ->> 0 AS owner, value ->> 1 AS ttl FROM jsonb_each($1)), ",
+    "p AS (SELECT value AS id, key AS k FROM json_each($2)) ",
+    "UPDATE runs SET status = 'running', lease_owner = w.owner, fence = fence + 1, attempt = attempt + $3, ",
+    "lease_expires_at = {now} + w.ttl, heartbeat_at = {now}, updated_at = {now}, ",
+    "started_at = COALESCE(started_at, {now}) ",
+    "FROM p JOIN w ON w.k = p.k WHERE runs.id = p.id RETURNING *"
+);
+
+/// The claim of runs chosen beforehand (a claim that met a concurrency
+/// key): `$1` owner, `$2` lease ms, `$3` the JSON list of their ids.
+pub(super) const CLAIM_OF: &str = concat!(
+    "UPDATE runs SET ", claim_set!(), " WHERE id IN (SELECT value FROM json_each($3)) RETURNING *"
+);
+
+/// One lane's claimable runs, `$2` of them, for the claim's choice: `$1`
+/// is the key (see [`claim_select!`]).
+pub(super) const LANE: &str = claim_select!("$2", "$1");
 
 /// Adds `mode=rwc` so the database file is created when missing.
 pub(super) fn normalize_url(url: &str) -> String {

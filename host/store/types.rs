@@ -90,6 +90,8 @@ pub struct Run {
     /// Higher is claimed first; within one priority, runs go in the order
     /// they became eligible. Default 0.
     pub priority: i64,
+    /// Its concurrency key, if any (see `store::concurrency`).
+    pub concurrency_key: Option<String>,
     pub heartbeat_at: Option<i64>,
     /// Streamed output not yet promoted to `output`. Only as read through
     /// the store's run reads (`get_run`, lists), which join what a flush
@@ -139,6 +141,7 @@ impl Run {
             attempt: row.try_get("attempt")?,
             max_attempts: row.try_get("max_attempts")?,
             priority: row.try_get("priority")?,
+            concurrency_key: Some(row.try_get::<String, _>("concurrency_key")?).filter(|k| !k.is_empty()),
             heartbeat_at: row.try_get("heartbeat_at")?,
             partial: row.try_get("partial")?,
             emit_pos: row.try_get("emit_pos")?,
@@ -178,6 +181,9 @@ pub struct NewRun {
     /// Higher is claimed first, within [`crate::store::priority::PRIORITIES`].
     /// Default 0.
     pub priority: i64,
+    /// Its runs share the key's limit and take turns with other keys
+    /// ([`crate::store::concurrency`]). Default: none.
+    pub concurrency_key: Option<String>,
 }
 
 impl NewRun {
@@ -198,6 +204,7 @@ impl NewRun {
             max_attempts: None,
             idempotency_key: None,
             priority: 0,
+            concurrency_key: None,
         }
     }
 }

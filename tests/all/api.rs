@@ -286,6 +286,18 @@ both! {
             ("unknown plugin", server.req(reqwest::Method::GET, "/v1/plugins/nothing"), 404),
             ("unknown endpoint", server.req(reqwest::Method::GET, "/v1/nothing"), 404),
             ("wrong method", server.req(reqwest::Method::DELETE, "/v1/runs"), 405),
+            ("reserved concurrency key", server.req(reqwest::Method::POST, "/v1/runs").json(&json!({ "plugin": "testkit", "concurrency_key": "http:a:1" })), 400),
+            ("empty concurrency key", server.req(reqwest::Method::POST, "/v1/runs").json(&json!({ "plugin": "testkit", "concurrency_key": "" })), 400),
+            ("long concurrency key", server.req(reqwest::Method::POST, "/v1/runs").json(&json!({ "plugin": "testkit", "concurrency_key": "k".repeat(257) })), 400),
+            ("zero limit", server.req(reqwest::Method::PUT, "/v1/limits/k").json(&json!({ "concurrency": 0 })), 400),
+            ("fractional limit", server.req(reqwest::Method::PUT, "/v1/limits/k").json(&json!({ "concurrency": 1.5 })), 400),
+            ("unknown limit field", server.req(reqwest::Method::PUT, "/v1/limits/k").json(&json!({ "per_hour": 3 })), 400),
+            ("limit as a form", server.req(reqwest::Method::PUT, "/v1/limits/k").header("content-type", "application/x-www-form-urlencoded").body("concurrency=1"), 415),
+            ("limit on a reserved key", server.req(reqwest::Method::PUT, "/v1/limits/model:x").json(&json!({ "concurrency": 1 })), 400),
+            ("limit with a control character", server.req(reqwest::Method::PUT, "/v1/limits/a%01b").json(&json!({ "concurrency": 1 })), 400),
+            ("unknown key", server.req(reqwest::Method::GET, "/v1/limits/nobody"), 404),
+            ("removing no limit", server.req(reqwest::Method::DELETE, "/v1/limits/nobody"), 404),
+            ("bad limits page", server.req(reqwest::Method::GET, "/v1/limits?limit=0"), 400),
         ];
         for (what, req, want) in cases {
             let (status, body) = server.send(req).await.with_context(|| what.to_string())?;
@@ -302,6 +314,30 @@ both! {
         server.wait_status(id, "completed").await?;
         let (status, body) = server.post(&format!("/v1/runs/{id}/input"), json!({ "input": "x" })).await?;
         ensure!(status == 409 && body["error"]["code"] == "conflict", "{status} {body}");
+        server.stop().await;
+        Ok(())
+    }
+
+    async fn a_keys_limit_is_set_shown_listed_and_removed_and_holds_its_runs(db) {
+        let server = with_testkit(db, None).await?;
+        let (status, set) = server
+            .send(server.req(reqwest::Method::PUT, "/v1/limits/tenant%2F1").json(&json!({ "concurrency": 1, "paused": true })))
+            .await?;
+        ensure!(status == 200 && set["key"] == "tenant/1" && set["concurrency"] == 1 && set["paused"] == true, "{status} {set}");
+        let (status, run) = server.post("/v1/runs", json!({ "plugin": "testkit", "input": { "steps": 1 }, "concurrency_key": "tenant/1" })).await?;
+        ensure!(status == 201 && run["concurrency_key"] == "tenant/1", "{status} {run}");
+        let id = run["id"].as_i64().context("id")?;
+        // Paused: the pool does not take it.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let (_, shown) = server.get("/v1/limits/tenant%2F1").await?;
+        ensure!(shown["queued"] == 1 && shown["running"] == 0, "{shown}");
+        let (_, listed) = server.get("/v1/limits").await?;
+        ensure!(listed["limits"][0]["key"] == "tenant/1" && listed["next"].is_null(), "{listed}");
+        let status = server.req(reqwest::Method::DELETE, "/v1/limits/tenant%2F1").send().await?.status().as_u16();
+        ensure!(status == 204, "delete: {status}");
+        server.wait_status(id, "completed").await?;
+        let (_, shown) = server.get("/v1/limits/tenant%2F1").await?;
+        ensure!(shown["concurrency"].is_null() && shown["paused"] == false && shown["queued"] == 0, "{shown}");
         server.stop().await;
         Ok(())
     }

@@ -1211,7 +1211,7 @@ async fn claim_reads(db: &TestDb, batch: i64, planner: &str) -> Result<ClaimRead
 /// instead; one whose bound the index cannot use reads every leased and
 /// sleeping run of its priority.
 fn sqlite_claim_walks_the_index(plan: &str) -> bool {
-    let per_priority = plan.contains("SEARCH runs USING INDEX runs_claim (priority=? AND <expr><?)");
+    let per_priority = plan.contains("SEARCH runs USING INDEX runs_claim (concurrency_key=? AND priority=? AND <expr><?)");
     let full_scans = plan
         .lines()
         .filter(|l| l.contains("SCAN ") && !["USING INDEX runs_claim", "USING INDEX runs_priority", "SCAN lv", "SCAN (subquery", "CONSTANT ROW"].iter().any(|ok| l.contains(ok)))
@@ -1283,3 +1283,40 @@ both! {
     }
 }
 
+
+both! {
+    async fn a_key_at_its_limit_costs_a_claim_nothing_however_long_its_queue(db) {
+        // Its runs are a lane of their own: the claim counts its one
+        // running run, passes it over, and reads the runs without a key,
+        // never the key's 5,000 queued runs.
+        let s = &db.store;
+        s.set_limit("full", Some(1), false).await?;
+        let keyed: Vec<NewRun> = (0..1000).map(|_| NewRun { concurrency_key: Some("full".into()), ..NewRun::new("k", "{}") }).collect();
+        for _ in 0..5 {
+            s.create_runs(&keyed).await?;
+        }
+        let held = s.claim_batch("w", TTL, 1).await?;
+        ensure!(held.len() == 1 && held[0].run.concurrency_key.as_deref() == Some("full"));
+        s.bulk_load_queued(10, "p").await?;
+        sqlx::raw_sql("ANALYZE").execute(s.writer()).await?;
+        match claim_reads(db, 5, "").await? {
+            ClaimReads::Plan(_) => {
+                let rows = sqlx::query(sqlx::AssertSqlSafe(format!("EXPLAIN QUERY PLAN {}", leasehold::store::concurrency::lane_sql())))
+                    .bind("full")
+                    .bind(5_i64)
+                    .fetch_all(s.pool())
+                    .await?;
+                use sqlx::Row;
+                let plan: Vec<String> = rows.iter().map(|r| r.try_get::<String, _>(3).unwrap_or_default()).collect();
+                let plan = plan.join("\n");
+                ensure!(sqlite_claim_walks_the_index(&plan), "a key's lane is not read in index order:\n{plan}");
+            }
+            ClaimReads::Blocks(blocks, plan) => {
+                ensure!(blocks > 0 && blocks < 100, "the claim read {blocks} blocks:\n{plan}");
+            }
+        }
+        let c = s.claim_batch("w", TTL, 5).await?;
+        ensure!(c.len() == 5 && c.iter().all(|c| c.run.plugin == "p"), "{:?}", c.iter().map(|c| &c.run.plugin).collect::<Vec<_>>());
+        Ok(())
+    }
+}

@@ -11,6 +11,7 @@ mod bench_e2e;
 mod bench_submit;
 mod chaos;
 mod concurrency;
+mod concurrency_keys;
 mod crash;
 mod dashboard;
 mod edges;

@@ -437,6 +437,7 @@ async function runPage(ctx, id) {
       ...fact('thread', h('a', { class: 'mono', href: `#/runs${query({ thread: r.thread_id })}`, text: r.thread_id })),
       ...fact('attempt', `${r.attempt}/${r.max_attempts}`),
       ...fact('priority', String(r.priority ?? 0)),
+      ...(r.concurrency_key ? fact('concurrency key', h('span', { class: 'mono', text: r.concurrency_key })) : []),
       ...fact('lease', held ? `${r.lease_owner}, fence ${r.fence}, ` : `fence ${r.fence}${r.lease_owner ? `, last ${r.lease_owner}` : ''} `,
         held ? countdown(r.lease_expires_at, 'lease-countdown') : h('span', { id: 'lease-countdown', class: 'muted', text: 'not held' })),
       ...fact('heartbeat', when(r.heartbeat_at, false)),
