@@ -175,6 +175,21 @@ fn priority_of(seed: u64, i: usize) -> i64 {
     }
 }
 
+/// The concurrency keys part of the load carries, and their limits: the
+/// sampler checks, on the database's clock, that no key ever has more
+/// runs holding a slot (running, lease live) than its limit.
+const KEY_LIMITS: [(&str, i64); 2] = [("tenant-a", 2), ("tenant-b", 3)];
+
+/// Run `i`'s concurrency key, from the seed alone: one in sixteen each key
+/// of [`KEY_LIMITS`], the rest none.
+fn key_of(seed: u64, i: usize) -> Option<&'static str> {
+    match (seed ^ i as u64).wrapping_mul(0xD6E8_FEB8_6659_FD93) >> 60 {
+        0 => Some(KEY_LIMITS[0].0),
+        1 => Some(KEY_LIMITS[1].0),
+        _ => None,
+    }
+}
+
 /// The error each hostile mode must fail its run with.
 fn hostile_error(mode: &str) -> &'static str {
     match mode {
@@ -664,6 +679,10 @@ struct Counters {
     /// Runs the submitter may send beyond its pace: a fault that wants its
     /// target busy raises it.
     extra_load: AtomicU64,
+    /// Samples of the keys' slots, and those over a limit.
+    key_samples: AtomicU64,
+    key_most: Mutex<BTreeMap<String, i64>>,
+    key_over_limit: Mutex<Vec<String>>,
     pending_recoveries: AtomicI64,
     faults_done: AtomicU64,
 }
@@ -779,6 +798,38 @@ async fn drive(
         Ok::<_, anyhow::Error>(())
     };
 
+    for (key, limit) in KEY_LIMITS {
+        store.set_limit(key, Some(limit), false).await?;
+    }
+    // Samples every key's slots (running runs with a live lease) on the
+    // database's clock, for as long as the load runs.
+    let key_sampler = async {
+        let now = match backend {
+            Backend::Postgres => "(extract(epoch from now()) * 1000)::bigint",
+            Backend::Sqlite => "CAST(unixepoch('subsec') * 1000 AS INTEGER)",
+        };
+        let sql = format!(
+            "SELECT concurrency_key, COUNT(*) FROM runs WHERE status = 'running' AND concurrency_key <> '' \
+             AND lease_expires_at >= {now} GROUP BY concurrency_key"
+        );
+        while !submitting_done.load(Relaxed) || counters.faults_done.load(Relaxed) < total_faults {
+            if let Ok(rows) = sqlx::query_as::<_, (String, i64)>(sqlx::AssertSqlSafe(sql.clone())).fetch_all(store.pool()).await {
+                counters.key_samples.fetch_add(1, Relaxed);
+                for (key, n) in rows {
+                    let limit = KEY_LIMITS.iter().find(|(k, _)| *k == key).map_or(i64::MAX, |(_, l)| *l);
+                    if n > limit {
+                        counters.key_over_limit.lock().unwrap().push(format!("{key}: {n} at once, limit {limit}"));
+                    }
+                    let mut most = counters.key_most.lock().unwrap();
+                    let m = most.entry(key).or_default();
+                    *m = (*m).max(n);
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        Ok::<_, anyhow::Error>(())
+    };
+
     // Submits the load, paced so it spans the whole fault schedule.
     // Cancels and input deliveries run beside the submitter, as their runs
     // are acknowledged (a `wait` run counts as in flight until it gets its
@@ -856,7 +907,10 @@ async fn drive(
             };
             let max_attempts = kind.max_attempts();
             let priority = priority_of(settings.seed, i);
-            let body = json!({ "plugin": "testkit", "input": input, "idempotency_key": key, "max_attempts": max_attempts, "priority": priority });
+            let body = json!({
+                "plugin": "testkit", "input": input, "idempotency_key": key, "max_attempts": max_attempts,
+                "priority": priority, "concurrency_key": key_of(settings.seed, i),
+            });
             let id = if let Kind::Duplicate { .. } = kind {
                 // Three at once, one key: one run.
                 let tries = (0..3).map(|k| {
@@ -900,7 +954,7 @@ async fn drive(
         Ok::<_, anyhow::Error>(())
     };
 
-    tokio::try_join!(watch_terminal, submit, sides, faults)?;
+    tokio::try_join!(watch_terminal, key_sampler, submit, sides, faults)?;
     let acked = acked.into_inner().unwrap();
     let faults_over = Instant::now();
 
@@ -1654,8 +1708,17 @@ async fn check(
     // on the database clock, to its takeover. That is the protocol's part:
     // a free worker's poll, or the reaper's tick then a poll; the time to
     // the expiry itself depends on when the host last renewed.
+    // A keyed run may wait for its key's slot after its lease ran out
+    // (the key's older runs come first): not held to the bound.
+    let keyed: HashSet<i64> = patiently(async || {
+        sqlx::query_scalar::<_, i64>("SELECT id FROM runs WHERE concurrency_key <> ''").fetch_all(store.pool()).await
+    })
+    .await?
+    .into_iter()
+    .collect();
     let mut delays: Vec<i64> = taken
         .iter()
+        .filter(|(run, _, _, _)| !keyed.contains(run))
         .filter(|(_, o, _, _)| o.as_ref().is_some_and(|o| faulted.contains(o)))
         .filter(|(_, _, left, at)| !in_window(at + left))
         .map(|(_, _, left, _)| -left)
@@ -1686,6 +1749,15 @@ async fn check(
              write-lock holds over 1 s: {stalls:?})"
         ));
     }
+    let over = counters.key_over_limit.lock().unwrap().clone();
+    if !over.is_empty() {
+        failures.push(format!("keys over their limits: {:?}", &over[..over.len().min(10)]));
+    }
+    let key_samples = counters.key_samples.load(Relaxed);
+    if key_samples == 0 {
+        failures.push("the keys' slots were never sampled".into());
+    }
+    let key_most = counters.key_most.lock().unwrap().clone();
     let unbitten = counters.unbitten.lock().unwrap().clone();
     for u in &unbitten {
         failures.push(format!("a fault did not bite: {u}"));
@@ -1744,6 +1816,10 @@ async fn check(
         "skewed_leases": skewed.len(),
         "recoveries": rec.len(),
         "max_takeover_delay_ms": max_delay,
+        "keyed_runs": keyed.len(),
+        "key_samples": key_samples,
+        "key_most_at_once": key_most,
+        "keys_over_limit": over.len(),
         "takeover_delay_bound_ms": bound,
         "write_lock_holds_over_1s": stalls.len(),
         "aborted_on_attempts": aborted_on_attempts,
