@@ -93,6 +93,14 @@ pub enum BenchCommand {
         /// --pg-vacuum-dead-rows` (0: off).
         #[arg(long, default_value_t = 50_000)]
         pg_vacuum_dead_rows: i64,
+        /// Give the backlog's runs this many concurrency keys, round robin
+        /// (0: none).
+        #[arg(long, default_value_t = 0)]
+        keys: usize,
+        /// With --keys: each key's limit (default: none, so keys only take
+        /// turns).
+        #[arg(long)]
+        limit: Option<i64>,
         /// Then run this script (`../shared/peers/run`) on the same
         /// PostgreSQL server with the same number of jobs and report
         /// leasehold's rate over each peer's. PostgreSQL only.
@@ -215,12 +223,16 @@ impl BenchCommand {
                 println!("{}", serde_json::to_string(&result?)?);
                 Ok(())
             }
-            BenchCommand::Drain { database_url, runs, steps, gets, workers, claim_batch, prefetch, rounds, plugin_file, sqlite_synchronous, pg_vacuum_dead_rows, peers, quiet } => {
+            BenchCommand::Drain { database_url, runs, steps, gets, workers, claim_batch, prefetch, rounds, plugin_file, sqlite_synchronous, pg_vacuum_dead_rows, keys, limit, peers, quiet } => {
                 anyhow::ensure!(
                     runs > 0 && workers > 0 && claim_batch > 0 && rounds > 0,
                     "--runs, --workers, --claim-batch and --rounds must be positive"
                 );
                 anyhow::ensure!(steps == 0 || gets == 0, "--steps and --gets are two workloads: give one");
+                anyhow::ensure!(limit.is_none() || keys > 0, "--limit is each key's: give --keys too");
+                if let Some(l) = limit {
+                    crate::store::concurrency::check_concurrency(l).map_err(anyhow::Error::msg)?;
+                }
                 if peers.is_some() && database_url.as_deref().is_none_or(|u| u.starts_with("sqlite:")) {
                     anyhow::bail!("--peers needs a PostgreSQL --database-url: the peers run on PostgreSQL");
                 }
@@ -243,6 +255,8 @@ impl BenchCommand {
                     progress: !quiet,
                     sqlite_sync: sqlite_synchronous,
                     pg_vacuum_dead_rows,
+                    keys,
+                    limit,
                 };
                 let result = bench.run().await;
                 drop(db);

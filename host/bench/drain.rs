@@ -59,6 +59,10 @@ pub struct DrainBench {
     /// PostgreSQL: the vacuum loop `serve` runs beside the pool
     /// ([`VacuumConfig::dead_rows`]; 0 is off). [50,000]
     pub pg_vacuum_dead_rows: i64,
+    /// Concurrency keys the backlog's runs carry, round robin (0: none).
+    pub keys: usize,
+    /// Each key's limit (`None`: none).
+    pub limit: Option<i64>,
 }
 
 /// The one JSON line the bench ends with.
@@ -91,6 +95,9 @@ pub struct DrainResult {
     pub pg_vacuum_dead_rows: Option<i64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pg_vacuums: Option<u64>,
+    /// Concurrency keys, and each one's limit.
+    pub keys: usize,
+    pub limit: Option<i64>,
 }
 
 /// One round's figures.
@@ -142,15 +149,25 @@ impl DrainBench {
             sqlite_synchronous: (store.backend() == crate::store::Backend::Sqlite).then_some(self.sqlite_sync),
             pg_vacuum_dead_rows: (store.backend() == crate::store::Backend::Postgres).then_some(self.pg_vacuum_dead_rows),
             pg_vacuums: (store.backend() == crate::store::Backend::Postgres).then(|| done.iter().map(|r| r.vacuums).sum()),
+            keys: self.keys,
+            limit: self.limit,
         })
     }
 
     async fn round(&self, store: &Store, exec: &Arc<Executor>, round: usize) -> Result<Round, BenchError> {
         let loading = Instant::now();
+        if let Some(limit) = self.limit {
+            for k in 0..self.keys {
+                store.set_limit(&format!("k{k}"), Some(limit), false).await?;
+            }
+        }
         let mut loaded = 0;
         while loaded < self.runs {
             let n = (self.runs - loaded).min(MAX_SUBMIT_BATCH as i64);
-            let batch: Vec<NewRun> = (loaded..loaded + n).map(|i| NewRun::new(PLUGIN, self.input(round, i))).collect();
+            let key = |i: i64| (self.keys > 0).then(|| format!("k{}", i as usize % self.keys));
+            let batch: Vec<NewRun> = (loaded..loaded + n)
+                .map(|i| NewRun { concurrency_key: key(i), ..NewRun::new(PLUGIN, self.input(round, i)) })
+                .collect();
             store.create_runs(&batch).await?;
             loaded += n;
         }

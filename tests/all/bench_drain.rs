@@ -28,11 +28,15 @@ both! {
             sqlite_sync: Default::default(),
             // Low, so the vacuum loop runs beside the pool here too.
             pg_vacuum_dead_rows: 500,
+            // Keyed, so the pool's claims go through the keys' turns.
+            keys: 7,
+            limit: Some(2),
         };
         let result = bench.run().await?;
         ensure!(result.runs == 1_200 && result.rounds == 2 && result.runs_per_sec > 0.0, "{result:?}");
         ensure!(result.first_tenth_per_sec > 0.0 && result.last_tenth_per_sec > 0.0 && result.cpu_us_per_run > 0.0, "{result:?}");
         ensure!(result.closes_per_commit >= 1.0, "{result:?}");
+        ensure!(result.keys == 7 && result.limit == Some(2), "{result:?}");
         let left: i64 = sqlx::query_scalar("SELECT (SELECT COUNT(*) FROM runs) + (SELECT COUNT(*) FROM events) + (SELECT COUNT(*) FROM effects) + (SELECT COUNT(*) FROM kv) + (SELECT COUNT(*) FROM plugins)")
             .fetch_one(db.store.pool())
             .await?;
