@@ -1425,7 +1425,18 @@ async fn refused_since(cluster: &Cluster<'_>, base: &str, before: u64, taken: us
 /// finished, for up to the lease, the reaper and 10 s; one not resolved
 /// then is an unbitten fault of `who`. Returns how many were taken over.
 async fn until_taken_over(store: &Store, counters: &Counters, held: &[(i64, i64)], who: &str) -> Result<usize> {
-    let deadline = Instant::now() + Duration::from_millis(TTL_MS + REAPER_MS + 10_000);
+    // A keyed run whose lease ran out waits for its key's slot behind the
+    // key's older runs: give it time for them to finish.
+    let mut keyed = false;
+    for (id, _) in held {
+        let key: String = patiently(async || {
+            sqlx::query_scalar("SELECT concurrency_key FROM runs WHERE id = $1").bind(id).fetch_one(store.pool()).await
+        })
+        .await?;
+        keyed |= !key.is_empty();
+    }
+    let wait = if keyed { 40_000 } else { 10_000 };
+    let deadline = Instant::now() + Duration::from_millis(TTL_MS + REAPER_MS + wait);
     loop {
         let (mut resolved, mut grew) = (0, 0);
         for (id, fence) in held {

@@ -9,7 +9,7 @@ use std::time::Duration;
 use anyhow::{Result, ensure};
 use leasehold::store::{NewRun, Outcome, RunStatus, Store, StoreError, Suspend};
 
-use crate::harness::{TTL, TestDb, both};
+use crate::harness::{TTL, both};
 
 async fn keyed(store: &Store, key: &str, n: usize) -> Result<Vec<i64>> {
     let mut ids = Vec::with_capacity(n);
