@@ -140,12 +140,17 @@ impl Store {
     }
 
     /// SQLite: claims up to `max` runs for `owner` inside `conn`'s
-    /// transaction, which it starts with a write: through the keys' turns
-    /// when a concurrency key is active ([`concurrency::claim_lanes_sqlite`]),
-    /// else with the one claim statement. Every run counts an attempt.
+    /// transaction, which it starts with a write: with the one claim
+    /// statement, which claims nothing while a concurrency key takes turns,
+    /// and then through the turns ([`concurrency::claim_lanes_sqlite`]).
+    /// Every run counts an attempt.
     pub(crate) async fn claim_sqlite(&self, conn: &mut sqlx::AnyConnection, owner: &str, ttl: Duration, max: i64) -> Result<Vec<Claimed>, StoreError> {
+        let claimed = self.claim_on(&mut *conn, owner, ttl, max, max, 0).await?;
+        if !claimed.is_empty() {
+            return Ok(claimed);
+        }
         let Some(ids) = concurrency::claim_lanes_sqlite(self, conn, max).await? else {
-            return self.claim_on(&mut *conn, owner, ttl, max, max, 0).await;
+            return Ok(claimed);
         };
         if ids.is_empty() {
             return Ok(Vec::new());
@@ -173,14 +178,19 @@ impl Store {
         let all_charged = claims.iter().all(|c| c.charged == c.max);
         if all_charged && claims.iter().all(|c| c.owner == first.owner) {
             let total: i64 = claims.iter().map(|c| c.max).sum();
-            let claimed = self
-                .retry(|| async {
-                    let mut tx = self.writer().begin().await?;
-                    let claimed = self.claim_sqlite(&mut tx, &first.owner, first.ttl, total).await?;
-                    tx.commit().await?;
-                    Ok(claimed)
-                })
-                .await?;
+            // One statement while no key takes turns; else the turns, in
+            // a transaction.
+            let mut claimed = self.retry(|| self.claim_on(self.writer(), &first.owner, first.ttl, total, total, 0)).await?;
+            if claimed.is_empty() {
+                claimed = self
+                    .retry(|| async {
+                        let mut tx = self.writer().begin().await?;
+                        let claimed = self.claim_sqlite(&mut tx, &first.owner, first.ttl, total).await?;
+                        tx.commit().await?;
+                        Ok(claimed)
+                    })
+                    .await?;
+            }
             return Ok(deal(claims, claimed));
         }
         // A slot per wanted run: the runs that count an attempt first, then
@@ -206,15 +216,23 @@ impl Store {
                     if n == 0 {
                         continue;
                     }
-                    let claimed = match concurrency::claim_lanes_sqlite(self, &mut tx, n).await? {
-                        None => sqlx::query(crate::store::sql!(self, super::sqlite::CLAIM_SLOTS)).bind(slots).bind(n),
-                        Some(ids) => sqlx::query(crate::store::sql!(self, super::sqlite::CLAIM_SLOTS_OF))
+                    let mut claimed = sqlx::query(crate::store::sql!(self, super::sqlite::CLAIM_SLOTS))
+                        .bind(slots)
+                        .bind(n)
+                        .bind(charge)
+                        .fetch_all(&mut *tx)
+                        .await?;
+                    // None while a key takes turns: the claim goes through them.
+                    if claimed.is_empty()
+                        && let Some(ids) = concurrency::claim_lanes_sqlite(self, &mut tx, n).await?
+                    {
+                        claimed = sqlx::query(crate::store::sql!(self, super::sqlite::CLAIM_SLOTS_OF))
                             .bind(slots)
-                            .bind(serde_json::json!(ids).to_string()),
+                            .bind(serde_json::json!(ids).to_string())
+                            .bind(charge)
+                            .fetch_all(&mut *tx)
+                            .await?;
                     }
-                    .bind(charge)
-                    .fetch_all(&mut *tx)
-                    .await?;
                     rows.extend(claimed.into_iter().map(|row| (row, charge == 1)));
                 }
                 tx.commit().await?;

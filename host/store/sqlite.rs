@@ -37,6 +37,16 @@ macro_rules! claim_select {
     };
 }
 
+/// The keyless lane's claim statements hold while no concurrency key is
+/// taking turns: then the claim is one statement, as before keys. While
+/// one is, they claim nothing and the claim goes through the keys' turns
+/// (`store::concurrency::claim_lanes_sqlite`).
+macro_rules! no_turns {
+    () => {
+        "NOT EXISTS (SELECT 1 FROM concurrency_keys INDEXED BY concurrency_keys_turn WHERE active AND NOT paused)"
+    };
+}
+
 /// The database's now (ms) as a claim's range end in runs_claim: not cast
 /// to an integer as `{now}` is, because a cast gives the bound INTEGER
 /// affinity, and SQLite then will not compare it with the index's
@@ -84,13 +94,13 @@ pub static DIALECT: Dialect = Dialect {
     // index ever stops matching, the statement fails to prepare instead of
     // going slow.
     claim: concat!(
-        "UPDATE runs SET ", claim_set!(), " WHERE id IN (", claim_select!("$3", "''"), ") RETURNING *"
+        "UPDATE runs SET ", claim_set!(), " WHERE id IN (", claim_select!("$3", "''"), ") AND ", no_turns!(), " RETURNING *"
     ),
     // `id = (…)` lets SQLite update in one pass; `id IN (…)` first collects
     // the ids, which costs more than the rest of the claim (measured: 124 µs
     // against 53 µs per claim on the same machine).
     claim_one: concat!(
-        "UPDATE runs SET ", claim_set!(), " WHERE id = (", claim_select!("$3", "''"), ") RETURNING *"
+        "UPDATE runs SET ", claim_set!(), " WHERE id = (", claim_select!("$3", "''"), ") AND ", no_turns!(), " RETURNING *"
     ),
     bulk_load: concat!(
         "WITH RECURSIVE s(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM s WHERE i < $1) ",
@@ -125,7 +135,7 @@ pub(super) const CLAIM_SLOTS: &str = concat!(
     "UPDATE runs SET status = 'running', lease_owner = w.owner, fence = fence + 1, attempt = attempt + $3, ",
     "lease_expires_at = {now} + w.ttl, heartbeat_at = {now}, updated_at = {now}, ",
     "started_at = COALESCE(started_at, {now}) ",
-    "FROM p JOIN w ON w.k = p.k WHERE runs.id = p.id RETURNING *"
+    "FROM p JOIN w ON w.k = p.k WHERE runs.id = p.id AND ", no_turns!(), " RETURNING *"
 );
 
 /// [`CLAIM_SLOTS`] for runs chosen beforehand (a claim that met a
