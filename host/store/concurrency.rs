@@ -229,13 +229,28 @@ pub(crate) async fn claim_lanes_sqlite(store: &Store, conn: &mut AnyConnection, 
     if keys.is_empty() {
         return Ok(None);
     }
-    let mut keys = keys
+    let keys = keys
         .iter()
         .map(|r| Ok((r.try_get::<String, _>("key")?, r.try_get::<Option<i64>, _>("concurrency")?)))
         .collect::<Result<Vec<_>, StoreError>>()?;
-    keys.sort();
     let n = keys.len();
     let share = (want / (n as i64 + 1)).max(1);
+    // Every key's share in one statement (a statement per key cost the
+    // single writer more than the runs): its room, and up to its take of
+    // runs in lane order.
+    let rows = sqlx::query(sql!(store, super::sqlite::KEYS_ROUND))
+        .bind(serde_json::json!(keys).to_string())
+        .bind(share)
+        .fetch_all(&mut *conn)
+        .await?;
+    let mut chosen: std::collections::BTreeMap<String, (i64, i64, Vec<i64>)> = Default::default();
+    for row in &rows {
+        let key: String = row.try_get("key")?;
+        let entry = chosen.entry(key).or_insert((row.try_get("room")?, row.try_get("take")?, Vec::new()));
+        if let Some(id) = row.try_get::<Option<i64>, _>("id")? {
+            entry.2.push(id);
+        }
+    }
     let plain_at = rand::random_range(0..=n);
     let mut ids: Vec<i64> = Vec::with_capacity(want as usize);
     // Per lane: its room left and whether it filled its share (so may
@@ -246,24 +261,21 @@ pub(crate) async fn claim_lanes_sqlite(store: &Store, conn: &mut AnyConnection, 
         if wanted <= 0 {
             break;
         }
-        let (lane, i) = match slot.cmp(&plain_at) {
-            std::cmp::Ordering::Equal => ("", n),
-            std::cmp::Ordering::Less => (keys[slot].0.as_str(), slot),
-            std::cmp::Ordering::Greater => (keys[slot - 1].0.as_str(), slot - 1),
-        };
-        let room = match keys.get(i).map(|k| k.1) {
-            Some(Some(cap)) => cap - live_slots(store, conn, lane).await?,
-            _ => want,
-        };
-        let take = room.min(share).min(wanted);
-        if take <= 0 {
+        if slot == plain_at {
+            let take = share.min(wanted);
+            let got = lane_ids(store, conn, "", take, &ids).await?;
+            lanes[n] = (want, got.len() as i64 == take);
+            ids.extend(got);
             continue;
         }
-        let got = lane_ids(store, conn, lane, take, &ids).await?;
+        let i = if slot < plain_at { slot } else { slot - 1 };
+        let key = keys[i].0.as_str();
+        let Some((room, take, got)) = chosen.remove(key) else { continue };
+        let got: Vec<i64> = got.into_iter().take(wanted as usize).collect();
         lanes[i] = (room - got.len() as i64, got.len() as i64 == take && room > got.len() as i64);
-        if got.is_empty() && i < n && !has_claimable(store, conn, lane).await? {
+        if got.is_empty() && take > 0 && !has_claimable(store, conn, key).await? {
             sqlx::query(sql!(store, "UPDATE concurrency_keys SET active = false WHERE key = $1"))
-                .bind(lane)
+                .bind(key)
                 .execute(&mut *conn)
                 .await?;
         }
@@ -292,18 +304,6 @@ pub(crate) async fn claim_lanes_sqlite(store: &Store, conn: &mut AnyConnection, 
 #[doc(hidden)]
 pub fn lane_sql() -> &'static str {
     crate::store::render_both(super::sqlite::LANE)[crate::store::Backend::Sqlite as usize]
-}
-
-/// The slots `key`'s runs hold now: running, lease live.
-async fn live_slots(store: &Store, conn: &mut AnyConnection, key: &str) -> Result<i64, StoreError> {
-    Ok(sqlx::query_scalar(sql!(
-        store,
-        "SELECT COUNT(*) FROM runs INDEXED BY runs_key_running WHERE status = 'running' AND concurrency_key <> '' \
-         AND concurrency_key = $1 AND lease_expires_at >= {now}"
-    ))
-    .bind(key)
-    .fetch_one(&mut *conn)
-    .await?)
 }
 
 /// Up to `n` claimable runs of `lane` that `taken` does not hold, in claim

@@ -156,6 +156,27 @@ pub(super) const CLAIM_OF: &str = concat!(
     "UPDATE runs SET ", claim_set!(), " WHERE id IN (SELECT value FROM json_each($3)) RETURNING *"
 );
 
+/// The first round of a claim's keys (`store::concurrency`): `$1` is a
+/// JSON list of `[key, limit or null]`, `$2` the share of each. For each
+/// key: its `room` (its limit less the running runs whose lease is live,
+/// or `$2` without a limit), its `take` (the room, at most `$2`), and up
+/// to `take` of its claimable runs in lane order, one row each (one row
+/// with a null `id` for a key with room and no run). Within a key, runs
+/// go by priority then eligible time (not read one priority at a time:
+/// a key's own leased or sleeping runs of a higher priority are stepped
+/// over, never another key's).
+pub(super) const KEYS_ROUND: &str = concat!(
+    "WITH k AS (SELECT value ->> 0 AS key, CASE WHEN value ->> 1 IS NULL THEN $2 ELSE (value ->> 1) - ",
+    "(SELECT COUNT(*) FROM runs INDEXED BY runs_key_running WHERE status = 'running' AND concurrency_key <> '' ",
+    "AND concurrency_key = value ->> 0 AND lease_expires_at >= {now}) END AS room FROM json_each($1)), ",
+    "t AS (SELECT key, room, MIN(room, $2) AS take FROM k WHERE room > 0) ",
+    "SELECT key, room, take, id FROM (SELECT t.key, t.room, t.take, r.id, row_number() OVER ",
+    "(PARTITION BY t.key ORDER BY r.priority DESC, ", "(CASE WHEN r.status = 'running' THEN r.lease_expires_at + 1 ELSE r.not_before END)",
+    ", r.id) AS rn FROM t LEFT JOIN runs r ON r.id IN (SELECT id FROM runs INDEXED BY runs_claim WHERE concurrency_key = t.key AND ",
+    crate::claimable!(), " AND ", crate::eligible_at!(), " <= ", now_bound!(), " AND attempt < max_attempts ",
+    "ORDER BY concurrency_key, priority DESC, ", crate::eligible_at!(), ", id LIMIT $2)) WHERE rn <= take"
+);
+
 /// One lane's claimable runs, `$2` of them, for the claim's choice: `$1`
 /// is the key (see [`claim_select!`]).
 pub(super) const LANE: &str = claim_select!("$2", "$1");
