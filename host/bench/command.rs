@@ -8,6 +8,7 @@ use clap::Subcommand;
 use super::claim::ClaimBench;
 use super::dashboard::DashboardBench;
 use super::drain::DrainBench;
+use super::fairness::FairnessBench;
 use super::e2e::E2eBench;
 use super::submit::SubmitBench;
 use crate::store::SqliteSync;
@@ -106,6 +107,37 @@ pub enum BenchCommand {
         /// leasehold's rate over each peer's. PostgreSQL only.
         #[arg(long)]
         peers: Option<PathBuf>,
+        /// No progress lines on stderr.
+        #[arg(long)]
+        quiet: bool,
+    },
+    /// Fair shares: a small concurrency key's submit-to-start wait (p50,
+    /// p99) alone, and beside a large key's backlog of --backlog runs; the
+    /// ratio of the p99s. One JSON line.
+    Fairness {
+        /// Database URL. It must hold no runs. Default: a temporary SQLite
+        /// file, removed afterwards.
+        #[arg(long)]
+        database_url: Option<String>,
+        /// The large key's queued runs.
+        #[arg(long, default_value_t = 100_000)]
+        backlog: i64,
+        /// The small key's runs, submitted one every --gap-ms.
+        #[arg(long, default_value_t = 100)]
+        small: usize,
+        #[arg(long, default_value_t = 20)]
+        gap_ms: u64,
+        #[arg(long, default_value_t = 64)]
+        workers: usize,
+        #[arg(long, default_value_t = 64)]
+        claim_batch: usize,
+        /// As `serve --prefetch`. [default: as serve's]
+        #[arg(long)]
+        prefetch: Option<usize>,
+        #[arg(long, default_value = "target/plugins/testkit.wasm")]
+        plugin_file: PathBuf,
+        #[arg(long, default_value = "full")]
+        sqlite_synchronous: SqliteSync,
         /// No progress lines on stderr.
         #[arg(long)]
         quiet: bool,
@@ -213,6 +245,31 @@ impl BenchCommand {
                     concurrency,
                     submitters,
                     rounds,
+                    plugin_file,
+                    cache_dir: crate::runtime::default_cache_dir(),
+                    progress: !quiet,
+                    sqlite_sync: sqlite_synchronous,
+                };
+                let result = bench.run().await;
+                drop(db);
+                println!("{}", serde_json::to_string(&result?)?);
+                Ok(())
+            }
+            BenchCommand::Fairness { database_url, backlog, small, gap_ms, workers, claim_batch, prefetch, plugin_file, sqlite_synchronous, quiet } => {
+                anyhow::ensure!(backlog > 0 && small > 0 && workers > 0 && claim_batch > 0, "--backlog, --small, --workers and --claim-batch must be positive");
+                let db = BenchDb::new(database_url, "leasehold-bench-fairness");
+                let url = db.url.clone();
+                let bench = FairnessBench {
+                    database_url: url.clone(),
+                    backlog,
+                    small,
+                    gap_ms,
+                    workers,
+                    claim_batch,
+                    prefetch: prefetch.unwrap_or_else(|| {
+                        let backend = crate::store::Backend::from_url(&url).unwrap_or(crate::store::Backend::Sqlite);
+                        crate::pool::PoolConfig::default_prefetch(workers, backend)
+                    }),
                     plugin_file,
                     cache_dir: crate::runtime::default_cache_dir(),
                     progress: !quiet,

@@ -9,6 +9,7 @@ mod command;
 pub mod dashboard;
 pub mod drain;
 pub mod e2e;
+pub mod fairness;
 mod peers;
 pub mod progress;
 pub mod submit;

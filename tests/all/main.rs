@@ -8,6 +8,7 @@ mod prefetch;
 mod api;
 mod bench_drain;
 mod bench_e2e;
+mod bench_fairness;
 mod bench_submit;
 mod chaos;
 mod concurrency;
