@@ -266,10 +266,7 @@ impl BenchCommand {
                     gap_ms,
                     workers,
                     claim_batch,
-                    prefetch: prefetch.unwrap_or_else(|| {
-                        let backend = crate::store::Backend::from_url(&url).unwrap_or(crate::store::Backend::Sqlite);
-                        crate::pool::PoolConfig::default_prefetch(workers, backend)
-                    }),
+                    prefetch: prefetch.unwrap_or_else(|| serves_prefetch(&url, workers)),
                     plugin_file,
                     cache_dir: crate::runtime::default_cache_dir(),
                     progress: !quiet,
@@ -302,10 +299,7 @@ impl BenchCommand {
                     gets,
                     workers,
                     claim_batch,
-                    prefetch: prefetch.unwrap_or_else(|| {
-                        let backend = crate::store::Backend::from_url(&url).unwrap_or(crate::store::Backend::Sqlite);
-                        crate::pool::PoolConfig::default_prefetch(workers, backend)
-                    }),
+                    prefetch: prefetch.unwrap_or_else(|| serves_prefetch(&url, workers)),
                     rounds,
                     plugin_file,
                     cache_dir: crate::runtime::default_cache_dir(),
@@ -401,4 +395,10 @@ impl Drop for BenchDb {
             let _ = std::fs::remove_file(p);
         }
     }
+}
+
+/// `serve`'s local queue for `workers` on the database at `url`.
+fn serves_prefetch(url: &str, workers: usize) -> usize {
+    let backend = crate::store::Backend::from_url(url).unwrap_or(crate::store::Backend::Sqlite);
+    crate::pool::PoolConfig::default_prefetch(workers, backend)
 }

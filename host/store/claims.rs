@@ -140,21 +140,25 @@ impl Store {
     }
 
     /// SQLite: claims up to `max` runs for `owner` inside `conn`'s
-    /// transaction, which it starts with a write: with the one claim
-    /// statement, which claims nothing while a concurrency key takes turns,
-    /// and then through the turns ([`concurrency::claim_lanes_sqlite`]).
+    /// transaction: with the one claim statement, which claims nothing
+    /// while a concurrency key takes turns, and then through the turns.
     /// Every run counts an attempt.
     pub(crate) async fn claim_sqlite(&self, conn: &mut sqlx::AnyConnection, owner: &str, ttl: Duration, max: i64) -> Result<Vec<Claimed>, StoreError> {
         let claimed = self.claim_on(&mut *conn, owner, ttl, max, max, 0).await?;
         if !claimed.is_empty() {
             return Ok(claimed);
         }
-        let Some(ids) = concurrency::claim_lanes_sqlite(self, conn, max).await? else {
-            return Ok(claimed);
+        self.claim_turns_sqlite(conn, owner, ttl, max).await
+    }
+
+    /// SQLite: claims up to `max` runs for `owner` through the keys' turns
+    /// ([`concurrency::claim_lanes_sqlite`], whose first statement writes)
+    /// inside `conn`'s transaction; none while no key takes turns.
+    async fn claim_turns_sqlite(&self, conn: &mut sqlx::AnyConnection, owner: &str, ttl: Duration, max: i64) -> Result<Vec<Claimed>, StoreError> {
+        let ids = match concurrency::claim_lanes_sqlite(self, conn, max).await? {
+            Some(ids) if !ids.is_empty() => ids,
+            _ => return Ok(Vec::new()),
         };
-        if ids.is_empty() {
-            return Ok(Vec::new());
-        }
         let rows = sqlx::query(crate::store::sql!(self, super::sqlite::CLAIM_OF))
             .bind(owner)
             .bind(ms(ttl))
@@ -185,7 +189,7 @@ impl Store {
                 claimed = self
                     .retry(|| async {
                         let mut tx = self.writer().begin().await?;
-                        let claimed = self.claim_sqlite(&mut tx, &first.owner, first.ttl, total).await?;
+                        let claimed = self.claim_turns_sqlite(&mut tx, &first.owner, first.ttl, total).await?;
                         tx.commit().await?;
                         Ok(claimed)
                     })
