@@ -1361,9 +1361,30 @@ async fn zombie_round(
 /// the database late and must all be refused (the audit's stale writes);
 /// the refusals its metrics count are reported.
 async fn partition(cluster: &Cluster<'_>, store: &Store, counters: &Arc<Counters>, host: usize) -> Result<()> {
-    let net = cluster.net.context("a partition fault needs the hosts' namespaces")?;
     wait_recoveries(counters).await;
     let owner = cluster.owner_of(host);
+    // A round whose held runs all finished by writes that got out before
+    // the cut (or by a cancel) took nothing over: it tested nothing, and
+    // the fault is tried again, as a zombie's is.
+    for round in 1..=3 {
+        // None: the host held no run to cut off (counted as unbitten).
+        let Some(taken) = partition_round(cluster, store, counters, host, &owner).await? else { break };
+        if taken > 0 || round == 3 {
+            if taken == 0 {
+                counters.unbitten.lock().unwrap().push(format!("partition of {owner}: none of its runs was taken over in {round} rounds"));
+            }
+            break;
+        }
+        eprintln!("chaos: partition of {owner} round {round} took nothing over; again");
+    }
+    Ok(())
+}
+
+/// One cut of `host` (see [`partition`]): how many of its runs were taken
+/// over; `None` if it held none in 20 tries.
+async fn partition_round(cluster: &Cluster<'_>, store: &Store, counters: &Arc<Counters>, host: usize, owner: &str) -> Result<Option<usize>> {
+    let net = cluster.net.context("a partition fault needs the hosts' namespaces")?;
+    let owner = owner.to_string();
     let base = cluster.base(host);
     let mut tries = 0;
     let (before, held) = loop {
@@ -1393,15 +1414,14 @@ async fn partition(cluster: &Cluster<'_>, store: &Store, counters: &Arc<Counters
     counters.partition_writes_rejected.fetch_add(rejected, Relaxed);
     if held.is_empty() {
         counters.unbitten.lock().unwrap().push(format!("partition of {owner}: it held no run in 20 tries"));
-    } else if taken == 0 {
-        counters.unbitten.lock().unwrap().push(format!("partition of {owner}: none of its runs was taken over"));
+        return Ok(None);
     }
     eprintln!(
         "chaos: cut {owner} off for {} ms holding {} runs, {taken} taken over; {rejected} of its writes refused after",
         cut_for.as_millis(),
         held.len()
     );
-    Ok(())
+    Ok(Some(taken))
 }
 
 /// The writes `base`'s host had refused by the fence since it counted
