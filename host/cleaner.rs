@@ -34,6 +34,7 @@ pub async fn tick(store: &Store, config: &RetentionConfig) -> Result<Deleted, St
     // Whatever the retention: a key rows' table holds no key that has
     // neither a limit nor runs to claim (a submit writes it again).
     store.forget_idle_keys(config.batch).await?;
+    store.forget_spent_holds().await?;
     if config.keep.is_zero() {
         return Ok(Deleted::default());
     }
@@ -51,11 +52,9 @@ pub async fn tick(store: &Store, config: &RetentionConfig) -> Result<Deleted, St
 }
 
 /// Ticks until `stop`: at once again after a full batch (there is more to
-/// delete), else after `every`. A failed tick is logged.
+/// delete), else after `every`. A failed tick is logged. Runs with
+/// retention off too: idle keys and spent holds are forgotten whatever it is.
 pub async fn run(store: Store, config: RetentionConfig, every: Duration, mut stop: watch::Receiver<bool>) {
-    if config.keep.is_zero() {
-        return;
-    }
     loop {
         let pause = match tick(&store, &config).await {
             // A short pause between full batches lets other writers in.

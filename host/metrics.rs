@@ -70,6 +70,12 @@ pub struct Metrics {
     pub submit_commits: AtomicU64,
     /// Guest `log` lines dropped over a segment's cap.
     pub guest_log_lines_dropped: AtomicU64,
+    /// Effect calls that waited for their rate limit in place, and runs
+    /// suspended because it had no room soon enough (`runtime::rates`).
+    pub rate_waits: AtomicU64,
+    pub rate_suspensions: AtomicU64,
+    /// Providers' `Retry-After` answers that held a rate key.
+    pub rate_holds: AtomicU64,
     /// Runs claimed ahead of free workers and waiting in the pool's local
     /// queue now (a gauge; see `pool`).
     pub prefetched: AtomicU64,
@@ -165,6 +171,14 @@ impl Metrics {
             "Guest log lines dropped over a segment's cap.",
             &self.guest_log_lines_dropped,
         );
+        counter(&mut out, "leasehold_rate_waits_total", "Effect calls that waited in place for their rate limit.", &self.rate_waits);
+        counter(
+            &mut out,
+            "leasehold_rate_suspensions_total",
+            "Runs suspended because an effect's rate limit had no room within the wait allowed in place.",
+            &self.rate_suspensions,
+        );
+        counter(&mut out, "leasehold_rate_holds_total", "Providers' Retry-After answers that held every call to their rate key.", &self.rate_holds);
         let _ = writeln!(
             out,
             "# HELP leasehold_prefetched_runs Runs claimed ahead of free workers, waiting in the local queue.\n\

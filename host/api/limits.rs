@@ -1,4 +1,5 @@
-//! `/v1/limits`: concurrency keys' limits and pauses (docs/flow-control.md).
+//! `/v1/limits`: concurrency keys' limits and pauses, and the rate limits
+//! of effects, keyed `http:HOST:PORT` and `model:NAME` (docs/flow-control.md).
 
 use axum::Json;
 use axum::extract::State;
@@ -8,11 +9,13 @@ use utoipa::{IntoParams, ToSchema};
 
 use super::{ApiError, AppState, ErrorBody, JsonBody, Params, QueryParams};
 use crate::store::concurrency::{KeyLimit, check_concurrency, check_key};
+use crate::store::rates::{RateLimit, check_rate_key, check_rates, is_rate_key};
 
 /// Most keys a page of `GET /v1/limits` holds.
 const MAX_PAGE: i64 = 1000;
 
-/// A key's limit.
+/// A key's limit: `concurrency` and `paused` for a concurrency key,
+/// `per_minute` and `tokens_per_minute` for a rate key.
 #[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct SetLimit {
@@ -24,7 +27,34 @@ pub struct SetLimit {
     /// While true its runs stay queued: none is claimed, and a running one
     /// finishes its segment and then waits. Default: false.
     #[serde(default)]
-    paused: bool,
+    paused: Option<bool>,
+    /// Rate keys: calls a minute across every run and host, spaced evenly,
+    /// 1 to 6000000.
+    #[schema(minimum = 1, maximum = 6000000)]
+    #[serde(default, deserialize_with = "super::runs::whole_number")]
+    per_minute: Option<i64>,
+    /// `model:` keys: tokens a minute, reserved before a call and settled
+    /// from the usage its answer reports, 1 to 1000000000.
+    #[schema(minimum = 1, maximum = 1000000000)]
+    #[serde(default, deserialize_with = "super::runs::whole_number")]
+    tokens_per_minute: Option<i64>,
+}
+
+/// A key's limit and state: a concurrency key's or a rate key's.
+#[derive(Serialize, ToSchema)]
+#[serde(untagged)]
+pub enum Limit {
+    Concurrency(KeyLimit),
+    Rate(RateLimit),
+}
+
+impl Limit {
+    fn key(&self) -> &str {
+        match self {
+            Limit::Concurrency(k) => &k.key,
+            Limit::Rate(r) => &r.key,
+        }
+    }
 }
 
 #[derive(Deserialize, IntoParams)]
@@ -39,23 +69,24 @@ pub struct ListQuery {
     limit: Option<i64>,
 }
 
-/// A page of keys, by key.
+/// A page of keys, by key: concurrency keys and rate keys together.
 #[derive(Serialize, ToSchema)]
 pub struct LimitsPage {
-    limits: Vec<KeyLimit>,
+    limits: Vec<Limit>,
     /// The `after` of the next page; null on the last.
     next: Option<String>,
 }
 
 fn key_of(key: &str) -> Result<(), ApiError> {
-    check_key(key).map_err(ApiError::bad_request)
+    if is_rate_key(key) { check_rate_key(key) } else { check_key(key) }.map_err(ApiError::bad_request)
 }
 
-/// `PUT /v1/limits/{key}` with `{"concurrency": N, "paused": false}`.
+/// `PUT /v1/limits/{key}` with `{"concurrency": N, "paused": false}`, or
+/// for a rate key `{"per_minute": N, "tokens_per_minute": M}`.
 #[utoipa::path(put, path = "/v1/limits/{key}", tag = "limits", request_body = SetLimit,
-    params(("key" = String, Path, min_length = 1, max_length = 256, pattern = r"^(?!http:|model:)[^\u0000-\u001f\u007f-\u009f]+$", description = "The concurrency key: 1 to 256 characters, no control characters, not starting with `http:` or `model:`.")),
+    params(("key" = String, Path, min_length = 1, max_length = 256, pattern = r"^[^\u0000-\u001f\u007f-\u009f]+$", description = "A concurrency key (1 to 256 characters, no control characters), or a rate key: `http:HOST:PORT` or `model:NAME`.")),
     responses(
-        (status = 200, description = "The key with its new limit and its runs now.", body = KeyLimit),
+        (status = 200, description = "The key with its new limit and its runs (or its rate's clocks) now.", body = Limit),
         (status = 400, description = "A bad key or limit.", body = ErrorBody),
         (status = 415, description = "The body is not said to be JSON (Content-Type: application/json).", body = ErrorBody),
     ))]
@@ -63,30 +94,52 @@ pub async fn put(
     State(s): State<AppState>,
     Params(key): Params<String>,
     JsonBody(req): JsonBody<SetLimit>,
-) -> Result<Json<KeyLimit>, ApiError> {
+) -> Result<Json<Limit>, ApiError> {
     key_of(&key)?;
+    if is_rate_key(&key) {
+        if req.concurrency.is_some() || req.paused.is_some() {
+            return Err(ApiError::bad_request("a rate key takes per_minute and tokens_per_minute, not concurrency or paused"));
+        }
+        check_rates(&key, req.per_minute, req.tokens_per_minute).map_err(ApiError::bad_request)?;
+        let rate = s.store.set_rate(&key, req.per_minute, req.tokens_per_minute).await?;
+        tracing::info!(key, per_minute = ?req.per_minute, tokens_per_minute = ?req.tokens_per_minute, "rate limit set");
+        return Ok(Json(Limit::Rate(rate)));
+    }
+    if req.per_minute.is_some() || req.tokens_per_minute.is_some() {
+        return Err(ApiError::bad_request(
+            "per_minute and tokens_per_minute are for rate keys (http:HOST:PORT, model:NAME); a concurrency key takes concurrency and paused",
+        ));
+    }
     if let Some(n) = req.concurrency {
         check_concurrency(n).map_err(ApiError::bad_request)?;
     }
-    let limit = s.store.set_limit(&key, req.concurrency, req.paused).await?;
-    tracing::info!(key, concurrency = ?req.concurrency, paused = req.paused, "limit set");
-    Ok(Json(limit))
+    let paused = req.paused.unwrap_or(false);
+    let limit = s.store.set_limit(&key, req.concurrency, paused).await?;
+    tracing::info!(key, concurrency = ?req.concurrency, paused, "limit set");
+    Ok(Json(Limit::Concurrency(limit)))
 }
 
 /// `GET /v1/limits/{key}`: its limit, and how many of its runs are queued
-/// and running now.
+/// and running now; for a rate key, how long a call would wait now and any
+/// provider's hold.
 #[utoipa::path(get, path = "/v1/limits/{key}", tag = "limits",
-    params(("key" = String, Path, min_length = 1, max_length = 256, pattern = r"^(?!http:|model:)[^\u0000-\u001f\u007f-\u009f]+$", description = "The concurrency key: 1 to 256 characters, no control characters, not starting with `http:` or `model:`.")),
+    params(("key" = String, Path, min_length = 1, max_length = 256, pattern = r"^[^\u0000-\u001f\u007f-\u009f]+$", description = "A concurrency key (1 to 256 characters, no control characters), or a rate key: `http:HOST:PORT` or `model:NAME`.")),
     responses(
-        (status = 200, description = "The key.", body = KeyLimit),
-        (status = 404, description = "The key has neither a limit nor runs.", body = ErrorBody),
+        (status = 200, description = "The key.", body = Limit),
+        (status = 404, description = "The key has neither a limit nor runs (a rate key: neither a limit nor a hold).", body = ErrorBody),
     ))]
-pub async fn show(State(s): State<AppState>, Params(key): Params<String>) -> Result<Json<KeyLimit>, ApiError> {
+pub async fn show(State(s): State<AppState>, Params(key): Params<String>) -> Result<Json<Limit>, ApiError> {
     key_of(&key)?;
-    s.store.limit(&key).await?.map(Json).ok_or_else(|| ApiError::not_found(format!("no key {key:?}")))
+    let found = if is_rate_key(&key) {
+        s.store.rate(&key).await?.map(Limit::Rate)
+    } else {
+        s.store.limit(&key).await?.map(Limit::Concurrency)
+    };
+    found.map(Json).ok_or_else(|| ApiError::not_found(format!("no key {key:?}")))
 }
 
-/// `GET /v1/limits`: the keys with a limit, paused, or with runs to claim.
+/// `GET /v1/limits`: the concurrency keys with a limit, paused, or with
+/// runs to claim, and the rate keys, in one list by key.
 #[utoipa::path(get, path = "/v1/limits", tag = "limits", params(ListQuery),
     responses((status = 200, description = "A page of keys.", body = LimitsPage)))]
 pub async fn list(State(s): State<AppState>, QueryParams(q): QueryParams<ListQuery>) -> Result<Json<LimitsPage>, ApiError> {
@@ -98,21 +151,29 @@ pub async fn list(State(s): State<AppState>, QueryParams(q): QueryParams<ListQue
     if after.chars().count() > 256 {
         return Err(ApiError::bad_request("after is at most 256 characters"));
     }
-    let limits = s.store.limits(&after, limit).await?;
-    let next = (limits.len() as i64 == limit).then(|| limits.last().map(|l| l.key.clone())).flatten();
+    let keys = s.store.limits(&after, limit).await?;
+    let rates = s.store.rates(&after, limit).await?;
+    // Either table may hold more past a full page of its own.
+    let more = keys.len() as i64 == limit || rates.len() as i64 == limit;
+    let mut limits: Vec<Limit> = keys.into_iter().map(Limit::Concurrency).chain(rates.into_iter().map(Limit::Rate)).collect();
+    limits.sort_by(|a, b| a.key().cmp(b.key()));
+    limits.truncate(limit as usize);
+    let next = more.then(|| limits.last().map(|l| l.key().to_string())).flatten();
     Ok(Json(LimitsPage { limits, next }))
 }
 
-/// `DELETE /v1/limits/{key}`: clears its limit and pause.
+/// `DELETE /v1/limits/{key}`: clears its limit and pause; for a rate key,
+/// its limit and any provider's hold.
 #[utoipa::path(delete, path = "/v1/limits/{key}", tag = "limits",
-    params(("key" = String, Path, min_length = 1, max_length = 256, pattern = r"^(?!http:|model:)[^\u0000-\u001f\u007f-\u009f]+$", description = "The concurrency key: 1 to 256 characters, no control characters, not starting with `http:` or `model:`.")),
+    params(("key" = String, Path, min_length = 1, max_length = 256, pattern = r"^[^\u0000-\u001f\u007f-\u009f]+$", description = "A concurrency key (1 to 256 characters, no control characters), or a rate key: `http:HOST:PORT` or `model:NAME`.")),
     responses(
         (status = 204, description = "Cleared: its runs are claimed without a limit."),
-        (status = 404, description = "The key had no limit and was not paused.", body = ErrorBody),
+        (status = 404, description = "The key had no limit and was not paused (a rate key: no limit and no hold).", body = ErrorBody),
     ))]
 pub async fn remove(State(s): State<AppState>, Params(key): Params<String>) -> Result<StatusCode, ApiError> {
     key_of(&key)?;
-    if s.store.remove_limit(&key).await? {
+    let removed = if is_rate_key(&key) { s.store.remove_rate(&key).await? } else { s.store.remove_limit(&key).await? };
+    if removed {
         tracing::info!(key, "limit removed");
         Ok(StatusCode::NO_CONTENT)
     } else {

@@ -315,7 +315,9 @@ pub(crate) fn busy(message: impl Into<String>) -> Response {
 }
 
 /// A JSON body whose errors are API errors: 400 for malformed JSON or a
-/// wrong shape, 413 for a body over the limit.
+/// wrong shape, 413 for a body over the limit. Every body of this API is
+/// an object: an array is refused though serde would read one as a
+/// struct's fields in order (`[1, null]` for `{"concurrency": 1}`).
 pub struct JsonBody<T>(pub T);
 
 impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
@@ -323,6 +325,9 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
 
     async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
         let bytes = body_bytes(req, state).await?;
+        if bytes.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'[') {
+            return Err(ApiError::bad_request("invalid JSON body: expected a JSON object, got an array"));
+        }
         serde_json::from_slice(&bytes)
             .map(JsonBody)
             .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))

@@ -1,4 +1,5 @@
-//! `leasehold limits`: concurrency keys' limits and pauses, through the API
+//! `leasehold limits`: concurrency keys' limits and pauses, and the rate
+//! limits of effects (keys `http:HOST:PORT`, `model:NAME`), through the API
 //! (`/v1/limits`, docs/flow-control.md).
 
 use anyhow::Result;
@@ -8,16 +9,24 @@ use super::Api;
 
 #[derive(clap::Subcommand)]
 pub enum LimitsCommand {
-    /// Set a key's limit: at most N of its runs run at once.
+    /// Set a key's limit: at most N of its runs run at once; or, for a
+    /// rate key (`http:HOST:PORT`, `model:NAME`), at most N calls (and M
+    /// tokens) a minute across every run and host.
     Set {
         key: String,
         /// The most of its runs that run at once. Default: no limit.
-        #[arg(long)]
+        #[arg(long, conflicts_with_all = ["per_minute", "tokens_per_minute"])]
         concurrency: Option<i64>,
         /// Claim none of its runs until `limits resume` (runs already
         /// running finish their segment, then wait).
-        #[arg(long)]
+        #[arg(long, conflicts_with_all = ["per_minute", "tokens_per_minute"])]
         paused: bool,
+        /// Rate keys: calls a minute, spaced evenly.
+        #[arg(long)]
+        per_minute: Option<i64>,
+        /// `model:` keys: tokens a minute.
+        #[arg(long)]
+        tokens_per_minute: Option<i64>,
     },
     /// Pause a key, keeping its limit.
     Pause { key: String },
@@ -58,19 +67,47 @@ fn line(k: &Value) -> String {
 
 const HEADER: &str = "KEY                               CONCURRENCY  PAUSED    QUEUED   RUNNING";
 
+fn rate_line(k: &Value) -> String {
+    let n = |f: &str| k[f].as_i64().map_or("-".to_string(), |n| n.to_string());
+    let held = match k["held_until"].as_i64() {
+        Some(_) => "held (Retry-After)",
+        None => "",
+    };
+    format!("{:<32}  {:>10}  {:>10}  {:>7}  {held}", k["key"].as_str().unwrap_or(""), n("per_minute"), n("tokens_per_minute"), n("wait_ms"))
+}
+
+const RATE_HEADER: &str = "RATE KEY                          PER MINUTE  TOKENS/MIN  WAIT MS";
+
+fn is_rate(k: &Value) -> bool {
+    k.get("per_minute").is_some()
+}
+
+/// One key, as a table of one row of its kind.
+fn show_one(k: &Value) {
+    if is_rate(k) {
+        println!("{RATE_HEADER}\n{}", rate_line(k));
+    } else {
+        println!("{HEADER}\n{}", line(k));
+    }
+}
+
 pub async fn limits(api: &Api, command: LimitsCommand) -> Result<()> {
     let c = api.client();
     match command {
-        LimitsCommand::Set { key, concurrency, paused } => {
-            let body = json!({ "concurrency": concurrency, "paused": paused });
+        LimitsCommand::Set { key, concurrency, paused, per_minute, tokens_per_minute } => {
+            let body = if per_minute.is_some() || tokens_per_minute.is_some() {
+                json!({ "per_minute": per_minute, "tokens_per_minute": tokens_per_minute })
+            } else {
+                json!({ "concurrency": concurrency, "paused": paused })
+            };
             let v = api.send(c.put(api.url(&path(&key))).json(&body)).await?;
-            api.print(&v, |k| println!("{HEADER}\n{}", line(k)));
+            api.print(&v, show_one);
         }
         LimitsCommand::Pause { key } => toggle(api, &key, true).await?,
         LimitsCommand::Resume { key } => toggle(api, &key, false).await?,
         LimitsCommand::Show { key } => {
             let v = api.send(c.get(api.url(&path(&key)))).await?;
-            api.print(&v, |k| println!("{HEADER}\n{}", line(k)));
+            api.print(&v, show_one);
         }
         LimitsCommand::List => {
             let (mut all, mut after) = (Vec::new(), String::new());
@@ -84,9 +121,17 @@ pub async fn limits(api: &Api, command: LimitsCommand) -> Result<()> {
             }
             let v = json!({ "limits": all });
             api.print(&v, |v| {
+                let all = v["limits"].as_array().cloned().unwrap_or_default();
+                let (rates, keys): (Vec<Value>, Vec<Value>) = all.into_iter().partition(is_rate);
                 println!("{HEADER}");
-                for k in v["limits"].as_array().into_iter().flatten() {
+                for k in &keys {
                     println!("{}", line(k));
+                }
+                if !rates.is_empty() {
+                    println!("\n{RATE_HEADER}");
+                    for k in &rates {
+                        println!("{}", rate_line(k));
+                    }
                 }
             });
         }

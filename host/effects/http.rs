@@ -67,6 +67,13 @@ pub struct HttpRequest {
     body: Option<serde_json::Value>,
 }
 
+impl HttpRequest {
+    /// The URL, as the guest wrote it (checked by [`check`]).
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+}
+
 /// One allow-list entry: `host`, `host:port` or `scheme://host:port`.
 #[derive(Debug, PartialEq)]
 struct Entry {
@@ -361,6 +368,7 @@ pub async fn perform(name: &str, req: HttpRequest, ctx: &RemoteCtx, egress: &Egr
     if in_progress(status, ctx) {
         return Err(RemoteFailure::InProgress(format!("HTTP {status}")));
     }
+    let retry_after = super::rate::retry_after(status, response.headers());
     let mut body = Vec::new();
     while let Some(chunk) = response.chunk().await.map_err(|e| failed(format!("reading the response: {e}")))? {
         body.extend_from_slice(&chunk);
@@ -371,7 +379,11 @@ pub async fn perform(name: &str, req: HttpRequest, ctx: &RemoteCtx, egress: &Egr
     let body = String::from_utf8_lossy(&body).into_owned();
     if status >= 400 {
         let start: String = body.chars().take(200).collect();
-        return Err(failed(format!("HTTP {status}: {start}")));
+        let error = EffectError::Failed(format!("{name}: HTTP {status}: {start}"));
+        return Err(match retry_after {
+            Some(retry_after) => RemoteFailure::Throttled { error, retry_after },
+            None => RemoteFailure::Effect(error),
+        });
     }
     Ok(serde_json::json!({ "status": status, "body": body }).to_string())
 }

@@ -11,6 +11,7 @@ pub mod http;
 pub mod kv;
 pub mod model;
 pub mod model_grant;
+pub mod rate;
 
 use crate::store::{EffectClass, LocalOp};
 
@@ -65,6 +66,10 @@ pub enum RemoteFailure {
     /// Not a result: the host tries again, or leaves the call in doubt. The
     /// answer, for messages.
     InProgress(String),
+    /// A `429` or `503` with `Retry-After`: a result the guest sees, and
+    /// every call to the same rate key, on every host, is held until then
+    /// (`store::rates`).
+    Throttled { error: EffectError, retry_after: std::time::Duration },
 }
 
 impl From<EffectError> for RemoteFailure {

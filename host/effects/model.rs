@@ -7,9 +7,11 @@
 //! defaults to the host's configured model, and every other field
 //! (`temperature`, `max_tokens`, `tools`, …) is passed through. `stream` is
 //! always set to `true`. Result:
-//! `{"content": "<the whole text>", "finish_reason": "stop", "model": "…", "deltas": N}`,
+//! `{"content": "<the whole text>", "finish_reason": "stop", "model": "…", "deltas": N, "usage": {…}}`,
 //! where `deltas` is how many emits the call made (the host uses it to keep
-//! stream positions right on replay).
+//! stream positions right on replay) and `usage` what the provider said the
+//! call used (null when it said nothing; asked for when a token limit
+//! applies, see docs/flow-control.md).
 //!
 //! Class: keyed. A chat has no side effect beyond its cost, so a call whose
 //! segment died is re-issued (with the same `Idempotency-Key`, for gateways
@@ -68,6 +70,32 @@ pub struct ChatRequest {
     body: Map<String, Value>,
 }
 
+impl ChatRequest {
+    /// The model it names (the host's default filled in).
+    pub fn model(&self) -> &str {
+        self.body.get("model").and_then(Value::as_str).unwrap_or_default()
+    }
+
+    /// The size of its messages as JSON: what the prompt costs, roughly.
+    pub fn prompt_bytes(&self) -> usize {
+        self.body.get("messages").map_or(0, |m| m.to_string().len())
+    }
+
+    /// The most tokens its answer may cost, if it says.
+    pub fn max_tokens(&self) -> Option<i64> {
+        ["max_tokens", "max_completion_tokens"].iter().find_map(|k| self.body.get(*k).and_then(Value::as_i64))
+    }
+
+    /// Asks the provider to report the call's usage at the end of the
+    /// stream (`stream_options.include_usage`), to settle a token limit.
+    pub fn ask_usage(&mut self) {
+        let options = self.body.entry("stream_options").or_insert_with(|| Value::Object(Map::new()));
+        if let Value::Object(o) = options {
+            o.insert("include_usage".into(), Value::Bool(true));
+        }
+    }
+}
+
 /// Parses and checks a request against the host's endpoint and the
 /// plugin's grant ([`super::model_grant`]). `Err` is a recorded refusal.
 pub fn check(request: &str, config: Option<&ModelConfig>, grant: &crate::store::ModelGrant) -> Result<ChatRequest, EffectError> {
@@ -108,6 +136,8 @@ struct Reply {
     finish_reason: Option<String>,
     model: Option<String>,
     deltas: u64,
+    /// What the provider says the call used (`usage`), if it does.
+    usage: Option<Value>,
 }
 
 pub async fn perform(
@@ -136,6 +166,7 @@ pub async fn perform(
     if in_progress(status, ctx) {
         return Err(RemoteFailure::InProgress(format!("HTTP {status}")));
     }
+    let retry_after = super::rate::retry_after(status, response.headers());
     let streaming = response
         .headers()
         .get("content-type")
@@ -175,6 +206,9 @@ pub async fn perform(
             if let Some(m) = event["model"].as_str() {
                 reply.model = Some(m.to_string());
             }
+            if event["usage"].is_object() {
+                reply.usage = Some(event["usage"].clone());
+            }
             let choice = &event["choices"][0];
             if let Some(r) = choice["finish_reason"].as_str() {
                 reply.finish_reason = Some(r.to_string());
@@ -191,7 +225,11 @@ pub async fn perform(
     if status >= 400 {
         let body = String::from_utf8_lossy(&buf);
         let start: String = body.chars().take(300).collect();
-        return Err(failed(format!("HTTP {status} from {url}: {start}")));
+        let error = EffectError::Failed(format!("model.chat: HTTP {status} from {url}: {start}"));
+        return Err(match retry_after {
+            Some(retry_after) => RemoteFailure::Throttled { error, retry_after },
+            None => RemoteFailure::Effect(error),
+        });
     }
     if !streaming {
         // A server that ignores `stream`: one JSON body, mirrored as one delta.
@@ -200,6 +238,7 @@ pub async fn perform(
         let content = choice["message"]["content"].as_str().unwrap_or_default().to_string();
         reply.model = body["model"].as_str().map(str::to_string);
         reply.finish_reason = choice["finish_reason"].as_str().map(str::to_string);
+        reply.usage = body.get("usage").filter(|u| u.is_object()).cloned();
         if !content.is_empty() {
             reply.deltas = 1;
             if sink.delta(content.clone()).await.is_err() {
@@ -215,6 +254,7 @@ pub async fn perform(
         "finish_reason": reply.finish_reason,
         "model": reply.model,
         "deltas": reply.deltas,
+        "usage": reply.usage,
     })
     .to_string())
 }

@@ -12,7 +12,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use wasmtime::component::{HasSelf, Linker, ResourceTable};
 use wasmtime_wasi::WasiCtx;
@@ -23,7 +23,7 @@ use super::replay::Recorded;
 use super::stream::{Buffer, Stream};
 use super::output::GuestOutput;
 use crate::effects::model::ModelConfig;
-use crate::effects::{self, Effect, RemoteFailure};
+use crate::effects::{self, Effect};
 use crate::store::{Completion, EffectCall, EffectClass, EffectRow, EffectState, HeldPut, Lease, LocalOp, Store, StoreError, Streamed};
 use crate::runtime::{GuestErrorKind, Limits};
 
@@ -416,6 +416,8 @@ impl SegmentState {
             }
             Effect::Remote(remote) => remote,
         };
+        let mut remote = remote;
+        let ticket = self.admit(&mut remote, reissue).await?;
         let class = remote.class();
         let (db, lease, c) = (self.db.clone(), self.lease.clone(), call.clone());
         let started = detached(async move {
@@ -440,7 +442,7 @@ impl SegmentState {
         let bytes_before = self.stream.bytes;
         let outcome = {
             let _remote = self.phase.enter(Phase::REMOTE);
-            self.remote_until_answered(remote, &ctx).await
+            self.remote_until_answered(remote, &ctx, &ticket).await
         };
         let outcome = outcome?;
         if let Some(why) = self.stream.stopped.take() {
@@ -470,44 +472,8 @@ impl SegmentState {
         self.in_flight = None;
         self.settled += 1;
         self.ledger_bytes += result_len as i64;
+        self.settle_rate(&ticket, &outcome).await;
         Ok(outcome)
-    }
-
-    /// Performs a remote effect. A re-issue answered "in progress" (the
-    /// dead segment's own request may still be running) is not a result:
-    /// it is tried again under the same key, backing off, while the slice
-    /// has time; then the segment ends with the call still in doubt.
-    pub(super) async fn remote_until_answered(
-        &mut self,
-        remote: effects::Remote,
-        ctx: &effects::RemoteCtx,
-    ) -> wasmtime::Result<Result<String, EffectError>> {
-        let mut backoff = Duration::from_millis(100);
-        let mut remote = Some(remote);
-        loop {
-            let Some(this) = remote.take() else { unreachable!("a remote effect is performed once per round") };
-            let again = this.again();
-            let answer = effects::perform_remote(this, ctx, self.model.as_deref(), &self.egress, &mut self.stream).await;
-            match answer {
-                Ok(result) => return Ok(Ok(result)),
-                Err(RemoteFailure::Effect(error)) => return Ok(Err(error)),
-                Err(RemoteFailure::InProgress(answer)) => {
-                    let left = self.limits.segment_budget.saturating_sub(self.started.elapsed());
-                    if let Some((_, _, detail)) = &mut self.in_flight {
-                        *detail = Some(format!(
-                            "it was re-issued under its idempotency key and the remote side still answered {answer}"
-                        ));
-                    }
-                    if backoff >= left {
-                        return self.stop(Interrupt::Slice);
-                    }
-                    tracing::debug!(run_id = ctx.run_id, seq = ctx.seq, %answer, ?backoff, "re-issue in progress elsewhere; trying again");
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(2));
-                    remote = Some(again);
-                }
-            }
-        }
     }
 
     pub(super) async fn database_id(&mut self) -> wasmtime::Result<Arc<str>> {

@@ -11,6 +11,10 @@ pub enum Interrupt {
     /// `sleep`, or a WASI wait longer than the slice has left: suspend as
     /// `queued` until the timer is due.
     Sleep { delay_ms: i64 },
+    /// An effect's rate limit (`key`) has no room within the wait allowed
+    /// in place: suspend as `queued` for `delay_ms`, then make the call
+    /// again (nothing was recorded for it).
+    Rate { key: String, delay_ms: i64 },
     /// The slice budget is used up: suspend as `waiting_takeover`.
     Slice,
     /// The host is shutting down: suspend as `waiting_takeover`.

@@ -17,6 +17,8 @@ mod limits;
 mod output;
 mod phase;
 mod random;
+mod rates;
+mod remote;
 mod text;
 mod timers;
 mod wasi;

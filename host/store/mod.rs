@@ -28,6 +28,7 @@ mod orphans;
 mod plugins;
 pub mod postgres;
 pub mod priority;
+pub mod rates;
 mod reap;
 mod retry;
 pub(crate) mod retention;
@@ -300,6 +301,8 @@ pub struct StoreShared {
     /// Plugin names this process has seen registered (see
     /// [`Store::plugin_exists`]).
     known_plugins: std::sync::Arc<std::sync::RwLock<std::collections::HashSet<String>>>,
+    /// The rate keys this process last read (see [`rates`]).
+    rate_keys: std::sync::Arc<rates::KeyCache>,
 }
 
 /// The URL to connect to: SQLite's with `mode=rwc`, its file created first
@@ -420,6 +423,7 @@ impl Store {
             faults: Default::default(),
             hub: Default::default(),
             known_plugins: Default::default(),
+            rate_keys: Default::default(),
         }));
         if opts.migrate {
             store.migrate().await?;

@@ -19,10 +19,11 @@ impl Store {
     /// wrote a ledger row. (A slice that made no progress is not suspended:
     /// the executor fails the run as a timeout.)
     pub async fn suspend(&self, lease: &Lease, how: &Suspend) -> Result<RunStatus, StoreError> {
-        let (status, delay, prompt) = match how {
-            Suspend::WaitInput { prompt } => (RunStatus::WaitingInput, 0, Some(prompt.as_str())),
-            Suspend::Takeover => (RunStatus::WaitingTakeover, 0, None),
-            Suspend::Sleep { delay_ms } => (RunStatus::Queued, (*delay_ms).max(0), None),
+        let (status, delay, prompt, rate) = match how {
+            Suspend::WaitInput { prompt } => (RunStatus::WaitingInput, 0, Some(prompt.as_str()), None),
+            Suspend::Takeover => (RunStatus::WaitingTakeover, 0, None, None),
+            Suspend::Sleep { delay_ms } => (RunStatus::Queued, (*delay_ms).max(0), None, None),
+            Suspend::Rate { delay_ms, key } => (RunStatus::Queued, (*delay_ms).max(0), None, Some(key.as_str())),
         };
         let status = self.retry(|| async move {
             let mut tx = self.writer().begin().await?;
@@ -45,7 +46,10 @@ impl Store {
             .ok_or_else(|| rejected(lease))?;
             let thread_id: String = row.try_get("thread_id")?;
             let not_before: i64 = row.try_get("not_before")?;
-            let payload = json!({ "status": status, "prompt": prompt, "not_before": not_before });
+            let mut payload = json!({ "status": status, "prompt": prompt, "not_before": not_before });
+            if let Some(key) = rate {
+                payload["rate"] = json!(key);
+            }
             log::append(self, &mut tx, &thread_id, lease.run_id, lease.fence, kind::SUSPENDED, &payload)
                 .await?;
             tx.commit().await?;

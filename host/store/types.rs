@@ -244,6 +244,9 @@ pub enum Suspend {
     /// `queued` with `not_before = now + delay_ms` (a durable sleep or a
     /// backoff).
     Sleep { delay_ms: i64 },
+    /// `queued` with `not_before = now + delay_ms`: an effect's rate limit
+    /// (`key`) has no room yet; the `suspended` event names the key.
+    Rate { delay_ms: i64, key: String },
 }
 
 /// How a turn finishes.

@@ -295,6 +295,16 @@ both! {
             ("limit as a form", server.req(reqwest::Method::PUT, "/v1/limits/k").header("content-type", "application/x-www-form-urlencoded").body("concurrency=1"), 415),
             ("limit on a reserved key", server.req(reqwest::Method::PUT, "/v1/limits/model:x").json(&json!({ "concurrency": 1 })), 400),
             ("limit with a control character", server.req(reqwest::Method::PUT, "/v1/limits/a%01b").json(&json!({ "concurrency": 1 })), 400),
+            ("limit as an array", server.req(reqwest::Method::PUT, "/v1/limits/k").json(&json!([null, null])), 400),
+            ("submit as an array", server.req(reqwest::Method::POST, "/v1/runs").json(&json!(["testkit", "{}"])), 400),
+            ("rate on a concurrency key", server.req(reqwest::Method::PUT, "/v1/limits/k").json(&json!({ "per_minute": 60 })), 400),
+            ("rate key without a port", server.req(reqwest::Method::PUT, "/v1/limits/http:api.example").json(&json!({ "per_minute": 60 })), 400),
+            ("rate key in capitals", server.req(reqwest::Method::PUT, "/v1/limits/http:API.example:443").json(&json!({ "per_minute": 60 })), 400),
+            ("rate key without a rate", server.req(reqwest::Method::PUT, "/v1/limits/http:api.example:443").json(&json!({})), 400),
+            ("tokens on an http key", server.req(reqwest::Method::PUT, "/v1/limits/http:api.example:443").json(&json!({ "tokens_per_minute": 9 })), 400),
+            ("zero rate", server.req(reqwest::Method::PUT, "/v1/limits/model:m").json(&json!({ "per_minute": 0 })), 400),
+            ("paused rate key", server.req(reqwest::Method::PUT, "/v1/limits/model:m").json(&json!({ "per_minute": 1, "paused": true })), 400),
+            ("unknown rate key", server.req(reqwest::Method::GET, "/v1/limits/model:nobody"), 404),
             ("unknown key", server.req(reqwest::Method::GET, "/v1/limits/nobody"), 404),
             ("removing no limit", server.req(reqwest::Method::DELETE, "/v1/limits/nobody"), 404),
             ("bad limits page", server.req(reqwest::Method::GET, "/v1/limits?limit=0"), 400),
@@ -338,6 +348,30 @@ both! {
         server.wait_status(id, "completed").await?;
         let (_, shown) = server.get("/v1/limits/tenant%2F1").await?;
         ensure!(shown["concurrency"].is_null() && shown["paused"] == false && shown["queued"] == 0, "{shown}");
+        server.stop().await;
+        Ok(())
+    }
+
+    async fn a_rate_limit_is_set_shown_listed_beside_keys_and_removed(db) {
+        let server = with_testkit(db, None).await?;
+        let put = |key: &str, body: Value| server.req(reqwest::Method::PUT, &format!("/v1/limits/{key}")).json(&body);
+        let (status, set) = server.send(put("model:gpt-4o-mini", json!({ "per_minute": 60, "tokens_per_minute": 200000 }))).await?;
+        ensure!(status == 200 && set["per_minute"] == 60 && set["tokens_per_minute"] == 200000 && set["wait_ms"] == 0, "{status} {set}");
+        let (status, _) = server.send(put("tenant", json!({ "concurrency": 2 }))).await?;
+        ensure!(status == 200);
+        let (status, set) = server.send(put("http:api.example.com:443", json!({ "per_minute": 600 }))).await?;
+        ensure!(status == 200 && set["held_until"].is_null(), "{status} {set}");
+        let (_, listed) = server.get("/v1/limits?limit=2").await?;
+        let keys: Vec<&str> = listed["limits"].as_array().context("limits")?.iter().filter_map(|l| l["key"].as_str()).collect();
+        ensure!(keys == ["http:api.example.com:443", "model:gpt-4o-mini"] && listed["next"] == "model:gpt-4o-mini", "{listed}");
+        let (_, rest) = server.get("/v1/limits?limit=2&after=model:gpt-4o-mini").await?;
+        ensure!(rest["limits"][0]["key"] == "tenant" && rest["limits"][0]["concurrency"] == 2, "{rest}");
+        let (_, shown) = server.get("/v1/limits/http:api.example.com:443").await?;
+        ensure!(shown["per_minute"] == 600, "{shown}");
+        let status = server.req(reqwest::Method::DELETE, "/v1/limits/model:gpt-4o-mini").send().await?.status().as_u16();
+        ensure!(status == 204, "delete: {status}");
+        let (status, _) = server.get("/v1/limits/model:gpt-4o-mini").await?;
+        ensure!(status == 404, "after delete: {status}");
         server.stop().await;
         Ok(())
     }

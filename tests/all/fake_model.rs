@@ -19,6 +19,8 @@ pub struct ChatHit {
     pub authorization: String,
     pub key: String,
     pub fence: String,
+    /// When it arrived.
+    pub at: std::time::Instant,
 }
 
 /// The answer to call number `n` (from 0), as the chunks to stream. A chunk
@@ -41,6 +43,11 @@ pub struct FakeModel {
     gate: tokio::sync::watch::Sender<bool>,
     server: tokio::task::JoinHandle<()>,
 }
+
+/// What every answer says it used (`usage.total_tokens`), in a last chunk
+/// of its own, when the request asks (`stream_options.include_usage`), as
+/// OpenAI's API does.
+pub const USAGE_TOKENS: i64 = 1000;
 
 /// A chunk that makes the stream end with an error: the call fails after
 /// the chunks before it were streamed.
@@ -86,6 +93,13 @@ impl FakeModel {
     pub fn hits(&self) -> Vec<ChatHit> {
         self.hits.lock().unwrap().clone()
     }
+
+    /// When each request arrived, in order.
+    pub fn arrivals(&self) -> Vec<std::time::Instant> {
+        let mut at: Vec<_> = self.hits.lock().unwrap().iter().map(|h| h.at).collect();
+        at.sort();
+        at
+    }
 }
 
 impl Drop for FakeModel {
@@ -108,13 +122,21 @@ async fn chat(State(s): State<Shared>, headers: HeaderMap, body: String) -> Resp
             authorization: get("authorization"),
             key: get("idempotency-key"),
             fence: get("leasehold-fence"),
+            at: std::time::Instant::now(),
         });
         hits.len() - 1
     };
     let chunks = (s.script)(n, &body);
     let model = body["model"].clone();
+    let usage = body["stream_options"]["include_usage"].as_bool() == Some(true);
     let stream = futures::stream::unfold(0usize, move |i| {
         let (chunks, model, mut open, hold_after) = (chunks.clone(), model.clone(), s.open.clone(), s.hold_after);
+        let usage = usage.then(|| {
+            event(json!({
+                "id": "chatcmpl-fake", "object": "chat.completion.chunk", "model": model, "choices": [],
+                "usage": { "prompt_tokens": USAGE_TOKENS / 2, "completion_tokens": USAGE_TOKENS / 2, "total_tokens": USAGE_TOKENS },
+            }))
+        });
         async move {
             if i == hold_after {
                 let _ = open.wait_for(|open| *open).await;
@@ -134,7 +156,8 @@ async fn chat(State(s): State<Shared>, headers: HeaderMap, body: String) -> Resp
                     Some((chunk(json!({ "content": chunks[i] }), Value::Null), i + 1))
                 }
                 std::cmp::Ordering::Equal => Some((chunk(json!({}), json!("stop")), i + 1)),
-                _ if i == chunks.len() + 1 => Some((Ok("data: [DONE]\n\n".into()), i + 1)),
+                _ if i == chunks.len() + 1 && usage.is_some() => Some((usage.unwrap(), i + 100)),
+                _ if i == chunks.len() + 1 || i == chunks.len() + 101 => Some((Ok("data: [DONE]\n\n".into()), usize::MAX - 1)),
                 _ => None,
             }
         }

@@ -22,6 +22,7 @@ mod model;
 mod netns;
 mod partial;
 mod priority;
+mod rate_limits;
 mod openapi;
 mod orphans;
 mod replay;
