@@ -82,7 +82,16 @@ both! {
         let wait = submit(db, "testkit", json!({ "mode": "wait" })).await?;
         let done = submit(db, "testkit", json!({ "steps": 1, "prefix": "d" })).await?;
         let asleep = submit(db, "testkit", json!({ "mode": "sleep", "ms": 60_000 })).await?;
+        // A run whose key is paused, and a rate limit a provider's
+        // Retry-After holds: the Queues page and the run page show both.
+        db.store.set_limit("tenant-a", Some(2), true).await?;
+        let digest = db.store.plugin_digest("testkit").await?.context("testkit")?;
+        let keyed = NewRun { plugin_digest: digest, concurrency_key: Some("tenant-a".into()), ..NewRun::new("testkit", json!({ "steps": 1 }).to_string()) };
+        let keyed = db.store.create_run(&keyed).await?.0.id;
+        db.store.set_rate("http:api.example.com:443", Some(60), None).await?;
+        db.store.hold("http:api.example.com:443", Duration::from_secs(600)).await?;
         w.drain().await?;
+        ensure!(db.store.get_run(keyed).await?.status == RunStatus::Queued, "a paused key's run ran");
         ensure!(db.store.get_run(wait).await?.status == RunStatus::WaitingInput);
         ensure!(db.store.get_run(done).await?.status == RunStatus::Completed);
         ensure!(db.store.get_run(asleep).await?.status == RunStatus::Queued);
@@ -96,7 +105,7 @@ both! {
         let _ = std::fs::remove_dir_all(&shots); // no screenshot of an earlier run stays
         std::fs::create_dir_all(&shots)?;
         let scenario = json!({
-            "wait_run": wait, "cancel_run": asleep, "done_run": done, "crash_run": crash,
+            "wait_run": wait, "cancel_run": asleep, "done_run": done, "crash_run": crash, "keyed_run": keyed,
             "submit": { "plugin": "testkit", "input": { "mode": "script", "ops": [
                 { "op": "emit", "text": "hello " }, { "op": "wasi-sleep", "ms": 1500 }, { "op": "emit", "text": "world" },
             ] } },

@@ -183,6 +183,25 @@ async function steps() {
   await shot('hosts.png');
   log('7 plugins and hosts ok');
 
+  // 8. Queues: a paused key with its queued run, a held rate limit; the
+  // run page says why the run waits; resuming the key from the page.
+  step = '8 queues';
+  await open('#/queues', 'queues');
+  await page.waitForSelector('#keys-table tr[data-key="tenant-a"]', { state: 'attached' });
+  const keyRow = await text('#keys-table tr[data-key="tenant-a"]');
+  check(keyRow.includes('paused') && keyRow.includes('Resume'), `tenant-a's row reads ${JSON.stringify(keyRow)}`);
+  const rateRow = await text('#rates-table tr[data-key="http:api.example.com:443"]');
+  check(rateRow.includes('60') && rateRow.includes('Retry-After'), `the rate's row reads ${JSON.stringify(rateRow)}`);
+  await shot('queues.png');
+  await open(`#/runs/${S.keyed_run}`, 'run');
+  await waitText('#run-waiting', (t) => t.includes('tenant-a is paused'), 'the run page saying its key is paused');
+  check((await text('dl.facts')).includes('tenant-a'), 'the run page names its key');
+  await open('#/queues', 'queues');
+  page.once('dialog', (d) => d.accept());
+  await page.click('#keys-table tr[data-key="tenant-a"] .toggle-pause');
+  await waitText('#keys-table tr[data-key="tenant-a"]', (t) => t.includes('Pause') && !t.includes('paused'), 'tenant-a resumed');
+  log('8 queues ok');
+
   await sync('done');
 }
 

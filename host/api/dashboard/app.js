@@ -2,6 +2,8 @@
 // No framework and no innerHTML: run inputs and outputs are hostile text,
 // so every value reaches the DOM through textContent or attributes.
 
+import { queuesPage } from './queues.js';
+
 const TOKEN_KEY = 'leasehold-token';
 const STATUSES = ['queued', 'running', 'waiting_input', 'waiting_takeover', 'completed', 'failed', 'aborted', 'cancelled'];
 const FINISHED = new Set(['completed', 'failed', 'aborted', 'cancelled']);
@@ -245,6 +247,8 @@ function route() {
     page = 'plugins'; render = () => pluginsPage(ctx);
   } else if (parts[0] === 'hosts') {
     page = 'hosts'; render = () => hostsPage(ctx);
+  } else if (parts[0] === 'queues') {
+    page = 'queues'; render = () => queuesPage(ctx, { h, api, table, when, fmtSpan, actionError });
   }
   document.body.dataset.page = page;
   for (const a of document.querySelectorAll('#nav a')) {
@@ -406,6 +410,25 @@ async function runPage(ctx, id) {
       ledger));
 
   let run = null;
+  let waiting = null;   // why a queued run is not running, if the page can tell
+  let rateKey = null;   // the rate limit its last suspension waited for
+
+  // Why a queued run is not running: its key paused or at its limit, or
+  // its last suspension waiting for a rate limit's room.
+  async function whyWaiting(r) {
+    if (r.status !== 'queued' && r.status !== 'waiting_takeover') return null;
+    if (r.concurrency_key) {
+      try {
+        const k = await api(`/v1/limits/${encodeURIComponent(r.concurrency_key)}`, { signal: ctx.signal });
+        if (k.paused) return `its key ${r.concurrency_key} is paused`;
+        if (k.concurrency != null && k.running >= k.concurrency) {
+          return `for a slot: key ${r.concurrency_key} has ${k.running} of ${k.concurrency} running`;
+        }
+      } catch (e) { if (e.status !== 404) throw e; }
+    }
+    if (rateKey && r.not_before > dbNow()) return `for room in the rate limit ${rateKey} (until ${fmtTime(r.not_before)})`;
+    return null;
+  }
 
   async function act(kind) {
     actionError(actionErrs, null);
@@ -437,7 +460,8 @@ async function runPage(ctx, id) {
       ...fact('thread', h('a', { class: 'mono', href: `#/runs${query({ thread: r.thread_id })}`, text: r.thread_id })),
       ...fact('attempt', `${r.attempt}/${r.max_attempts}`),
       ...fact('priority', String(r.priority ?? 0)),
-      ...(r.concurrency_key ? fact('concurrency key', h('span', { class: 'mono', text: r.concurrency_key })) : []),
+      ...(r.concurrency_key ? fact('concurrency key', h('a', { class: 'mono', href: '#/queues', text: r.concurrency_key })) : []),
+      ...(waiting ? fact('waiting', h('span', { id: 'run-waiting', class: 'note', text: waiting })) : []),
       ...fact('lease', held ? `${r.lease_owner}, fence ${r.fence}, ` : `fence ${r.fence}${r.lease_owner ? `, last ${r.lease_owner}` : ''} `,
         held ? countdown(r.lease_expires_at, 'lease-countdown') : h('span', { id: 'lease-countdown', class: 'muted', text: 'not held' })),
       ...fact('heartbeat', when(r.heartbeat_at, false)),
@@ -493,7 +517,9 @@ async function runPage(ctx, id) {
     if (busy) { again = true; return; }
     busy = true;
     try {
-      showRun(await api(`/v1/runs/${id}`, { signal: ctx.signal }));
+      const r = await api(`/v1/runs/${id}`, { signal: ctx.signal });
+      waiting = await whyWaiting(r);
+      showRun(r);
       await loadLedger();
       ctx.ok();
     } catch (e) { ctx.fail(e); }
@@ -502,7 +528,9 @@ async function runPage(ctx, id) {
   }
   const soon = () => { clearTimeout(debounce); debounce = setTimeout(refresh, 200); };
 
-  showRun(await api(`/v1/runs/${id}`, { signal: ctx.signal }));
+  const first = await api(`/v1/runs/${id}`, { signal: ctx.signal });
+  waiting = await whyWaiting(first);
+  showRun(first);
   await loadLedger();
   ctx.ready();
   ctx.every(2000, () => { if (run && !FINISHED.has(run.status)) refresh(); });
@@ -526,6 +554,7 @@ async function runPage(ctx, id) {
         setTimeout(() => gone.forEach((s) => s.remove()), RETRACT_LINGER_MS);
       } else if (ev.kind === 'suspended') {
         $('.prompt', inputBox).textContent = p.prompt ?? '';
+        rateKey = p.rate ?? null;
       }
       events.append(eventLine(ev));
     }
@@ -539,7 +568,7 @@ function eventLine(ev) {
   let text;
   switch (ev.kind) {
     case 'submitted': text = `submitted (${p.plugin ?? ''})`; break;
-    case 'suspended': text = `suspended: ${p.status ?? ''}${p.prompt ? ` — ${p.prompt}` : ''}${p.not_before ? ` until ${fmtTime(p.not_before)}` : ''}`; break;
+    case 'suspended': text = `suspended: ${p.status ?? ''}${p.prompt ? ` — ${p.prompt}` : ''}${p.rate ? ` — rate limit ${p.rate}` : ''}${p.not_before ? ` until ${fmtTime(p.not_before)}` : ''}`; break;
     case 'input': text = `input: ${typeof p.input === 'string' ? p.input : JSON.stringify(p.input)}`; break;
     case 'message': text = `message: ${p.status ?? ''}${p.error ? ` — ${p.error}` : ''}`; break;
     case 'cancelled': text = 'cancelled'; break;
