@@ -51,6 +51,10 @@ pub enum PluginsCommand {
         /// The most `max_tokens` one of its calls may ask for. [default: 4096]
         #[arg(long)]
         model_max_tokens: Option<u64>,
+        /// The limit its runs' concurrency keys get when no operator set
+        /// one for the key. [default: none]
+        #[arg(long)]
+        key_concurrency: Option<i64>,
     },
     /// List registered plugins.
     List,
@@ -76,6 +80,9 @@ pub enum PluginsCommand {
         /// As for `add`.
         #[arg(long)]
         model_max_tokens: Option<u64>,
+        /// As for `add`.
+        #[arg(long)]
+        key_concurrency: Option<i64>,
         /// --check only.
         #[command(flatten)]
         offline: crate::replay::Offline,
@@ -244,12 +251,15 @@ pub async fn plugins(api: &Api, command: PluginsCommand) -> Result<()> {
                 std::process::exit(1);
             }
         }
-        PluginsCommand::Add { name, file, http_allow, upgrade, model_allow, model_max_tokens }
-        | PluginsCommand::Upgrade { name, file, http_allow, upgrade, model_allow, model_max_tokens, .. } => {
+        PluginsCommand::Add { name, file, http_allow, upgrade, model_allow, model_max_tokens, key_concurrency }
+        | PluginsCommand::Upgrade { name, file, http_allow, upgrade, model_allow, model_max_tokens, key_concurrency, .. } => {
             let bytes = std::fs::read(&file).with_context(|| format!("reading {}", file.display()))?;
             let mut query = vec![("http_allow", http_allow), ("upgrade", upgrade), ("model_allow", model_allow)];
             if let Some(n) = model_max_tokens {
                 query.push(("model_max_tokens", n.to_string()));
+            }
+            if let Some(n) = key_concurrency {
+                query.push(("key_concurrency", n.to_string()));
             }
             let req = api.client().put(api.url(&format!("/v1/plugins/{name}"))).query(&query).body(bytes);
             let v = api.send(req).await?;

@@ -33,6 +33,10 @@ pub struct PutQuery {
     /// Keys the plugin's kv may hold. Default: 100000.
     #[param(minimum = 1)]
     kv_max_keys: Option<u64>,
+    /// The limit a submit gives its runs' concurrency keys when no operator
+    /// ever set one for the key, 1 to 1000000. Default: none.
+    #[param(minimum = 1, maximum = 1000000)]
+    key_concurrency: Option<i64>,
 }
 
 /// A registered version.
@@ -66,7 +70,7 @@ pub struct PluginsList {
     plugins: Vec<PluginView>,
 }
 
-/// `PUT /v1/plugins/{name}?http_allow=host:port,…&upgrade=pinned|auto&model_allow=m,…&model_max_tokens=N&kv_max_bytes=N&kv_max_keys=N` with the component's
+/// `PUT /v1/plugins/{name}?http_allow=host:port,…&upgrade=pinned|auto&model_allow=m,…&model_max_tokens=N&kv_max_bytes=N&kv_max_keys=N&key_concurrency=N` with the component's
 /// bytes: 201 `{name, digest}`; 422 with the reason when the bytes are not a
 /// component implementing `leasehold:turn/turn`.
 #[utoipa::path(put, path = "/v1/plugins/{name}", tag = "plugins",
@@ -131,7 +135,10 @@ pub async fn put(
             None => {}
         }
     }
-    let settings = PluginSettings { http_allow, upgrade, model, kv };
+    if let Some(n) = q.key_concurrency {
+        crate::store::concurrency::check_concurrency(n).map_err(|e| ApiError::bad_request(format!("key_{e}")))?;
+    }
+    let settings = PluginSettings { http_allow, upgrade, model, kv, key_concurrency: q.key_concurrency };
     // Awaited here, holding the permit: a caller that goes away drops the
     // registration, and with it the compiler child (`serve` compiles in
     // one), so nothing is left compiling for nobody.

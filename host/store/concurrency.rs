@@ -80,6 +80,23 @@ fn flag(row: &sqlx::any::AnyRow, column: &str) -> Result<bool, StoreError> {
     }
 }
 
+/// The conflict clause of a submit's key upsert (`excluded.concurrency`:
+/// the least default limit of the plugins of the batch's runs with that
+/// key): the key takes turns from now and, if no operator ever set its
+/// limit (`updated_at` 0; `set_limit` and `remove_limit` set it), takes
+/// that default. Writes nothing for a key already active with nothing to
+/// change, the usual case.
+#[macro_export]
+#[doc(hidden)]
+macro_rules! key_default {
+    () => {
+        "ON CONFLICT (key) DO UPDATE SET active = true, \
+         concurrency = COALESCE(concurrency_keys.concurrency, CASE WHEN concurrency_keys.updated_at = 0 THEN excluded.concurrency END) \
+         WHERE NOT concurrency_keys.active \
+         OR (concurrency_keys.concurrency IS NULL AND concurrency_keys.updated_at = 0 AND excluded.concurrency IS NOT NULL)"
+    };
+}
+
 /// A key's row with its counts (`$1` the key, or `k.key` in a list).
 macro_rules! key_view {
     ($key:literal) => {

@@ -26,6 +26,12 @@ pub struct PluginSettings {
     /// 100,000 keys.
     #[serde(default)]
     pub kv: KvQuota,
+    /// The limit a submit gives its runs' concurrency keys when no operator
+    /// ever set one for the key (docs/flow-control.md). Default: none.
+    /// Kept in a column of its own (`plugins.key_concurrency`), never in the
+    /// settings JSON, which the previous release reads strictly.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key_concurrency: Option<i64>,
 }
 
 /// What a plugin may ask of `model.chat`, as its `http` allow-list says
@@ -111,7 +117,9 @@ impl Store {
         component: &[u8],
         settings: &PluginSettings,
     ) -> Result<(), StoreError> {
-        let settings = serde_json::to_string(settings).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+        let key_concurrency = settings.key_concurrency;
+        let settings = PluginSettings { key_concurrency: None, ..settings.clone() };
+        let settings = serde_json::to_string(&settings).map_err(|e| StoreError::Corrupt(e.to_string()))?;
         self.retry(|| async {
             // The version first: a run submitted with the new current
             // digest must find its component.
@@ -128,15 +136,16 @@ impl Store {
             .await?;
             sqlx::query(sql!(
                 self,
-                "INSERT INTO plugins (name, digest, component, settings, created_at, updated_at) \
-                 VALUES ($1, $2, $3, $4, {now}, {now}) \
+                "INSERT INTO plugins (name, digest, component, settings, key_concurrency, created_at, updated_at) \
+                 VALUES ($1, $2, $3, $4, $5, {now}, {now}) \
                  ON CONFLICT (name) DO UPDATE SET digest = excluded.digest, component = excluded.component, \
-                 settings = excluded.settings, updated_at = excluded.updated_at"
+                 settings = excluded.settings, key_concurrency = excluded.key_concurrency, updated_at = excluded.updated_at"
             ))
             .bind(name)
             .bind(digest)
             .bind(component.to_vec())
             .bind(&settings)
+            .bind(key_concurrency)
             .execute(&mut *tx)
             .await?;
             tx.commit().await?;
@@ -158,7 +167,7 @@ impl Store {
     pub async fn list_plugins(&self) -> Result<Vec<PluginInfo>, StoreError> {
         let rows = sqlx::query(sql!(
             self,
-            "SELECT name, digest, LENGTH(component) AS size, settings, created_at, updated_at \
+            "SELECT name, digest, LENGTH(component) AS size, settings, key_concurrency, created_at, updated_at \
              FROM plugins ORDER BY name"
         ))
         .fetch_all(self.pool())
@@ -171,7 +180,7 @@ impl Store {
     pub async fn plugin(&self, name: &str) -> Result<Option<PluginInfo>, StoreError> {
         let row = sqlx::query(sql!(
             self,
-            "SELECT name, digest, LENGTH(component) AS size, settings, created_at, updated_at \
+            "SELECT name, digest, LENGTH(component) AS size, settings, key_concurrency, created_at, updated_at \
              FROM plugins WHERE name = $1"
         ))
         .bind(name)
@@ -208,31 +217,36 @@ impl Store {
 
     /// The digest and settings of plugin `name`, if registered.
     pub async fn plugin_settings(&self, name: &str) -> Result<Option<(String, PluginSettings)>, StoreError> {
-        let row = sqlx::query(sql!(self, "SELECT digest, settings FROM plugins WHERE name = $1"))
+        let row = sqlx::query(sql!(self, "SELECT digest, settings, key_concurrency FROM plugins WHERE name = $1"))
             .bind(name)
             .fetch_optional(self.pool())
             .await?;
         match row {
             None => Ok(None),
-            Some(r) => Ok(Some((r.try_get("digest")?, parse_settings(&r.try_get::<String, _>("settings")?)?))),
+            Some(r) => Ok(Some((r.try_get("digest")?, settings_of(&r)?))),
         }
     }
 
     /// The current component and settings of plugin `name`, if registered.
     pub async fn plugin_component(&self, name: &str) -> Result<Option<(Vec<u8>, PluginSettings)>, StoreError> {
-        let row = sqlx::query(sql!(self, "SELECT component, settings FROM plugins WHERE name = $1"))
+        let row = sqlx::query(sql!(self, "SELECT component, settings, key_concurrency FROM plugins WHERE name = $1"))
             .bind(name)
             .fetch_optional(self.pool())
             .await?;
         match row {
             None => Ok(None),
-            Some(r) => Ok(Some((r.try_get("component")?, parse_settings(&r.try_get::<String, _>("settings")?)?))),
+            Some(r) => Ok(Some((r.try_get("component")?, settings_of(&r)?))),
         }
     }
 }
 
-fn parse_settings(s: &str) -> Result<PluginSettings, StoreError> {
-    serde_json::from_str(s).map_err(|e| StoreError::Corrupt(format!("plugin settings {s:?}: {e}")))
+/// A plugin row's settings: its JSON, and its columns of their own.
+fn settings_of(r: &sqlx::any::AnyRow) -> Result<PluginSettings, StoreError> {
+    let s: String = r.try_get("settings")?;
+    let mut settings: PluginSettings =
+        serde_json::from_str(&s).map_err(|e| StoreError::Corrupt(format!("plugin settings {s:?}: {e}")))?;
+    settings.key_concurrency = r.try_get("key_concurrency")?;
+    Ok(settings)
 }
 
 impl Store {
@@ -253,7 +267,7 @@ fn plugin_info(r: &sqlx::any::AnyRow) -> Result<PluginInfo, StoreError> {
         name: r.try_get("name")?,
         digest: r.try_get("digest")?,
         size: r.try_get::<i64, _>("size").or_else(|_| r.try_get::<i32, _>("size").map(i64::from))?,
-        settings: parse_settings(&r.try_get::<String, _>("settings")?)?,
+        settings: settings_of(&r)?,
         created_at: r.try_get("created_at")?,
         updated_at: r.try_get("updated_at")?,
     })

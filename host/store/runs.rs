@@ -85,11 +85,16 @@ async fn insert_runs_sqlite(store: &Store, conn: &mut AnyConnection, submits: &[
     .await?;
     if submits.iter().any(|s| s.new.concurrency_key.is_some()) {
         // Their keys take turns from now (see `store::concurrency`).
-        let keys: std::collections::BTreeSet<&str> = submits.iter().filter_map(|s| s.new.concurrency_key.as_deref()).collect();
+        // With their plugins' default limit, for a key no operator set.
+        let keys: std::collections::BTreeSet<(&str, &str)> =
+            submits.iter().filter_map(|s| Some((s.new.concurrency_key.as_deref()?, s.new.plugin.as_str()))).collect();
         sqlx::query(sql!(
             store,
-            "INSERT INTO concurrency_keys (key, active) SELECT value, true FROM json_each($1) WHERE true \
-             ON CONFLICT (key) DO UPDATE SET active = true WHERE NOT concurrency_keys.active"
+            concat!(
+                "INSERT INTO concurrency_keys (key, active, concurrency) SELECT value ->> 0, true, MIN(p.key_concurrency) \
+                 FROM json_each($1) LEFT JOIN plugins p ON p.name = value ->> 1 WHERE true GROUP BY value ->> 0 ",
+                crate::key_default!()
+            )
         ))
         .bind(json!(keys).to_string())
         .execute(&mut *conn)
@@ -278,11 +283,11 @@ impl Store {
             .retry(|| async move {
                 Ok(sqlx::query(sql!(
                     self,
-                    "WITH l AS (SELECT * FROM jsonb_to_recordset($1::text::jsonb) AS l(i bigint, thread_id text, \
+                    concat!("WITH l AS (SELECT * FROM jsonb_to_recordset($1::text::jsonb) AS l(i bigint, thread_id text, \
                      plugin text, digest text, input text, key text, max_attempts bigint, priority bigint, ckey text, payload text, \
                      secret text)), \
-                     k AS (INSERT INTO concurrency_keys (key, active) SELECT DISTINCT ckey, true FROM l WHERE ckey <> '' \
-                     ORDER BY 1 ON CONFLICT (key) DO UPDATE SET active = true WHERE NOT concurrency_keys.active), \
+                     k AS (INSERT INTO concurrency_keys (key, active, concurrency) SELECT ckey, true, MIN(p.key_concurrency) \
+                     FROM l LEFT JOIN plugins p ON p.name = l.plugin WHERE ckey <> '' GROUP BY ckey ORDER BY 1 ", crate::key_default!(), "), \
                      r AS (INSERT INTO runs (thread_id, plugin, plugin_digest, input, idempotency_key, \
                      status, max_attempts, not_before, created_at, updated_at, secret, priority, concurrency_key) \
                      SELECT thread_id, plugin, \
@@ -295,7 +300,7 @@ impl Store {
                      SELECT t.id, t.last_seq, r.id, r.fence, 'submitted', l.payload, {now} \
                      FROM t JOIN r ON r.thread_id = t.id JOIN l ON l.thread_id = t.id RETURNING seq), \
                      n AS MATERIALIZED (SELECT pg_notify($2, $3) WHERE $4 AND EXISTS (SELECT 1 FROM r)) \
-                     SELECT r.* FROM r LEFT JOIN n ON true"
+                     SELECT r.* FROM r LEFT JOIN n ON true")
                 ))
                 .bind(list)
                 .bind(crate::store::WORK_CHANNEL)

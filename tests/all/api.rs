@@ -283,6 +283,7 @@ both! {
             ("bad plugin name", server.req(reqwest::Method::PUT, "/v1/plugins/Bad%20Name").body(b"x".to_vec()), 400),
             ("bad upgrade policy", server.req(reqwest::Method::PUT, "/v1/plugins/testkit?upgrade=sometimes").body(b"x".to_vec()), 400),
             ("zero kv quota", server.req(reqwest::Method::PUT, "/v1/plugins/testkit?kv_max_keys=0").body(b"x".to_vec()), 400),
+            ("zero key default", server.req(reqwest::Method::PUT, "/v1/plugins/testkit?key_concurrency=0").body(b"x".to_vec()), 400),
             ("unknown plugin", server.req(reqwest::Method::GET, "/v1/plugins/nothing"), 404),
             ("unknown endpoint", server.req(reqwest::Method::GET, "/v1/nothing"), 404),
             ("wrong method", server.req(reqwest::Method::DELETE, "/v1/runs"), 405),

@@ -287,4 +287,37 @@ both! {
         ensure!(claim_ids(s, 10).await?.len() == 1);
         Ok(())
     }
+
+    async fn a_plugins_default_limit_goes_to_its_runs_keys_no_operator_set(db) {
+        let s = &db.store;
+        let settings = leasehold::store::PluginSettings { key_concurrency: Some(2), ..Default::default() };
+        s.put_plugin("capped", "sha256:capped", b"not run", &settings).await?;
+        let shown = s.plugin("capped").await?.expect("registered").settings;
+        ensure!(shown.key_concurrency == Some(2), "{shown:?}");
+        let submit = |key: &'static str, plugin: &'static str| async move {
+            s.create_run(&NewRun { concurrency_key: Some(key.into()), ..NewRun::new(plugin, "{}") }).await
+        };
+        // A new key takes the default.
+        submit("fresh", "capped").await?;
+        ensure!(s.limit("fresh").await?.and_then(|k| k.concurrency) == Some(2), "{:?}", s.limit("fresh").await?);
+        // A key first seen without a default takes it on a later submit.
+        submit("later", "p").await?;
+        ensure!(s.limit("later").await?.and_then(|k| k.concurrency).is_none());
+        submit("later", "capped").await?;
+        ensure!(s.limit("later").await?.and_then(|k| k.concurrency) == Some(2));
+        // An operator's limit, or an operator's removal of one, stands.
+        s.set_limit("set", Some(5), false).await?;
+        submit("set", "capped").await?;
+        ensure!(s.limit("set").await?.and_then(|k| k.concurrency) == Some(5));
+        s.set_limit("cleared", None, false).await?;
+        submit("cleared", "capped").await?;
+        ensure!(s.limit("cleared").await?.and_then(|k| k.concurrency).is_none(), "the default overrode an operator's 'no limit'");
+        // And the default limits the claim like any limit.
+        submit("fresh", "capped").await?;
+        submit("fresh", "capped").await?;
+        let claimed = s.claim_batch("w", TTL, 10).await?;
+        let fresh = claimed.iter().filter(|c| c.run.concurrency_key.as_deref() == Some("fresh")).count();
+        ensure!(fresh == 2, "{fresh} runs of a key limited to 2 claimed at once");
+        Ok(())
+    }
 }
