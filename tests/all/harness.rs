@@ -33,11 +33,22 @@ pub fn admin_url() -> String {
 
 impl TestDb {
     pub async fn new(backend: Backend) -> Result<TestDb> {
+        TestDb::create(backend, true).await
+    }
+
+    /// A database with no schema yet (its store applies no migrations):
+    /// for a host of another release to create it.
+    pub async fn empty(backend: Backend) -> Result<TestDb> {
+        TestDb::create(backend, false).await
+    }
+
+    async fn create(backend: Backend, migrate: bool) -> Result<TestDb> {
+        let options = || StoreOptions { migrate, ..Default::default() };
         match backend {
             Backend::Sqlite => {
                 let dir = tempfile::tempdir()?;
                 let url = format!("sqlite://{}", dir.path().join("test.db").display());
-                let store = Store::connect(&url).await?;
+                let store = Store::connect_with(&url, options()).await?;
                 Ok(TestDb { store, backend, url, cleanup: Cleanup::Sqlite(dir) })
             }
             Backend::Postgres => {
@@ -61,7 +72,7 @@ impl TestDb {
                 let mut url = url::Url::parse(&admin_url)?;
                 url.set_path(&name);
                 let url = url.to_string();
-                let store = Store::connect(&url).await?;
+                let store = Store::connect_with(&url, options()).await?;
                 Ok(TestDb { store, backend, url, cleanup: Cleanup::Postgres { admin, name } })
             }
         }

@@ -23,6 +23,7 @@ mod netns;
 mod partial;
 mod priority;
 mod rate_limits;
+mod rolling_upgrade;
 mod openapi;
 mod orphans;
 mod replay;

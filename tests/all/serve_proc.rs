@@ -28,6 +28,9 @@ pub struct ServeArgs<'a> {
     /// `--http-allow` entries, e.g. a sink's `127.0.0.1:<port>`.
     pub http_allow: Vec<String>,
     pub extra: Vec<String>,
+    /// Another `leasehold` binary to run (a previous release's); default:
+    /// this build's.
+    pub binary: Option<PathBuf>,
 }
 
 impl ServeArgs<'_> {
@@ -46,6 +49,7 @@ impl ServeArgs<'_> {
             poll_ms: 200,
             http_allow: Vec::new(),
             extra: Vec::new(),
+            binary: None,
         })
     }
 }
@@ -58,7 +62,7 @@ pub struct ServeProc {
 impl ServeProc {
     pub fn spawn(a: &ServeArgs<'_>) -> Result<ServeProc> {
         let log = std::fs::OpenOptions::new().create(true).append(true).open(&a.log)?;
-        let bin = env!("CARGO_BIN_EXE_leasehold");
+        let bin = a.binary.as_deref().unwrap_or(Path::new(env!("CARGO_BIN_EXE_leasehold")));
         let mut command = match a.wrap.split_first() {
             Some((first, rest)) => {
                 let mut c = Command::new(first);
