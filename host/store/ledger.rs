@@ -78,7 +78,7 @@ pub(super) async fn insert_row(
         "INSERT INTO effects (run_id, seq, name, request_hash, idempotency_key, class, state, \
          result, emit_pos, fence_started, fence_completed, created_at, updated_at, request) \
          VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, {now}, {now}, $12) \
-         ON CONFLICT (run_id, seq) DO NOTHING RETURNING *"
+         ON CONFLICT (run_id, seq) DO NOTHING RETURNING {effects}"
     ))
     .bind(lease.run_id)
     .bind(call.seq)
@@ -123,9 +123,9 @@ macro_rules! pg_ledger_row {
              result, emit_pos, fence_started, fence_completed, created_at, updated_at, request) \
              SELECT $1, $4, $5, $6, $7, $8, $9, ",
             $result,
-            ", $10, $3, $11, {now}, {now}, $12 FROM g ON CONFLICT (run_id, seq) DO NOTHING RETURNING *)",
+            ", $10, $3, $11, {now}, {now}, $12 FROM g ON CONFLICT (run_id, seq) DO NOTHING RETURNING {effects})",
             $after,
-            " SELECT g.id AS guard_run_id, e.* FROM g LEFT JOIN e ON true"
+            " SELECT g.id AS guard_run_id, {effects@e} FROM g LEFT JOIN e ON true"
         )
     };
 }
@@ -226,8 +226,8 @@ impl Store {
                      u AS (UPDATE effects SET state = $5, result = $6, fence_completed = $3, \
                      deltas = $7, delta_bytes = $8, \
                      updated_at = {now} WHERE run_id IN (SELECT id FROM g) AND seq = $4 \
-                     AND state IN ('started','in_doubt') RETURNING *) \
-                     SELECT g.id AS guard_run_id, u.* FROM g LEFT JOIN u ON true"
+                     AND state IN ('started','in_doubt') RETURNING {effects}) \
+                     SELECT g.id AS guard_run_id, {effects@u} FROM g LEFT JOIN u ON true"
                 )
             ))
             .bind(lease.run_id)
@@ -252,7 +252,7 @@ impl Store {
             self,
             "UPDATE effects SET state = $3, result = $4, fence_completed = $5, deltas = $6, \
              delta_bytes = $7, updated_at = {now} \
-             WHERE run_id = $1 AND seq = $2 AND state IN ('started','in_doubt') RETURNING *"
+             WHERE run_id = $1 AND seq = $2 AND state IN ('started','in_doubt') RETURNING {effects}"
         ))
         .bind(lease.run_id)
         .bind(seq)
@@ -276,7 +276,7 @@ impl Store {
             let row = sqlx::query(sql!(
                 self,
                 "UPDATE effects SET state = 'started', fence_started = $3, updated_at = {now} \
-                 WHERE run_id = $1 AND seq = $2 AND state = 'in_doubt' AND class = 'keyed' RETURNING *"
+                 WHERE run_id = $1 AND seq = $2 AND state = 'in_doubt' AND class = 'keyed' RETURNING {effects}"
             ))
             .bind(lease.run_id)
             .bind(seq)
@@ -352,7 +352,7 @@ impl Store {
     pub async fn effects_page(&self, run_id: i64, from: i64, limit: i64) -> Result<Vec<EffectRow>, StoreError> {
         let rows = sqlx::query(sql!(
             self,
-            "SELECT * FROM effects WHERE run_id = $1 AND seq >= $2 ORDER BY seq LIMIT $3"
+            "SELECT {effects} FROM effects WHERE run_id = $1 AND seq >= $2 ORDER BY seq LIMIT $3"
         ))
         .bind(run_id)
         .bind(from)
@@ -369,7 +369,7 @@ impl Store {
         use sqlx::Row;
         let rows = sqlx::query(sql!(
             self,
-            "SELECT * FROM (SELECT e.*, SUM(COALESCE(LENGTH(e.result), 0) + LENGTH(e.name)) OVER (ORDER BY e.seq) AS running \
+            "SELECT * FROM (SELECT {effects@e}, SUM(COALESCE(LENGTH(e.result), 0) + LENGTH(e.name)) OVER (ORDER BY e.seq) AS running \
              FROM effects e WHERE e.run_id = $1 AND e.seq > $2 ORDER BY e.seq LIMIT $3) AS p \
              WHERE p.running - (COALESCE(LENGTH(p.result), 0) + LENGTH(p.name)) < $4 ORDER BY p.seq"
         ))
@@ -399,7 +399,7 @@ impl Store {
         .bind(run_id)
         .fetch_one(self.pool())
         .await?;
-        let last = sqlx::query(sql!(self, "SELECT * FROM effects WHERE run_id = $1 ORDER BY seq DESC LIMIT 1"))
+        let last = sqlx::query(sql!(self, "SELECT {effects} FROM effects WHERE run_id = $1 ORDER BY seq DESC LIMIT 1"))
             .bind(run_id)
             .fetch_optional(self.pool())
             .await?;
@@ -414,7 +414,7 @@ impl Store {
     pub async fn effects(&self, run_id: i64) -> Result<Vec<EffectRow>, StoreError> {
         let rows = sqlx::query(sql!(
             self,
-            "SELECT * FROM effects WHERE run_id = $1 ORDER BY seq"
+            "SELECT {effects} FROM effects WHERE run_id = $1 ORDER BY seq"
         ))
         .bind(run_id)
         .fetch_all(self.pool())

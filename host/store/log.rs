@@ -107,7 +107,7 @@ impl Store {
     ) -> Result<Vec<Event>, StoreError> {
         let rows = sqlx::query(sql!(
             self,
-            "SELECT * FROM events WHERE thread_id = $1 AND seq > $2 ORDER BY seq LIMIT $3"
+            "SELECT {events} FROM events WHERE thread_id = $1 AND seq > $2 ORDER BY seq LIMIT $3"
         ))
         .bind(thread_id)
         .bind(after)
@@ -124,7 +124,7 @@ impl Store {
     pub async fn events_page(&self, thread_id: &str, after: i64, limit: i64, max_bytes: i64) -> Result<Vec<Event>, StoreError> {
         let rows = sqlx::query(sql!(
             self,
-            "SELECT * FROM (SELECT e.*, SUM(LENGTH(e.payload)) OVER (ORDER BY e.seq) AS running FROM events e \
+            "SELECT * FROM (SELECT {events@e}, SUM(LENGTH(e.payload)) OVER (ORDER BY e.seq) AS running FROM events e \
              WHERE e.thread_id = $1 AND e.seq > $2 ORDER BY e.seq LIMIT $3) AS p \
              WHERE p.running - LENGTH(p.payload) < $4 ORDER BY p.seq"
         ))
@@ -158,7 +158,7 @@ impl Store {
     pub async fn run_events(&self, run_id: i64) -> Result<Vec<Event>, StoreError> {
         let rows = sqlx::query(sql!(
             self,
-            "SELECT * FROM events WHERE run_id = $1 ORDER BY seq"
+            "SELECT {events} FROM events WHERE run_id = $1 ORDER BY seq"
         ))
         .bind(run_id)
         .fetch_all(self.pool())

@@ -11,6 +11,7 @@
 //! from the worker.
 
 mod claims;
+mod columns;
 pub mod concurrency;
 pub(crate) mod closes;
 mod emits;
@@ -165,13 +166,11 @@ pub fn render_both(template: &str) -> [&'static str; 2] {
 }
 
 fn render(backend: Backend, template: &str) -> &'static str {
-    Box::leak(
-        template
-            .replace("{now}", backend.dialect().now)
-            .replace("{clock}", backend.dialect().clock)
-            .replace("{unfolded}", backend.dialect().unfolded)
-            .into_boxed_str(),
-    )
+    let sql = template
+        .replace("{now}", backend.dialect().now)
+        .replace("{clock}", backend.dialect().clock)
+        .replace("{unfolded}", backend.dialect().unfolded);
+    Box::leak(columns::spell_out(&sql).into_boxed_str())
 }
 
 /// SQLite's durability setting for the WAL (`PRAGMA synchronous`).

@@ -28,7 +28,7 @@ macro_rules! claim_ctes {
             "n AS (UPDATE runs x SET status = 'running', lease_owner = ", $owner, ", fence = x.fence + 1, ",
             "attempt = x.attempt + CASE WHEN ", $charge, " THEN 1 ELSE 0 END, lease_expires_at = c.t + ", $ttl,
             ", heartbeat_at = c.t, claim_token = CASE WHEN ", $charge, " THEN (", $token, ")::bigint ELSE -(", $token, ")::bigint END, updated_at = {now}, started_at = COALESCE(x.started_at, {now}) ",
-            "FROM c WHERE x.id = c.id RETURNING x.*, (", $charge, ") AS charged)"
+            "FROM c WHERE x.id = c.id RETURNING {runs@x}, (", $charge, ") AS charged)"
         )
     };
 }

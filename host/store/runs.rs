@@ -78,7 +78,7 @@ async fn insert_runs_sqlite(store: &Store, conn: &mut AnyConnection, submits: &[
          CASE WHEN value ->> 2 = 'current' THEN (SELECT p.digest FROM plugins p WHERE p.name = value ->> 1) \
          ELSE value ->> 2 END, value ->> 3, value ->> 4, 'queued', value ->> 5, \
          {now}, {now}, {now}, value ->> 6, value ->> 7, value ->> 8 FROM jsonb_each($1) WHERE true ORDER BY key \
-         ON CONFLICT (idempotency_key) DO NOTHING RETURNING *"
+         ON CONFLICT (idempotency_key) DO NOTHING RETURNING {runs}"
     ))
     .bind(serde_json::Value::Array(list).to_string())
     .fetch_all(&mut *conn)
@@ -136,7 +136,7 @@ async fn insert_runs_sqlite(store: &Store, conn: &mut AnyConnection, submits: &[
             Some(run) => (run, true),
             None => {
                 // Only a taken key gets here (a NULL key never conflicts).
-                let row = sqlx::query(sql!(store, "SELECT * FROM runs WHERE idempotency_key = $1"))
+                let row = sqlx::query(sql!(store, "SELECT {runs} FROM runs WHERE idempotency_key = $1"))
                     .bind(&submit.new.idempotency_key)
                     .fetch_one(&mut *conn)
                     .await?;
@@ -293,14 +293,14 @@ impl Store {
                      SELECT thread_id, plugin, \
                      CASE WHEN digest = 'current' THEN (SELECT p.digest FROM plugins p WHERE p.name = l.plugin) ELSE digest END, \
                      input, key, 'queued', max_attempts, {now}, {now}, {now}, secret, priority, ckey \
-                     FROM l ORDER BY i ON CONFLICT (idempotency_key) DO NOTHING RETURNING *), \
+                     FROM l ORDER BY i ON CONFLICT (idempotency_key) DO NOTHING RETURNING {runs}), \
                      t AS (INSERT INTO threads (id, last_seq) SELECT thread_id, 1 FROM r ORDER BY thread_id \
                      ON CONFLICT (id) DO UPDATE SET last_seq = threads.last_seq + 1 RETURNING id, last_seq), \
                      e AS (INSERT INTO events (thread_id, seq, run_id, fence, kind, payload, created_at) \
                      SELECT t.id, t.last_seq, r.id, r.fence, 'submitted', l.payload, {now} \
                      FROM t JOIN r ON r.thread_id = t.id JOIN l ON l.thread_id = t.id RETURNING seq), \
                      n AS MATERIALIZED (SELECT pg_notify($2, $3) WHERE $4 AND EXISTS (SELECT 1 FROM r)) \
-                     SELECT r.* FROM r LEFT JOIN n ON true")
+                     SELECT {runs@r} FROM r LEFT JOIN n ON true")
                 ))
                 .bind(list)
                 .bind(crate::store::WORK_CHANNEL)
@@ -345,7 +345,7 @@ impl Store {
         let found = self
             .read_after_commit(|| async move {
                 Ok(sqlx::query(
-                    "SELECT runs.* FROM runs JOIN jsonb_to_recordset($1::text::jsonb) AS l(thread_id text, secret text) \
+                    "SELECT {runs@runs} FROM runs JOIN jsonb_to_recordset($1::text::jsonb) AS l(thread_id text, secret text) \
                      ON runs.thread_id = l.thread_id AND runs.secret = l.secret",
                 )
                 .bind(list)
@@ -392,7 +392,7 @@ impl Store {
         let row = self
             .read_after_commit(|| async move {
                 self.faults().submit_read(self).await?;
-                Ok(sqlx::query(sql!(self, "SELECT * FROM runs WHERE idempotency_key = $1"))
+                Ok(sqlx::query(sql!(self, "SELECT {runs} FROM runs WHERE idempotency_key = $1"))
                     .bind(key)
                     .fetch_one(self.pool())
                     .await?)
@@ -403,7 +403,7 @@ impl Store {
 
     /// The run with `id`.
     pub async fn get_run(&self, id: i64) -> Result<Run, StoreError> {
-        let row = sqlx::query(sql!(self, "SELECT * FROM runs WHERE id = $1"))
+        let row = sqlx::query(sql!(self, "SELECT {runs} FROM runs WHERE id = $1"))
             .bind(id)
             .fetch_optional(self.pool())
             .await?
@@ -460,7 +460,7 @@ impl Store {
         macro_rules! page {
             ($filter:literal) => {
                 concat!(
-                    "SELECT * FROM (SELECT r.*, SUM(LENGTH(r.input) + LENGTH(r.partial) + COALESCE(LENGTH(r.output), 0) \
+                    "SELECT * FROM (SELECT {runs@r}, SUM(LENGTH(r.input) + LENGTH(r.partial) + COALESCE(LENGTH(r.output), 0) \
                      + COALESCE(LENGTH(r.error), 0)) OVER (ORDER BY r.id DESC) AS running FROM runs r \
                      WHERE r.id < $1 AND r.id >= $7", $filter,
                      " AND ($4 IS NULL OR LOWER(r.input) LIKE $4 ESCAPE '!' OR LOWER(COALESCE(r.output, '')) LIKE $4 ESCAPE '!' \

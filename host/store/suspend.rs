@@ -110,7 +110,7 @@ impl Store {
                 self,
                 "UPDATE runs SET pending_input = $2, updated_at = {now} \
                  WHERE id = $1 AND status = 'waiting_input' AND pending_input IS NULL \
-                 AND lease_owner IS NULL RETURNING *"
+                 AND lease_owner IS NULL RETURNING {runs}"
             ))
             .bind(run_id)
             .bind(input)
@@ -157,7 +157,7 @@ impl Store {
                  lease_expires_at = NULL, finished_at = {now}, updated_at = {now}, \
                  partial = runs.partial || {unfolded}, partial_pos = emit_pos \
                  WHERE id = $1 AND status NOT IN ('completed','failed','aborted','cancelled') \
-                 RETURNING *"
+                 RETURNING {runs}"
             ))
             .bind(run_id)
             .fetch_optional(&mut *tx)
