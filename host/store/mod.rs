@@ -472,7 +472,9 @@ impl Store {
                 migrated?;
             }
         }
-        let applied: Option<i64> = sqlx::query_scalar("SELECT MAX(version) FROM _sqlx_migrations").fetch_one(&self.pool).await?;
+        // The writer: an in-memory SQLite database (offline replay) is the
+        // writer's connection alone.
+        let applied: Option<i64> = sqlx::query_scalar("SELECT MAX(version) FROM _sqlx_migrations").fetch_one(&self.writer).await?;
         if let Some(applied) = applied.filter(|v| *v > known) {
             tracing::warn!(
                 applied,
