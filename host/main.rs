@@ -71,7 +71,7 @@ enum Command {
         #[command(subcommand)]
         command: cli::RunsCommand,
     },
-    /// Set, list and remove concurrency keys' limits (through the API).
+    /// Set, list and remove concurrency keys' limits and the rate limits of effects (through the API).
     Limits {
         #[command(flatten)]
         api: cli::Api,
