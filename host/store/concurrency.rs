@@ -14,8 +14,12 @@
 //! (`concurrency_keys.turn`), and within a claim every lane it takes,
 //! the keyless one too, gets at most a fair share of the batch; a key
 //! at its limit is passed over whatever its queue. The claim itself is
-//! `leasehold_claimable` on PostgreSQL (migration 0013) and
-//! [`claim_lanes_sqlite`] on SQLite; the two follow one rule.
+//! `leasehold_claimable` on PostgreSQL (migrations 0013 and 0016) and
+//! [`claim_lanes_sqlite`] on SQLite; the two follow one rule, but for the
+//! share: on PostgreSQL a key's turn takes at least 4 runs (when it has
+//! them and the room), since each key served costs it statements of their
+//! own; on SQLite every key's share is one statement, where a larger share
+//! only read more rows (measured slower: docs/benchmarks.md).
 
 use serde::Serialize;
 use sqlx::{AnyConnection, Row};

@@ -320,4 +320,28 @@ both! {
         ensure!(fresh == 2, "{fresh} runs of a key limited to 2 claimed at once");
         Ok(())
     }
+
+    async fn a_keys_turn_serves_up_to_the_quantum_on_postgres_and_a_share_on_sqlite(db) {
+        let s = &db.store;
+        for k in 0..10 {
+            keyed(s, &format!("k{k}"), 8).await?;
+        }
+        let claimed = s.claim_batch("w", TTL, 8).await?;
+        ensure!(claimed.len() == 8, "{} claimed", claimed.len());
+        let keys: HashSet<String> = claimed.iter().filter_map(|c| c.run.concurrency_key.clone()).collect();
+        // PostgreSQL: 4 runs a turn (migration 0016), so two keys; SQLite:
+        // the batch over the lanes, one run a key.
+        let want = if db.backend == leasehold::Backend::Postgres { 2 } else { 8 };
+        ensure!(keys.len() == want, "a batch of 8 over 10 keys served {} keys: {keys:?}", keys.len());
+        // The keys served went to the back: the next batch serves first
+        // those the last one did not reach.
+        let next: HashSet<String> = s.claim_batch("w", TTL, 8).await?.iter().filter_map(|c| c.run.concurrency_key.clone()).collect();
+        let unserved: HashSet<String> = (0..10).map(|k| format!("k{k}")).filter(|k| !keys.contains(k)).collect();
+        if db.backend == leasehold::Backend::Postgres {
+            ensure!(next.is_disjoint(&keys) && next.is_subset(&unserved), "served again at once: {next:?} after {keys:?}");
+        } else {
+            ensure!(unserved.is_subset(&next), "{unserved:?} waited again: {next:?}");
+        }
+        Ok(())
+    }
 }
