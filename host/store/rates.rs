@@ -150,6 +150,11 @@ impl Clocks {
         if wait_ms > window_ms {
             return (Admission::Later { wait_ms }, None);
         }
+        // Nothing to charge (a re-issue, or a row that only holds): no write.
+        let charged = (calls > 0 && self.per_minute.is_some()) || (tokens > 0 && self.tokens_per_minute.is_some());
+        if !charged {
+            return (Admission::Go { wait_ms }, None);
+        }
         let step = |n: i64, rate: Option<i64>| rate.map_or(0, |r| n.saturating_mul(MINUTE_US) / r);
         let calls_at = start.saturating_add(step(calls, self.per_minute));
         let tokens_at = if self.tokens_per_minute.is_some() { start.saturating_add(step(tokens, self.tokens_per_minute)) } else { self.tokens_at };
@@ -361,5 +366,33 @@ impl Store {
             .rows_affected())
         })
         .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Admission, Clocks};
+
+    const NOW: i64 = 1_000_000_000;
+
+    fn clocks(per_minute: Option<i64>, tokens_per_minute: Option<i64>) -> Clocks {
+        Clocks { per_minute, tokens_per_minute, calls_at: 0, tokens_at: 0, held_until: 0 }
+    }
+
+    #[test]
+    fn a_call_moves_the_clock_by_its_rate_and_waits_for_it() {
+        let (go, write) = clocks(Some(600), None).decide(NOW, 1, 0, 1000);
+        assert_eq!((go, write), (Admission::Go { wait_ms: 0 }, Some((NOW + 100_000, 0))));
+        let ahead = Clocks { calls_at: NOW + 1_500_000, ..clocks(Some(600), None) };
+        assert_eq!(ahead.decide(NOW, 1, 0, 1000), (Admission::Later { wait_ms: 1500 }, None));
+    }
+
+    #[test]
+    fn nothing_to_charge_writes_nothing() {
+        // A row that only holds, once the hold is over; and a re-issue.
+        assert_eq!(clocks(None, None).decide(NOW, 1, 0, 1000), (Admission::Go { wait_ms: 0 }, None));
+        assert_eq!(clocks(Some(60), None).decide(NOW, 0, 0, 1000), (Admission::Go { wait_ms: 0 }, None));
+        let held = Clocks { held_until: NOW / 1000 + 2, ..clocks(None, None) };
+        assert_eq!(held.decide(NOW, 1, 0, 1000), (Admission::Go { wait_ms: 2 }, None));
     }
 }
