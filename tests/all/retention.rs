@@ -38,6 +38,24 @@ async fn thread_exists(db: &TestDb, thread: &str) -> Result<bool> {
 }
 
 both! {
+    async fn with_retention_off_the_cleaner_still_forgets_spent_holds_and_idle_keys(db) {
+        db.store.hold("http:spent.example:443", Duration::ZERO).await?;
+        db.store.set_limit("idle", None, false).await?;
+        db.store.remove_limit("idle").await.ok();
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        let off = RetentionConfig { keep: Duration::ZERO, ..RetentionConfig::default() };
+        let (stop, stopped) = tokio::sync::watch::channel(false);
+        let cleaner = tokio::spawn(cleaner::run(db.store.clone(), off, Duration::from_millis(10), stopped));
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while db.store.rate("http:spent.example:443").await?.is_some() || db.store.limit("idle").await?.is_some() {
+            ensure!(std::time::Instant::now() < deadline, "the cleaner loop forgot nothing with retention off");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        stop.send(true)?;
+        cleaner.await?;
+        Ok(())
+    }
+
     async fn finished_runs_past_retention_go_with_their_ledger_and_events_and_the_rest_stay(db) {
         let exec = executor(db)?;
         let run = |steps: u64, thread: Option<&str>| NewRun {
