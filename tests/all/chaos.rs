@@ -34,10 +34,17 @@
 //!   outputs mixed into the load.
 //! * **priorities**: a quarter of the load at priority 7 or -7 and one run
 //!   in sixteen at 1000, so claims read several priorities throughout.
+//! * **limits**: one run in eight carries one of two concurrency keys with
+//!   a limit, sampled throughout; and the load opens with a burst of runs
+//!   whose calls go to a second sink under a rate limit (`http:IP:PORT`),
+//!   several times more than it allows, so calls wait in place and runs
+//!   suspend while hosts die.
 //!
 //! At the end: every acknowledged run is terminal; each chaos run's local
 //! counter equals its steps; each keyed POST reached the sink under one
-//! key; no unkeyed POST reached it twice; audit triggers installed in the
+//! key; no unkeyed POST reached it twice; no key ever ran more runs at once
+//! than its limit; no second of the rated sink's arrivals held more
+//! charged calls than the rate allows; audit triggers installed in the
 //! test database saw no ledger row or thread event written under a fence
 //! other than the run's current one; no host crashed.
 //!
@@ -147,6 +154,8 @@ enum Kind {
     Duplicate { steps: u64 },
     /// Cancelled `after_ms` after it is acknowledged.
     Cancel { steps: u64, after_ms: u64 },
+    /// testkit `chaos` whose POSTs go to the rated sink, answered at once.
+    Rated { steps: u64 },
     /// testkit `wait`; its input is delivered twice at once. Its waiting
     /// for input must never use up its `max_attempts` (1 to 3).
     Wait { max_attempts: i64 },
@@ -158,7 +167,7 @@ impl Kind {
         match self {
             Kind::Chaos { max_attempts, .. } | Kind::Wait { max_attempts } => *max_attempts,
             Kind::Hostile(_) => 2,
-            Kind::Duplicate { .. } | Kind::Cancel { .. } => 100,
+            Kind::Duplicate { .. } | Kind::Cancel { .. } | Kind::Rated { .. } => 100,
         }
     }
 }
@@ -189,6 +198,12 @@ fn key_of(seed: u64, i: usize) -> Option<&'static str> {
         _ => None,
     }
 }
+
+/// The rated sink's limit, calls a minute across every host.
+const RATE_PER_MINUTE: i64 = 600;
+/// The runs that open the load and post to the rated sink, 3 steps (six
+/// calls) each: at once they ask for several times the rate.
+const RATED_RUNS: usize = 10;
 
 /// The error each hostile mode must fail its run with.
 fn hostile_error(mode: &str) -> &'static str {
@@ -244,8 +259,28 @@ fn plan(s: &Settings, backend: Backend) -> (Vec<(u64, Fault)>, Vec<Kind>) {
                 _ => Kind::Chaos { steps, spin: rng.random_range(0..3_000_000), delay_ms: rng.random_range(50..400), max_attempts },
             }
         })
+        .enumerate()
+        .map(|(i, kind)| if i < RATED_RUNS.min(s.runs / 4) { Kind::Rated { steps: 3 } } else { kind })
         .collect();
     (schedule, load)
+}
+
+/// The most charged calls that reached a sink in any one second, and how
+/// many more that is than `per_minute` allows in a second (one more on its
+/// boundary). A keyed re-issue is not charged, so only the first arrival
+/// of each idempotency key counts.
+fn rate_excess(hits: &[crate::sink::Hit], per_minute: i64) -> (usize, i64) {
+    let mut seen = HashSet::new();
+    let mut at: Vec<Instant> = hits.iter().filter(|h| h.key.is_empty() || seen.insert(h.key.clone())).map(|h| h.at).collect();
+    at.sort_unstable();
+    let (mut most, mut end) = (0, 0);
+    for start in 0..at.len() {
+        while end < at.len() && at[end] - at[start] < Duration::from_secs(1) {
+            end += 1;
+        }
+        most = most.max(end - start);
+    }
+    (most, most as i64 - (per_minute / 60 + 1))
 }
 
 // ---------------------------------------------------------------- database
@@ -459,8 +494,8 @@ struct Cluster<'a> {
     /// may be taken over.
     faulted: Mutex<HashSet<String>>,
     host_crashes: AtomicU64,
-    /// The sink's allow-list entry.
-    http_allow: String,
+    /// The sinks' allow-list entries.
+    http_allow: Vec<String>,
     /// 5xx answers other than 503 from live hosts.
     server_errors: Mutex<Vec<String>>,
     /// The hosts' network namespaces (PostgreSQL with partitions).
@@ -491,7 +526,7 @@ impl<'a> Cluster<'a> {
         a.reaper_interval_ms = REAPER_MS;
         a.poll_ms = POLL_MS;
         a.workers = WORKERS;
-        a.http_allow = vec![self.http_allow.clone()];
+        a.http_allow = self.http_allow.clone();
         a.extra = vec![
             format!("--test-clock-skew-ms={}", SKEWS_MS[host]),
             "--segment-budget-ms=2000".into(),
@@ -509,7 +544,7 @@ impl<'a> Cluster<'a> {
         Ok(a)
     }
 
-    async fn start(db_url: &'a str, dir: &'a Path, http_allow: String, net: Option<&'a Net>) -> Result<Cluster<'a>> {
+    async fn start(db_url: &'a str, dir: &'a Path, http_allow: Vec<String>, net: Option<&'a Net>) -> Result<Cluster<'a>> {
         let http = crate::serve_proc::client(
             reqwest::Client::builder().timeout(Duration::from_secs(10)).connect_timeout(Duration::from_secs(1)),
         )?;
@@ -742,10 +777,13 @@ async fn chaos(backend: Backend) -> Result<()> {
         .bind(TTL_MS as i64 + 1000)
         .execute(store.pool())
         .await?;
-    let sink = Sink::start_at(service.unwrap_or(std::net::Ipv4Addr::LOCALHOST), Duration::ZERO, Duration::from_millis(30)).await?;
+    let ip = service.unwrap_or(std::net::Ipv4Addr::LOCALHOST);
+    let sink = Sink::start_at(ip, Duration::ZERO, Duration::from_millis(30)).await?;
+    let rated = Sink::start_at(ip, Duration::ZERO, Duration::ZERO).await?;
+    store.set_rate(&format!("http:{}", rated.allow()), Some(RATE_PER_MINUTE), None).await?;
     leasehold::effects::http::install_tls();
-    let cluster = Cluster::start(&db_url, dir.path(), sink.allow(), net.as_ref()).await?;
-    let result = drive(&settings, backend, &schedule, load, &cluster, &store, pg.as_ref(), &sink).await;
+    let cluster = Cluster::start(&db_url, dir.path(), vec![sink.allow(), rated.allow()], net.as_ref()).await?;
+    let result = drive(&settings, backend, &schedule, load, &cluster, &store, pg.as_ref(), [&sink, &rated]).await;
     drop(cluster);
     store.shutdown().await;
     if result.is_err() {
@@ -773,7 +811,7 @@ async fn drive(
     cluster: &Cluster<'_>,
     store: &Store,
     pg: Option<&PgCluster>,
-    sink: &Sink,
+    [sink, rated]: [&Sink; 2],
 ) -> Result<()> {
     let started = Instant::now();
     let counters = Arc::new(Counters::default());
@@ -898,6 +936,7 @@ async fn drive(
                     json!({ "mode": "chaos", "steps": steps, "spin": spin, "delay_ms": delay_ms, "tag": tag, "url": sink.url })
                 }
                 Kind::Duplicate { steps } => json!({ "mode": "chaos", "steps": steps, "tag": tag, "url": sink.url }),
+                Kind::Rated { steps } => json!({ "mode": "chaos", "steps": steps, "tag": tag, "url": rated.url }),
                 // Slow enough that most cancels land mid-run.
                 Kind::Cancel { steps, .. } => {
                     json!({ "mode": "chaos", "steps": steps, "spin": 30_000_000, "tag": tag, "url": sink.url })
@@ -974,7 +1013,7 @@ async fn drive(
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     let elapsed = started.elapsed();
-    let report = check(settings, backend, &acked, store, sink, cluster, &counters, elapsed).await?;
+    let report = check(settings, backend, &acked, store, [sink, rated], cluster, &counters, elapsed).await?;
     eprintln!("chaos: quiet {:?} after the last fault", faults_over.elapsed());
     let line = serde_json::to_string(&report.json)?;
     eprintln!("{line}");
@@ -1518,7 +1557,7 @@ async fn check(
     backend: Backend,
     acked: &[Acked],
     store: &Store,
-    sink: &Sink,
+    [sink, rated]: [&Sink; 2],
     cluster: &Cluster<'_>,
     counters: &Counters,
     elapsed: Duration,
@@ -1550,7 +1589,7 @@ async fn check(
 
     // The sink's view: (tag, step, kind) -> idempotency keys.
     let mut applied: HashMap<(String, i64, String), Vec<String>> = HashMap::new();
-    for hit in sink.hits() {
+    for hit in sink.hits().into_iter().chain(rated.hits()) {
         let b: Value = serde_json::from_str(&hit.body).unwrap_or(Value::Null);
         if let (Some(tag), Some(step), Some(kind)) = (b["tag"].as_str(), b["step"].as_i64(), b["kind"].as_str()) {
             applied.entry((tag.to_string(), step, kind.to_string())).or_default().push(hit.key);
@@ -1601,7 +1640,7 @@ async fn check(
     for a in acked {
         let Some((status, output, error)) = runs.get(&a.id) else { continue };
         match &a.kind {
-            Kind::Chaos { steps, .. } | Kind::Duplicate { steps } | Kind::Cancel { steps, .. } => {
+            Kind::Chaos { steps, .. } | Kind::Duplicate { steps } | Kind::Cancel { steps, .. } | Kind::Rated { steps } => {
                 let cancelled = matches!(a.kind, Kind::Cancel { .. }) && status == "cancelled";
                 // Aborted on its attempts: what it did must not repeat, but
                 // it need not all have happened.
@@ -1789,6 +1828,20 @@ async fn check(
         failures.push("the keys' slots were never sampled".into());
     }
     let key_most = counters.key_most.lock().unwrap().clone();
+    // The rated sink: a host stopped or cut off between its call's
+    // admission and its send may deliver that call late, beside later ones.
+    let late = counters.zombies.load(Relaxed) + counters.partitions.load(Relaxed);
+    let rated_hits = rated.hits();
+    let (rated_most, rated_over) = rate_excess(&rated_hits, RATE_PER_MINUTE);
+    if rated_over > 2 + late as i64 {
+        failures.push(format!(
+            "the rated sink took {rated_most} charged calls in one second; the limit allows {} (and {late} stopped or cut-off hosts may add one each)",
+            RATE_PER_MINUTE / 60 + 1
+        ));
+    }
+    if settings.runs >= 4 && rated_hits.is_empty() {
+        failures.push("no call reached the rated sink".into());
+    }
     let unbitten = counters.unbitten.lock().unwrap().clone();
     for u in &unbitten {
         failures.push(format!("a fault did not bite: {u}"));
@@ -1851,6 +1904,8 @@ async fn check(
         "key_samples": key_samples,
         "key_most_at_once": key_most,
         "keys_over_limit": over.len(),
+        "rated_calls": rated_hits.len(),
+        "rated_most_in_a_second": rated_most,
         "takeover_delay_bound_ms": bound,
         "write_lock_holds_over_1s": stalls.len(),
         "aborted_on_attempts": aborted_on_attempts,
