@@ -82,6 +82,9 @@ pub struct Metrics {
     /// Runs the local queue gave back unstarted: at shutdown, or after
     /// waiting too long for a worker.
     pub prefetch_given_back: AtomicU64,
+    /// Express claims: a keyed or prioritized submit's run claimed ahead of
+    /// the local queue (see `pool::express`).
+    pub express_claims: AtomicU64,
     /// Closes being written behind the workers that made them, which have
     /// gone on to queued runs (a gauge; see `pool`).
     pub closes_behind: AtomicU64,
@@ -196,6 +199,12 @@ impl Metrics {
             "leasehold_prefetch_given_back_total",
             "Prefetched runs given back unstarted (shutdown, or waited too long for a worker).",
             &self.prefetch_given_back,
+        );
+        counter(
+            &mut out,
+            "leasehold_express_claims_total",
+            "Claims made at once for a keyed or prioritized submit while the local queue was full.",
+            &self.express_claims,
         );
         counter(
             &mut out,

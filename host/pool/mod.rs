@@ -47,6 +47,7 @@ use tokio::task::JoinSet;
 use crate::executor::Executor;
 use crate::store::{Backend, Claimed, Store, WORK_CHANNEL};
 
+mod express;
 mod queue;
 
 use queue::{Local, closes_behind_max};
@@ -151,6 +152,7 @@ async fn dispatch(store: Store, exec: Arc<Executor>, config: PoolConfig, local: 
     let mut running: JoinSet<()> = JoinSet::new();
     let mut backoff = Duration::from_millis(100);
     let batch = config.claim_batch.max(1);
+    let mut express = express::Express::default();
     while !*stopping.borrow() {
         while running.try_join_next().is_some() {}
         // Queued runs that waited too long are given back whether or not a
@@ -168,6 +170,10 @@ async fn dispatch(store: Store, exec: Arc<Executor>, config: PoolConfig, local: 
                 permit = slots.clone().acquire_owned() => Some(permit.expect("the slot semaphore is never closed")),
                 _ = local.room_grew.notified(), if config.prefetch > 0 => continue,
                 _ = tokio::time::sleep(stale.unwrap_or_default()), if stale.is_some() => continue,
+                _ = express.due(&store, &local) => {
+                    express.claim(&exec, &local).await;
+                    continue;
+                }
                 _ = stopping.changed() => break,
             }
         };

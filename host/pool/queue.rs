@@ -9,7 +9,8 @@ use tokio::sync::Semaphore;
 
 use crate::store::{Backend, Claimed, Store};
 
-/// The local queue: runs claimed ahead of free workers, oldest first.
+/// The local queue: runs claimed ahead of free workers, in claim order,
+/// but for express claims ([`Local::push_ahead`]).
 ///
 /// A queued run's lease is running, and its segment measures its lease
 /// from the claim, so the queue is kept short (`prefetch`) and a run that
@@ -132,6 +133,34 @@ impl Local {
         crate::metrics::global().prefetched.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Queues a run of an express claim (a submit of a keyed or
+    /// prioritized run woke the dispatcher while the queue was full) where
+    /// the claim's order puts it among the queued runs: after those of a
+    /// higher priority; within its priority, keys (and runs without one,
+    /// as one more) take turns, so a run whose key has `c` runs queued
+    /// goes before the first queued run that has more than `c` of its own
+    /// key's ahead of it. A key with nothing queued here goes in the first
+    /// round; a key's own runs keep their order.
+    pub(super) fn push_ahead(&self, claimed: Claimed) {
+        let mut queue = self.queue.lock().expect("local queue lock");
+        let (priority, key) = (claimed.run.priority, claimed.run.concurrency_key.clone());
+        let own = queue.iter().filter(|(q, _)| q.run.priority == priority && q.run.concurrency_key == key).count();
+        let mut rounds: std::collections::HashMap<Option<&str>, usize> = Default::default();
+        let at = queue
+            .iter()
+            .position(|(q, _)| {
+                if q.run.priority != priority {
+                    return q.run.priority < priority;
+                }
+                let round = rounds.entry(q.run.concurrency_key.as_deref()).or_default();
+                *round += 1;
+                *round - 1 > own
+            })
+            .unwrap_or(queue.len());
+        queue.insert(at, (claimed, Instant::now()));
+        crate::metrics::global().prefetched.fetch_add(1, Ordering::Relaxed);
+    }
+
     fn pop(&self) -> Option<(Claimed, Instant)> {
         let popped = self.queue.lock().expect("local queue lock").pop_front();
         if popped.is_some() {
@@ -161,11 +190,11 @@ impl Local {
     }
 
     /// How long until the oldest queued run has waited `max_wait`, if any
-    /// is queued.
+    /// is queued. (Not always the front: express claims queue ahead.)
     pub(super) fn stale_in(&self) -> Option<Duration> {
         let queue = self.queue.lock().expect("local queue lock");
         // A millisecond past it, so the wait ends with the run stale, not just short of it.
-        queue.front().map(|(_, at)| self.max_wait.saturating_sub(at.elapsed()) + Duration::from_millis(1))
+        queue.iter().map(|(_, at)| *at).min().map(|at| self.max_wait.saturating_sub(at.elapsed()) + Duration::from_millis(1))
     }
 
     /// Gives back the queued runs that have waited more than `max_wait`,
@@ -176,9 +205,9 @@ impl Local {
         loop {
             let stale = {
                 let mut queue = self.queue.lock().expect("local queue lock");
-                match queue.front() {
-                    Some((_, at)) if at.elapsed() > self.max_wait => queue.pop_front(),
-                    _ => None,
+                match queue.iter().position(|(_, at)| at.elapsed() > self.max_wait) {
+                    Some(i) => queue.remove(i),
+                    None => None,
                 }
             };
             let Some((claimed, _)) = stale else { return };

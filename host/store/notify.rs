@@ -29,6 +29,9 @@ pub(super) struct Announce {
     owed: AtomicBool,
     /// A task is sending.
     sending: AtomicBool,
+    /// Wakes this process's dispatcher for a new run that may belong ahead
+    /// of the runs in its local queue (see [`Store::ahead_signal`]).
+    ahead: tokio::sync::Notify,
 }
 
 impl Store {
@@ -44,6 +47,16 @@ impl Store {
             self.announce.owed.store(true, SeqCst);
             self.send_owed();
         }
+    }
+
+    /// Notified for each new run of this process's submits that carries a
+    /// concurrency key or a priority other than 0: a run that the claim
+    /// may order ahead of runs a host already holds in its local queue, so
+    /// the dispatcher claims it at once rather than when the queue is half
+    /// free (`pool`'s express claim). Runs of other hosts are found by the
+    /// queue's next claim.
+    pub fn ahead_signal(&self) -> &tokio::sync::Notify {
+        &self.announce.ahead
     }
 
     /// PostgreSQL, before a submit statement: whether it should carry this

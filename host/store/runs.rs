@@ -237,6 +237,9 @@ impl Store {
         for (run, _) in created.iter().filter(|(_, new)| *new) {
             self.hub().wake(&run.thread_id);
             self.signal_work(false).await;
+            if run.concurrency_key.is_some() || run.priority != 0 {
+                self.ahead_signal().notify_one();
+            }
         }
         // A taken key's run may be streaming. The batch is written: a
         // failed read leaves that run's partial short, never an error that

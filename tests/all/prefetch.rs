@@ -354,3 +354,59 @@ both! {
         Ok(())
     }
 }
+
+both! {
+    async fn a_keyed_submit_is_claimed_at_once_and_queued_ahead_of_another_keys_full_local_queue(db) {
+        let runtime = plugins::runtime()?;
+        leasehold::plugins::register(&db.store, &runtime, "testkit", plugins::rust_plugin("testkit")?, PluginSettings::default()).await?;
+        let config = ExecutorConfig { owner: "express".into(), model: None, ..ExecutorConfig::default() };
+        let exec = Arc::new(Executor::new(db.store.clone(), runtime, config));
+        let pool = WorkerPool::start(
+            db.store.clone(),
+            exec,
+            PoolConfig { workers: 1, poll: Duration::from_millis(50), claim_batch: 8, prefetch: 6 },
+        );
+        // One worker, 100 ms turns of key "big": one running, up to six
+        // queued, topped up when half of them have started.
+        let sleeper = serde_json::json!({ "mode": "script", "ops": [{ "op": "wasi-sleep", "ms": 100 }] }).to_string();
+        let mut big = Vec::new();
+        for _ in 0..16 {
+            let new = NewRun { concurrency_key: Some("big".into()), ..NewRun::new("testkit", sleeper.clone()) };
+            big.push(db.store.create_run(&new).await?.0.id);
+        }
+        // Until the queue runs full: two runs done (the first segments,
+        // started with nothing queued, claim their successors in their
+        // closes; the later ones find runs queued and leave their closes
+        // behind them) and five held.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let done: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM runs WHERE status = 'completed'").fetch_one(db.store.pool()).await?;
+            if done >= 2 && held_by(&db.store, "express").await? >= 5 {
+                break;
+            }
+            ensure!(Instant::now() < deadline, "the local queue never filled");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let new = NewRun { concurrency_key: Some("small".into()), ..NewRun::new("testkit", sleeper.clone()) };
+        let small = db.store.create_run(&new).await?.0;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while db.store.get_run(small.id).await?.status != RunStatus::Completed {
+            ensure!(Instant::now() < deadline, "the small key's run never completed");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        // With one worker, runs finish in the order they ran: the big
+        // key's runs that finished after the small run was submitted and
+        // before it did are those it waited behind.
+        let behind: i64 = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM runs WHERE concurrency_key = 'big' AND finished_at >= $1 AND finished_at <= $2",
+        )
+        .bind(small.created_at)
+        .bind(db.store.get_run(small.id).await?.finished_at)
+        .fetch_one(db.store.pool())
+        .await?;
+        pool.shutdown(Duration::from_secs(5)).await;
+        // The one running and, in its round, the first queued.
+        ensure!(behind <= 2, "the small key's run waited behind {behind} of the big key's runs");
+        Ok(())
+    }
+}
