@@ -115,3 +115,42 @@ both! {
         Ok(())
     }
 }
+
+both! {
+    async fn writers_of_one_namespace_on_two_connections_do_not_wait_on_one_usage_counter(db) {
+        // SQLite has one writer: transactions never write at once there.
+        if db.backend == leasehold::Backend::Sqlite {
+            return Ok(());
+        }
+        use sqlx::Connection;
+        // Two connections whose backends count in different shards (pid
+        // modulo 64), as two hosts' (or one host's two) connections do.
+        let mut conns = Vec::new();
+        let mut shards = std::collections::HashSet::new();
+        while conns.len() < 2 {
+            let mut c = sqlx::PgConnection::connect(db.url()).await?;
+            let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut c).await?;
+            if shards.insert(pid % 64) {
+                conns.push(c);
+            }
+        }
+        let mut txs = Vec::new();
+        for (i, c) in conns.iter_mut().enumerate() {
+            let mut tx = c.begin().await?;
+            // Waiting on the other's counter row fails at once, not after a hang.
+            sqlx::query("SET LOCAL lock_timeout = '2s'").execute(&mut *tx).await?;
+            sqlx::query("INSERT INTO kv (namespace, key, value, updated_at) VALUES ('testkit', $1, '1', 0)")
+                .bind(format!("k{i}"))
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| anyhow::anyhow!("put {i} waited on the other's uncommitted put: {e}"))?;
+            txs.push(tx);
+        }
+        for tx in txs {
+            tx.commit().await?;
+        }
+        let usage = db.store.kv_usage("testkit").await?;
+        ensure!(usage == KvUsage { keys: 2, bytes: 2 * 3 } && usage == counted(&db.store, "testkit").await?, "{usage:?}");
+        Ok(())
+    }
+}
