@@ -314,6 +314,11 @@ impl Executor {
         // it, so a finished run has counted it.
         let charge = (!charged).then(|| renewer::charge(&self.store, &lease, self.config.lease_ttl, watch));
         let result = self.guest_call(&plugin, init, &run.input, watch).await;
+        // The deltas and puts still held go with the segment's last write:
+        // taken now, or a timed flush fired while the charge below (or a
+        // busy host) held the close back wrote them in a statement of their
+        // own, one more commit a run.
+        let tail = result.1.take_stream_tail().await;
         if let Some(done) = next.guest_done.take() {
             let _ = done.send(());
         }
@@ -326,7 +331,7 @@ impl Executor {
         // write waits (a lock timeout, the batch's own retries).
         watch.renew_for(Duration::MAX);
         watch.closing.store(true, Ordering::Relaxed);
-        self.settle(&plugin, &lease, result, next).await
+        self.settle(&plugin, &lease, result, tail, next).await
     }
 
     fn renew_every(&self) -> Duration {

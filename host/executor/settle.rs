@@ -15,13 +15,15 @@ impl Executor {
         plugin: &Plugin,
         lease: &Lease,
         (result, state): (wasmtime::Result<Result<String, String>>, SegmentState),
+        tail: Result<Held, Interrupt>,
         next: &mut Handoff,
     ) -> Result<SegmentOutcome, StoreError> {
         let result = result.map(|r| r.map(storable).map_err(storable));
-        // Deltas and puts still held are written with the segment's last write.
-        // A timed flush that failed left a gap in the stored stream: then
-        // nothing more is written, and the run is resumed by replay.
-        let tail = match state.take_stream_tail().await {
+        // Deltas and puts still held (`tail`, taken as the guest returned)
+        // are written with the segment's last write. A timed flush that
+        // failed left a gap in the stored stream: then nothing more is
+        // written, and the run is resumed by replay.
+        let tail = match tail {
             Ok(tail) => tail,
             Err(Interrupt::LeaseLost) => return Ok(SegmentOutcome::LeaseLost),
             Err(Interrupt::Store(e)) => return Ok(SegmentOutcome::Abandoned(e)),

@@ -410,3 +410,43 @@ both! {
         Ok(())
     }
 }
+
+both! {
+    async fn a_queued_runs_last_put_is_written_with_its_close_though_its_attempt_count_is_held_up(db) {
+        // One worker: A holds it for half a second while B (one kv.put and
+        // an emit) waits in the queue; B counts its attempt when it starts,
+        // in a write of its row, which this test holds up.
+        let a = submit_sleepers(&db.store, 1, 500).await?[0];
+        let b = db.store.create_run(&NewRun::new("testkit", r#"{"steps": 1, "prefix": "tail"}"#)).await?.0.id;
+        let pool = pool(db, "tail", Duration::from_secs(30)).await?;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while db.store.get_run(a).await?.lease_owner.as_deref() != Some("tail") || held_by(&db.store, "tail").await? < 2 {
+            ensure!(Instant::now() < deadline, "the pool never took A and queued B");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let hold = Hold::start(db, b).await?;
+        // A ends, B's guest runs and returns; its count of the attempt waits.
+        tokio::time::sleep(Duration::from_millis(900)).await;
+        hold.release().await?;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let run = loop {
+            let run = db.store.get_run(b).await?;
+            if run.status == RunStatus::Completed {
+                break run;
+            }
+            ensure!(Instant::now() < deadline, "B did not complete: {run:?}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
+        pool.shutdown(Duration::from_secs(5)).await;
+        // The put went with the close (PostgreSQL: one statement, one
+        // clock reading), not in a timed flush of its own sent while the
+        // segment waited, whose clock reading is from before the release.
+        let put_at: i64 = sqlx::query_scalar("SELECT created_at FROM effects WHERE run_id = $1 AND class = 'local'")
+            .bind(b)
+            .fetch_one(db.store.pool())
+            .await?;
+        let finished = run.finished_at.unwrap_or_default();
+        ensure!(finished - put_at <= 5, "B's put was written {} ms before its close", finished - put_at);
+        Ok(())
+    }
+}
