@@ -378,17 +378,20 @@ impl SegmentState {
         let effect = match effect {
             Effect::Local(LocalOp::KvPut { namespace, key, value }) => {
                 // See `kv_quota`: exact only when the estimate is over.
-                if !self.kv.fits_estimate(&self.limits.kv, put_bytes as i64) {
+                let (db, ns) = (self.db.clone(), self.namespace.clone());
+                if !self.kv.fits_estimate(&self.limits.kv, put_bytes as i64, || db.kv_seen(&ns)) {
                     self.flush_stream().await?;
                     let (db, ns, k) = (self.db.clone(), self.namespace.clone(), key.clone());
                     let room = match detached(async move { db.kv_room(&ns, Some(&k)).await }).await {
                         Ok(room) => room,
                         Err(e) => return self.store_failed(e),
                     };
+                    self.db.kv_seen_read(&self.namespace, room.usage);
                     if let Err(refusal) = self.kv.decide(&self.limits.kv, room, put_bytes as i64, &self.namespace) {
                         return self.refuse(&call, refusal).await;
                     }
                 }
+                self.db.kv_seen_put(&self.namespace, put_bytes as i64);
                 let put = HeldPut { call: call.clone(), namespace, key, value };
                 return match self.stream.hold(put).await {
                     Ok(()) => {

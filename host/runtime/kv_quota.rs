@@ -5,8 +5,11 @@
 //! when that estimate is over the quota does the segment write what it
 //! holds and read the usage again, with the key's own stored size, and
 //! decide exactly. So a refusal is exact, and a put under the quota costs
-//! no extra read but the segment's first. Runs of one plugin running at
-//! once may together pass it by what they put between two reads.
+//! no extra read. The estimate starts from the host's last read of the
+//! namespace if it is under a second old (`Store::kv_seen`, which counts
+//! every put of the host's segments since), else from a read of its own.
+//! Runs of one plugin running at once, on other hosts especially, may
+//! together pass the quota by what they put between two reads.
 
 use crate::effects::EffectError;
 use crate::store::{KvQuota, KvRoom, KvUsage};
@@ -23,7 +26,12 @@ pub(super) struct KvQuotaState {
 impl KvQuotaState {
     /// Whether a put of `size` bytes (key and value) fits by the estimate;
     /// if so, it is counted. `false`: read the usage and [`Self::decide`].
-    pub(super) fn fits_estimate(&mut self, quota: &KvQuota, size: i64) -> bool {
+    /// `seen`: where an estimate may start without a read of its own (the
+    /// host's recent read), asked only before the segment has one.
+    pub(super) fn fits_estimate(&mut self, quota: &KvQuota, size: i64, seen: impl FnOnce() -> Option<KvUsage>) -> bool {
+        if self.read.is_none() {
+            self.read = seen();
+        }
         let Some(read) = self.read else { return false };
         let (keys, bytes) = (read.keys + self.since.keys + 1, read.bytes + self.since.bytes + size);
         if keys > quota.max_keys as i64 || bytes > quota.max_bytes as i64 {
@@ -60,15 +68,15 @@ mod tests {
     fn an_estimate_over_the_quota_asks_for_an_exact_read_that_may_still_allow_the_put() {
         let quota = KvQuota { max_keys: 2, max_bytes: 100 };
         let mut state = KvQuotaState::default();
-        assert!(!state.fits_estimate(&quota, 10), "the first put reads the usage");
+        assert!(!state.fits_estimate(&quota, 10, || None), "the first put reads the usage");
         let room = KvRoom { usage: KvUsage { keys: 1, bytes: 60 }, stored: Some(60) };
         assert!(state.decide(&quota, room, 90, "p").is_ok(), "overwriting the one key with 90 bytes fits");
         // Estimated as a second key of 20: 2 keys, 60 + 30 + 20 > 100 bytes.
-        assert!(!state.fits_estimate(&quota, 20));
+        assert!(!state.fits_estimate(&quota, 20, || None));
         let room = KvRoom { usage: KvUsage { keys: 1, bytes: 90 }, stored: None };
         assert!(state.decide(&quota, room, 20, "p").is_err(), "a new key of 20 bytes is over 100");
         let room = KvRoom { usage: KvUsage { keys: 1, bytes: 90 }, stored: None };
         assert!(state.decide(&quota, room, 10, "p").is_ok());
-        assert!(!state.fits_estimate(&quota, 1), "a third key is over 2 keys");
+        assert!(!state.fits_estimate(&quota, 1, || None), "a third key is over 2 keys");
     }
 }

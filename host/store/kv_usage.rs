@@ -53,14 +53,59 @@ pub struct KvRoom {
     pub stored: Option<i64>,
 }
 
+/// How long a usage read serves this process's segments as the start of
+/// their quota estimates: 1 s.
+pub const KV_SEEN_FRESH: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Each namespace's usage as this process last read it, plus what its
+/// segments have put since (each put counted as a new key), and when it
+/// was read: where a segment's quota estimate starts, so one read a second
+/// serves every segment of the host instead of one read a segment (see
+/// `runtime::kv_quota`).
+#[derive(Debug, Default)]
+pub(crate) struct Seen {
+    usage: std::sync::Mutex<std::collections::HashMap<String, (KvUsage, std::time::Instant)>>,
+    /// Reads of a namespace's usage this store has made.
+    reads: std::sync::atomic::AtomicU64,
+}
+
 impl Store {
+    /// `namespace`'s usage as this process last read it plus its puts
+    /// since, if it was read within [`KV_SEEN_FRESH`].
+    pub fn kv_seen(&self, namespace: &str) -> Option<KvUsage> {
+        let seen = self.kv_seen.usage.lock().expect("kv seen lock");
+        seen.get(namespace).filter(|(_, at)| at.elapsed() < KV_SEEN_FRESH).map(|(usage, _)| *usage)
+    }
+
+    /// Records a read of `namespace`'s usage (with this process's puts
+    /// that it already holds).
+    pub fn kv_seen_read(&self, namespace: &str, usage: KvUsage) {
+        self.kv_seen.usage.lock().expect("kv seen lock").insert(namespace.to_string(), (usage, std::time::Instant::now()));
+    }
+
+    /// Counts a put of `bytes` (key and value) into `namespace`, as a new
+    /// key, in what this process has seen.
+    pub fn kv_seen_put(&self, namespace: &str, bytes: i64) {
+        if let Some((usage, _)) = self.kv_seen.usage.lock().expect("kv seen lock").get_mut(namespace) {
+            *usage = KvUsage { keys: usage.keys + 1, bytes: usage.bytes + bytes };
+        }
+    }
+
     /// What `namespace` holds now (zero for one never written).
     pub async fn kv_usage(&self, namespace: &str) -> Result<KvUsage, StoreError> {
         Ok(self.kv_room(namespace, None).await?.usage)
     }
 
+    /// How many times this store (and its clones) has read a namespace's
+    /// usage: once a segment's first put at most, and fewer when the
+    /// host's last read serves (see [`KV_SEEN_FRESH`]).
+    pub fn kv_usage_reads(&self) -> u64 {
+        self.kv_seen.reads.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// `namespace`'s usage and, with `key`, what that key holds now.
     pub async fn kv_room(&self, namespace: &str, key: Option<&str>) -> Result<KvRoom, StoreError> {
+        self.kv_seen.reads.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let statement = match self.backend() {
             Backend::Postgres => {
                 "SELECT COALESCE((SELECT keys FROM kv_usage WHERE namespace = $1), 0) AS keys, \

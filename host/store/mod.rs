@@ -302,6 +302,8 @@ pub struct StoreShared {
     known_plugins: std::sync::Arc<std::sync::RwLock<std::collections::HashSet<String>>>,
     /// The rate keys this process last read (see [`rates`]).
     rate_keys: std::sync::Arc<rates::KeyCache>,
+    /// The kv usage this process last read (see [`kv_usage`]).
+    kv_seen: std::sync::Arc<kv_usage::Seen>,
 }
 
 /// The URL to connect to: SQLite's with `mode=rwc`, its file created first
@@ -423,6 +425,7 @@ impl Store {
             hub: Default::default(),
             known_plugins: Default::default(),
             rate_keys: Default::default(),
+            kv_seen: Default::default(),
         }));
         if opts.migrate {
             store.migrate().await?;

@@ -154,3 +154,24 @@ both! {
         Ok(())
     }
 }
+
+both! {
+    async fn runs_putting_within_a_second_of_the_hosts_last_usage_read_start_their_estimate_from_it(db) {
+        let exec = executor(db, plugins::test_limits())?;
+        let before = db.store.kv_usage_reads();
+        for i in 0..3 {
+            let (_, out, _) = run(db, &exec, json!([put(&format!("r{i}"), "1")])).await?;
+            ensure!(out == Some(SegmentOutcome::Completed), "{out:?}");
+        }
+        let reads = db.store.kv_usage_reads() - before;
+        ensure!(reads == 1, "three one-put runs read the usage {reads} times");
+        // A refusal is still decided from a read: the estimate counts the
+        // puts since, and one over the quota reads again.
+        let exec = executor(db, Limits { kv: KvQuota { max_keys: 3, max_bytes: 1 << 20 }, ..plugins::test_limits() })?;
+        let (_, _, output) = run(db, &exec, json!([put("r3", "1")])).await?;
+        let results: Vec<Value> = serde_json::from_str(&output)?;
+        ensure!(results[0].as_str().is_some_and(|r| r.starts_with("denied: ")), "{results:?}");
+        ensure!(db.store.kv_usage_reads() - before == 2, "the refusal was not decided from a read");
+        Ok(())
+    }
+}
