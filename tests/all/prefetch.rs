@@ -17,11 +17,16 @@ use crate::plugins;
 
 /// One worker, a local queue of three, and `lease_ttl`.
 async fn pool(db: &TestDb, owner: &str, lease_ttl: Duration) -> Result<WorkerPool> {
+    pool_with(db, owner, lease_ttl, 4, 3).await
+}
+
+/// One worker of `owner` running testkit, with `claim_batch` and `prefetch`.
+async fn pool_with(db: &TestDb, owner: &str, lease_ttl: Duration, claim_batch: usize, prefetch: usize) -> Result<WorkerPool> {
     let runtime = plugins::runtime()?;
     leasehold::plugins::register(&db.store, &runtime, "testkit", plugins::rust_plugin("testkit")?, PluginSettings::default()).await?;
     let config = ExecutorConfig { owner: owner.into(), model: None, lease_ttl, ..ExecutorConfig::default() };
     let exec = Arc::new(Executor::new(db.store.clone(), runtime, config));
-    Ok(WorkerPool::start(db.store.clone(), exec, PoolConfig { workers: 1, poll: Duration::from_millis(50), claim_batch: 4, prefetch: 3 }))
+    Ok(WorkerPool::start(db.store.clone(), exec, PoolConfig { workers: 1, poll: Duration::from_millis(50), claim_batch, prefetch }))
 }
 
 /// Runs of a turn that waits `ms` in the language's own sleep (a short one
@@ -162,15 +167,7 @@ both! {
     }
 
     async fn with_long_turns_the_queue_holds_about_a_second_of_work_not_all_of_prefetch(db) {
-        let runtime = plugins::runtime()?;
-        leasehold::plugins::register(&db.store, &runtime, "testkit", plugins::rust_plugin("testkit")?, PluginSettings::default()).await?;
-        let config = ExecutorConfig { owner: "paced".into(), model: None, ..ExecutorConfig::default() };
-        let exec = Arc::new(Executor::new(db.store.clone(), runtime, config));
-        let pool = WorkerPool::start(
-            db.store.clone(),
-            exec,
-            PoolConfig { workers: 1, poll: Duration::from_millis(50), claim_batch: 32, prefetch: 20 },
-        );
+        let pool = pool_with(db, "paced", Duration::from_secs(30), 32, 20).await?;
         // Idle: the pace it starts with (all of prefetch) halves with each
         // window in which nothing ends, until nothing is queued ahead
         // before the worker has shown its pace.
@@ -357,15 +354,7 @@ both! {
 
 both! {
     async fn a_keyed_submit_is_claimed_at_once_and_queued_ahead_of_another_keys_full_local_queue(db) {
-        let runtime = plugins::runtime()?;
-        leasehold::plugins::register(&db.store, &runtime, "testkit", plugins::rust_plugin("testkit")?, PluginSettings::default()).await?;
-        let config = ExecutorConfig { owner: "express".into(), model: None, ..ExecutorConfig::default() };
-        let exec = Arc::new(Executor::new(db.store.clone(), runtime, config));
-        let pool = WorkerPool::start(
-            db.store.clone(),
-            exec,
-            PoolConfig { workers: 1, poll: Duration::from_millis(50), claim_batch: 8, prefetch: 6 },
-        );
+        let pool = pool_with(db, "express", Duration::from_secs(30), 8, 6).await?;
         // One worker, 100 ms turns of key "big": one running, up to six
         // queued, topped up when half of them have started.
         let sleeper = serde_json::json!({ "mode": "script", "ops": [{ "op": "wasi-sleep", "ms": 100 }] }).to_string();
