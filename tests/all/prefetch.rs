@@ -77,6 +77,30 @@ impl Hold {
     }
 }
 
+/// Run `id` once it has completed, within 20 s.
+async fn completed(store: &Store, id: i64) -> Result<leasehold::store::Run> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let run = store.get_run(id).await?;
+        if run.status == RunStatus::Completed {
+            return Ok(run);
+        }
+        ensure!(Instant::now() < deadline, "run {id} did not complete: {run:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Waits, up to 20 s, until `owner` runs `running` and holds `held` runs
+/// in all (the rest queued).
+async fn until_holding(store: &Store, owner: &str, running: i64, held: i64) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while store.get_run(running).await?.lease_owner.as_deref() != Some(owner) || held_by(store, owner).await? < held {
+        ensure!(Instant::now() < deadline, "{owner} never took run {running} and queued {} more", held - 1);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    Ok(())
+}
+
 async fn held_by(store: &Store, owner: &str) -> Result<i64> {
     Ok(sqlx::query_scalar("SELECT COUNT(*) FROM runs WHERE lease_owner = $1 AND status = 'running'")
         .bind(owner)
@@ -129,11 +153,7 @@ both! {
             rest.push(db.store.create_run(&NewRun::new("testkit", r#"{"steps": 0}"#)).await?.0.id);
         }
         let pool = pool(db, "behind", Duration::from_secs(30)).await?;
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while db.store.get_run(a).await?.lease_owner.as_deref() != Some("behind") || held_by(&db.store, "behind").await? < 3 {
-            ensure!(Instant::now() < deadline, "the pool never took A and queued B and C");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        until_holding(&db.store, "behind", a, 3).await?;
         // A's close cannot be written while this holds; the worker goes on
         // to a queued run instead of waiting for it.
         let hold = Hold::start(db, a).await?;
@@ -378,11 +398,7 @@ both! {
         }
         let new = NewRun { concurrency_key: Some("small".into()), ..NewRun::new("testkit", sleeper.clone()) };
         let small = db.store.create_run(&new).await?.0;
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while db.store.get_run(small.id).await?.status != RunStatus::Completed {
-            ensure!(Instant::now() < deadline, "the small key's run never completed");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        let done = completed(&db.store, small.id).await?;
         // With one worker, runs finish in the order they ran: the big
         // key's runs that finished after the small run was submitted and
         // before it did are those it waited behind.
@@ -390,7 +406,7 @@ both! {
             "SELECT COUNT(*) FROM runs WHERE concurrency_key = 'big' AND finished_at >= $1 AND finished_at <= $2",
         )
         .bind(small.created_at)
-        .bind(db.store.get_run(small.id).await?.finished_at)
+        .bind(done.finished_at)
         .fetch_one(db.store.pool())
         .await?;
         pool.shutdown(Duration::from_secs(5)).await;
@@ -408,24 +424,12 @@ both! {
         let a = submit_sleepers(&db.store, 1, 500).await?[0];
         let b = db.store.create_run(&NewRun::new("testkit", r#"{"steps": 1, "prefix": "tail"}"#)).await?.0.id;
         let pool = pool(db, "tail", Duration::from_secs(30)).await?;
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while db.store.get_run(a).await?.lease_owner.as_deref() != Some("tail") || held_by(&db.store, "tail").await? < 2 {
-            ensure!(Instant::now() < deadline, "the pool never took A and queued B");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        until_holding(&db.store, "tail", a, 2).await?;
         let hold = Hold::start(db, b).await?;
         // A ends, B's guest runs and returns; its count of the attempt waits.
         tokio::time::sleep(Duration::from_millis(900)).await;
         hold.release().await?;
-        let deadline = Instant::now() + Duration::from_secs(20);
-        let run = loop {
-            let run = db.store.get_run(b).await?;
-            if run.status == RunStatus::Completed {
-                break run;
-            }
-            ensure!(Instant::now() < deadline, "B did not complete: {run:?}");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        };
+        let run = completed(&db.store, b).await?;
         pool.shutdown(Duration::from_secs(5)).await;
         // The put went with the close (PostgreSQL: one statement, one
         // clock reading), not in a timed flush of its own sent while the
