@@ -39,6 +39,33 @@ impl Host for SegmentState {
     }
 }
 
+/// `leasehold:turn/host@0.1.0`: the same calls.
+impl super::host::v0_1::leasehold::turn::host::Host for SegmentState {
+    async fn effect(
+        &mut self,
+        name: String,
+        request: String,
+    ) -> wasmtime::Result<Result<String, super::host::v0_1::leasehold::turn::host::EffectError>> {
+        Ok(self.effect_call(name, request).await?.map_err(Into::into))
+    }
+
+    async fn emit(&mut self, delta: String) -> wasmtime::Result<()> {
+        self.emit_call(delta).await
+    }
+
+    async fn wait_input(&mut self, prompt: String) -> wasmtime::Result<String> {
+        self.wait_input_call(prompt).await
+    }
+
+    async fn sleep(&mut self, ms: u64) -> wasmtime::Result<()> {
+        self.sleep_call(ms).await
+    }
+
+    async fn log(&mut self, level: u8, message: String) -> wasmtime::Result<()> {
+        self.log_call(level, message)
+    }
+}
+
 /// The host functions of `leasehold:turn/host`.
 impl SegmentState {
     async fn effect_call(&mut self, name: String, request: String) -> wasmtime::Result<Result<String, EffectError>> {

@@ -38,12 +38,26 @@ pub use super::text::{MAX_EFFECT_NAME, escape_log, request_hash, request_preview
 use super::text::{decode_error, encode_error};
 use super::random::seeded_random;
 
+// The current world (`wit/turn.wit`, 0.2.0). Components built against an
+// earlier version link against its host interface too (`v0_1`): they keep
+// running unchanged.
 wasmtime::component::bindgen!({
     path: "wit",
     world: "turn",
     imports: { default: async | trappable },
     exports: { default: async },
 });
+
+/// `leasehold:turn@0.1.0` (`wit/0.1.0/turn.wit`): the host interface as the
+/// first release defined it, served by the same calls.
+pub(crate) mod v0_1 {
+    wasmtime::component::bindgen!({
+        path: "wit/0.1.0",
+        world: "turn",
+        imports: { default: async | trappable },
+        exports: { default: async },
+    });
+}
 
 pub(super) use self::leasehold::turn::host::EffectError as WitEffectError;
 pub use crate::effects::EffectError;
@@ -54,6 +68,17 @@ impl From<EffectError> for WitEffectError {
             EffectError::Failed(m) => WitEffectError::Failed(m),
             EffectError::InDoubt(m) => WitEffectError::InDoubt(m),
             EffectError::Denied(m) => WitEffectError::Denied(m),
+        }
+    }
+}
+
+impl From<EffectError> for v0_1::leasehold::turn::host::EffectError {
+    fn from(e: EffectError) -> Self {
+        use v0_1::leasehold::turn::host::EffectError as E;
+        match e {
+            EffectError::Failed(m) => E::Failed(m),
+            EffectError::InDoubt(m) => E::InDoubt(m),
+            EffectError::Denied(m) => E::Denied(m),
         }
     }
 }
@@ -80,6 +105,9 @@ pub struct SegmentInit {
     pub reserved: Arc<[SocketAddr]>,
     /// Where guests' `http` goes (default: direct, public addresses only).
     pub egress: crate::effects::http::Egress,
+    /// Where answer links point (`serve --public-url`); `None`: the host
+    /// makes none (`answer-link` is denied).
+    pub answer_base: Option<Arc<str>>,
     /// Offline replay (`leasehold replay`): recorded outcomes are returned
     /// and the first call with none stops the guest
     /// ([`Interrupt::Frontier`]); nothing is performed or written and
@@ -128,6 +156,10 @@ pub struct SegmentState {
     pub(crate) interrupt: Option<Interrupt>,
     /// See [`SegmentInit::offline`].
     pub(super) offline: bool,
+    /// The run's secret (answer links are derived from it) and where
+    /// they point.
+    pub(super) secret: Option<String>,
+    pub(super) answer_base: Option<Arc<str>>,
     /// The guest's stdout and stderr, the tail kept for a failed run's error.
     pub(crate) output: GuestOutput,
 }
@@ -188,6 +220,8 @@ impl SegmentState {
             phase: Phase::default(),
             interrupt: None,
             offline: init.offline,
+            secret: init.secret,
+            answer_base: init.answer_base,
             output,
         }
     }
@@ -538,6 +572,7 @@ impl SegmentState {
 
 pub(crate) fn add_to_linker(linker: &mut Linker<SegmentState>) -> wasmtime::Result<()> {
     Turn::add_to_linker::<_, HasSelf<_>>(linker, |s| s)?;
+    v0_1::leasehold::turn::host::add_to_linker::<_, HasSelf<_>>(linker, |s| s)?;
     clocks::add_to_linker(linker)
 }
 

@@ -53,7 +53,7 @@
 //!   `panic` (panics with `message`), `print` (`lines` lines on stdout and
 //!   on stderr, then returns `"printed"`).
 
-wit_bindgen::generate!({ path: "../../wit", world: "turn" });
+wit_bindgen::generate!({ path: "../../wit/0.1.0", world: "turn" });
 
 use leasehold::turn::host::{EffectError, effect, emit, sleep, wait_input};
 use serde_json::Value;
