@@ -38,8 +38,12 @@ pub async fn tick(store: &Store, config: &ReaperConfig) -> Result<ReapReport, St
             other => other?,
         }
     }
-    if !report.aborted.is_empty() || report.in_doubt > 0 {
+    // Children of parents that failed, were aborted or cancelled
+    // (store::children): their policy holds across any host's death.
+    report.orphans_cancelled = store.cancel_orphans(config.batch).await?;
+    if !report.aborted.is_empty() || report.in_doubt > 0 || report.orphans_cancelled > 0 {
         tracing::info!(
+            orphans_cancelled = report.orphans_cancelled,
             aborted = report.aborted.len(),
             resumable = report.resumable.len(),
             in_doubt = report.in_doubt,

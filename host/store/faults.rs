@@ -17,6 +17,8 @@ pub struct Faults {
     give_back_delay_ms: AtomicU64,
     submit_read_kills: AtomicU32,
     claim_reply_losses: AtomicU32,
+    spawn_rollbacks: AtomicU32,
+    spawn_reply_losses: AtomicU32,
 }
 
 impl Faults {
@@ -72,6 +74,41 @@ impl Faults {
             Ok(_) => Err(StoreError::Db(sqlx::Error::Io(std::io::Error::new(
                 std::io::ErrorKind::ConnectionReset,
                 "the claim's reply was lost (fault hook)",
+            )))),
+        }
+    }
+
+    /// The next `n` spawns (`store::children`) are rolled back just before
+    /// their commit, as a host killed there leaves them: nothing of them
+    /// exists, and the segment stops with a database error.
+    pub fn roll_back_spawns(&self, n: u32) {
+        self.spawn_rollbacks.store(n, Ordering::Relaxed);
+    }
+
+    /// The next `n` spawns commit and then lose their reply, as a host
+    /// killed (or cut off) between the commit and its answer: the spawn is
+    /// in the database, and the segment stops with a database error.
+    pub fn lose_spawn_replies(&self, n: u32) {
+        self.spawn_reply_losses.store(n, Ordering::Relaxed);
+    }
+
+    /// Just before a spawn commits: `Err` rolls it back, if asked to
+    /// ([`Faults::roll_back_spawns`]).
+    pub(crate) fn before_spawn_commit(&self) -> Result<(), StoreError> {
+        match self.spawn_rollbacks.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1)) {
+            Err(_) => Ok(()),
+            Ok(_) => Err(StoreError::Unknown("the host stopped before its spawn committed (fault hook)".into())),
+        }
+    }
+
+    /// After a spawn committed: its reply is lost, if asked to
+    /// ([`Faults::lose_spawn_replies`]).
+    pub(crate) fn after_spawn_commit(&self) -> Result<(), StoreError> {
+        match self.spawn_reply_losses.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1)) {
+            Err(_) => Ok(()),
+            Ok(_) => Err(StoreError::Db(sqlx::Error::Io(std::io::Error::new(
+                std::io::ErrorKind::ConnectionReset,
+                "the spawn's reply was lost (fault hook)",
             )))),
         }
     }

@@ -10,6 +10,7 @@
 //! database* (`{now}` in a statement template). No statement takes a time
 //! from the worker.
 
+mod children;
 mod claims;
 mod columns;
 pub mod concurrency;
@@ -19,6 +20,7 @@ pub mod faults;
 pub(crate) mod group;
 mod guard;
 pub mod hub;
+mod inbox;
 mod kv_usage;
 pub mod ledger;
 pub(crate) mod ledger_writes;
@@ -54,17 +56,15 @@ use sqlx::any::{AnyConnectOptions, AnyPoolOptions};
 use sqlx::{AnyPool, Executor};
 
 pub(crate) use closes::{max_batch as closes_max_batch, writers as close_writers};
-pub use claims::{baseline_sql, claim_sql};
-pub use retry::is_lock_timeout;
+pub use {children::{ChildEnd, ChildState, ChildWait, FOREVER, Spawn}, claims::{baseline_sql, claim_sql}};
+pub use {inbox::{NamedWait, wait_result}, retry::is_lock_timeout};
 pub use ledger::{Completion, EffectCall, LedgerSummary, REQUEST_PREVIEW, Streamed, idempotency_key};
 pub use kv_usage::{KvQuota, KvRoom, KvUsage};
 pub use local::{HeldPut, LocalOp};
 pub use plugins::{ModelGrant, PluginInfo, PluginSettings, UpgradePolicy};
 pub use reap::ReapReport;
-pub use retention::Deleted;
-pub use runs::{MAX_SUBMIT_BATCH, RunFilter};
-pub use overview::{FENCED_WINDOW, FencedRun, HeldRun, VersionInfo};
-pub use stats::Gauges;
+pub use {retention::Deleted, runs::{MAX_SUBMIT_BATCH, RunFilter}};
+pub use {overview::{FENCED_WINDOW, FencedRun, HeldRun, VersionInfo}, stats::Gauges};
 pub use types::*;
 
 /// Which database a [`Store`] talks to.

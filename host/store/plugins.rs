@@ -32,6 +32,12 @@ pub struct PluginSettings {
     /// settings JSON, which the previous release reads strictly.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub key_concurrency: Option<i64>,
+    /// Plugins whose runs the plugin's turns may spawn as children
+    /// (docs/concepts.md, "Child runs"); `*` grants any. Default: none, so
+    /// `spawn` is denied. A column of its own (`plugins.spawn_allow`), as
+    /// `key_concurrency` is.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub spawn_allow: Vec<String>,
 }
 
 /// What a plugin may ask of `model.chat`, as its `http` allow-list says
@@ -118,7 +124,8 @@ impl Store {
         settings: &PluginSettings,
     ) -> Result<(), StoreError> {
         let key_concurrency = settings.key_concurrency;
-        let settings = PluginSettings { key_concurrency: None, ..settings.clone() };
+        let spawn_allow = serde_json::to_string(&settings.spawn_allow).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+        let settings = PluginSettings { key_concurrency: None, spawn_allow: Vec::new(), ..settings.clone() };
         let settings = serde_json::to_string(&settings).map_err(|e| StoreError::Corrupt(e.to_string()))?;
         self.retry(|| async {
             // The version first: a run submitted with the new current
@@ -136,16 +143,18 @@ impl Store {
             .await?;
             sqlx::query(sql!(
                 self,
-                "INSERT INTO plugins (name, digest, component, settings, key_concurrency, created_at, updated_at) \
-                 VALUES ($1, $2, $3, $4, $5, {now}, {now}) \
+                "INSERT INTO plugins (name, digest, component, settings, key_concurrency, spawn_allow, created_at, updated_at) \
+                 VALUES ($1, $2, $3, $4, $5, $6, {now}, {now}) \
                  ON CONFLICT (name) DO UPDATE SET digest = excluded.digest, component = excluded.component, \
-                 settings = excluded.settings, key_concurrency = excluded.key_concurrency, updated_at = excluded.updated_at"
+                 settings = excluded.settings, key_concurrency = excluded.key_concurrency, \
+                 spawn_allow = excluded.spawn_allow, updated_at = excluded.updated_at"
             ))
             .bind(name)
             .bind(digest)
             .bind(component.to_vec())
             .bind(&settings)
             .bind(key_concurrency)
+            .bind(&spawn_allow)
             .execute(&mut *tx)
             .await?;
             tx.commit().await?;
@@ -167,7 +176,7 @@ impl Store {
     pub async fn list_plugins(&self) -> Result<Vec<PluginInfo>, StoreError> {
         let rows = sqlx::query(sql!(
             self,
-            "SELECT name, digest, LENGTH(component) AS size, settings, key_concurrency, created_at, updated_at \
+            "SELECT name, digest, LENGTH(component) AS size, settings, key_concurrency, spawn_allow, created_at, updated_at \
              FROM plugins ORDER BY name"
         ))
         .fetch_all(self.pool())
@@ -180,7 +189,7 @@ impl Store {
     pub async fn plugin(&self, name: &str) -> Result<Option<PluginInfo>, StoreError> {
         let row = sqlx::query(sql!(
             self,
-            "SELECT name, digest, LENGTH(component) AS size, settings, key_concurrency, created_at, updated_at \
+            "SELECT name, digest, LENGTH(component) AS size, settings, key_concurrency, spawn_allow, created_at, updated_at \
              FROM plugins WHERE name = $1"
         ))
         .bind(name)
@@ -217,7 +226,7 @@ impl Store {
 
     /// The digest and settings of plugin `name`, if registered.
     pub async fn plugin_settings(&self, name: &str) -> Result<Option<(String, PluginSettings)>, StoreError> {
-        let row = sqlx::query(sql!(self, "SELECT digest, settings, key_concurrency FROM plugins WHERE name = $1"))
+        let row = sqlx::query(sql!(self, "SELECT digest, settings, key_concurrency, spawn_allow FROM plugins WHERE name = $1"))
             .bind(name)
             .fetch_optional(self.pool())
             .await?;
@@ -229,7 +238,7 @@ impl Store {
 
     /// The current component and settings of plugin `name`, if registered.
     pub async fn plugin_component(&self, name: &str) -> Result<Option<(Vec<u8>, PluginSettings)>, StoreError> {
-        let row = sqlx::query(sql!(self, "SELECT component, settings, key_concurrency FROM plugins WHERE name = $1"))
+        let row = sqlx::query(sql!(self, "SELECT component, settings, key_concurrency, spawn_allow FROM plugins WHERE name = $1"))
             .bind(name)
             .fetch_optional(self.pool())
             .await?;
@@ -246,6 +255,8 @@ fn settings_of(r: &sqlx::any::AnyRow) -> Result<PluginSettings, StoreError> {
     let mut settings: PluginSettings =
         serde_json::from_str(&s).map_err(|e| StoreError::Corrupt(format!("plugin settings {s:?}: {e}")))?;
     settings.key_concurrency = r.try_get("key_concurrency")?;
+    let spawn: String = r.try_get("spawn_allow")?;
+    settings.spawn_allow = serde_json::from_str(&spawn).map_err(|e| StoreError::Corrupt(format!("plugin spawn_allow {spawn:?}: {e}")))?;
     Ok(settings)
 }
 

@@ -26,6 +26,9 @@ pub struct ReapReport {
     /// timeout (PostgreSQL: a frozen host's statement); left for a later
     /// tick, so one frozen host cannot stall the reaper.
     pub locked: u64,
+    /// Runs cancelled because their parent failed, was aborted or was
+    /// cancelled (see [`Store::cancel_orphans`]).
+    pub orphans_cancelled: usize,
 }
 
 /// Why a run is given up, in an operator's words: how many segments in a

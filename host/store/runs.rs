@@ -478,6 +478,14 @@ impl Store {
         let text = filter.text.as_deref().filter(|t| !t.is_empty()).map(like_pattern);
         let status = filter.status.map(|s| s.as_str());
         let query = match (&filter.thread, status, &filter.plugin) {
+            // A run's children come from runs_spawn.
+            _ if filter.parent.is_some() => sqlx::query(sql!(
+                self,
+                page!(
+                    " AND r.parent_id = $9 AND ($8 IS NULL OR r.thread_id = $8) AND ($5 IS NULL OR r.status = $5) \
+                     AND ($6 IS NULL OR r.plugin = $6)"
+                )
+            )),
             (Some(_), _, _) => sqlx::query(sql!(
                 self,
                 page!(" AND r.thread_id = $8 AND ($5 IS NULL OR r.status = $5) AND ($6 IS NULL OR r.plugin = $6)")
@@ -489,7 +497,9 @@ impl Store {
         };
         let mut query =
             query.bind(before).bind(limit).bind(max_bytes).bind(text).bind(status).bind(filter.plugin.clone()).bind(from);
-        if let Some(thread) = &filter.thread {
+        if let Some(parent) = filter.parent {
+            query = query.bind(filter.thread.clone()).bind(parent);
+        } else if let Some(thread) = &filter.thread {
             query = query.bind(thread.clone());
         }
         let rows = query.fetch_all(self.pool()).await?;
@@ -546,6 +556,8 @@ pub struct RunFilter {
     pub status: Option<RunStatus>,
     pub plugin: Option<String>,
     pub thread: Option<String>,
+    /// Only the children of this run (runs its turn spawned).
+    pub parent: Option<i64>,
     /// Text the run's input, output or error holds, case-insensitively
     /// (ASCII).
     pub text: Option<String>,

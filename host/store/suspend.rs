@@ -24,6 +24,8 @@ impl Store {
             Suspend::Takeover => (RunStatus::WaitingTakeover, 0, None, None),
             Suspend::Sleep { delay_ms } => (RunStatus::Queued, (*delay_ms).max(0), None, None),
             Suspend::Rate { delay_ms, key } => (RunStatus::Queued, (*delay_ms).max(0), None, Some(key.as_str())),
+            Suspend::Children(wait) => return self.suspend_for_children(lease, wait).await,
+            Suspend::Named(wait) => return self.suspend_named(lease, wait).await,
         };
         let status = self.retry(|| async move {
             let mut tx = self.writer().begin().await?;
@@ -146,23 +148,15 @@ impl Store {
         Ok(run)
     }
 
-    /// Statement 6: cancels a run that is not terminal. Bumps the fence, so
+    /// Statement 6: cancels a run that is not terminal, and every run
+    /// below it (its children, theirs…) that is not either, in one
+    /// statement (see [`Store::cancel_subtree`]). Bumps each fence, so
     /// every later write of a segment still running fails its guard.
     pub async fn cancel(&self, run_id: i64) -> Result<Run, StoreError> {
-        let run = self.retry(|| async move {
+        let runs = self.retry(|| async move {
             let mut tx = self.writer().begin().await?;
-            let row = sqlx::query(sql!(
-                self,
-                "UPDATE runs SET status = 'cancelled', fence = fence + 1, lease_owner = NULL, \
-                 lease_expires_at = NULL, finished_at = {now}, updated_at = {now}, \
-                 partial = runs.partial || {unfolded}, partial_pos = emit_pos \
-                 WHERE id = $1 AND status NOT IN ('completed','failed','aborted','cancelled') \
-                 RETURNING {runs}"
-            ))
-            .bind(run_id)
-            .fetch_optional(&mut *tx)
-            .await?;
-            let Some(row) = row else {
+            let runs = self.cancel_subtree(&mut tx, run_id).await?;
+            if runs.first().is_none_or(|r| r.id != run_id) {
                 drop(tx);
                 let run = self.get_run(run_id).await?;
                 return Err(StoreError::Conflict {
@@ -170,15 +164,18 @@ impl Store {
                     status: run.status,
                     message: "run is already finished",
                 });
-            };
-            let run = Run::from_row(&row)?;
-            log::append(self, &mut tx, &run.thread_id, run.id, run.fence, kind::CANCELLED, &json!({}))
-                .await?;
+            }
             tx.commit().await?;
-            Ok(run)
+            Ok(runs)
         })
         .await?;
-        self.hub().wake(&run.thread_id);
-        Ok(run)
+        for run in &runs {
+            self.hub().wake(&run.thread_id);
+        }
+        if runs[0].parent_id.is_some() {
+            // Its end may have woken its parent (store::children).
+            self.signal_work(true).await;
+        }
+        Ok(runs.into_iter().next().expect("the cancelled run is first"))
     }
 }

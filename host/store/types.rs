@@ -122,13 +122,23 @@ pub struct Run {
     pub upgrade_checked: Option<String>,
     /// What came of it: moved, or why the run stays on its version.
     pub upgrade_note: Option<String>,
+    /// The run whose turn spawned this one; `None` for a run submitted
+    /// through the API.
+    pub parent_id: Option<i64>,
+    /// The root of its tree: the run submitted through the API that it
+    /// descends from (itself for a root).
+    pub root_id: i64,
+    /// What a `queued` run waits for before it is due: `children` (its
+    /// turn awaits runs it spawned). `None` otherwise.
+    pub waiting_for: Option<String>,
 }
 
 impl Run {
     pub(crate) fn from_row(row: &AnyRow) -> Result<Run, StoreError> {
         let status: String = row.try_get("status")?;
+        let id: i64 = row.try_get("id")?;
         Ok(Run {
-            id: row.try_get("id")?,
+            id,
             thread_id: row.try_get("thread_id")?,
             plugin: row.try_get("plugin")?,
             plugin_digest: row.try_get("plugin_digest")?,
@@ -157,6 +167,9 @@ impl Run {
             secret: row.try_get("secret")?,
             upgrade_checked: row.try_get("upgrade_checked")?,
             upgrade_note: row.try_get("upgrade_note")?,
+            parent_id: row.try_get("parent_id")?,
+            root_id: row.try_get::<Option<i64>, _>("root_id")?.unwrap_or(id),
+            waiting_for: row.try_get::<Option<String>, _>("waiting_for")?.filter(|_| status == "queued"),
         })
     }
 }
@@ -247,6 +260,12 @@ pub enum Suspend {
     /// `queued` with `not_before = now + delay_ms`: an effect's rate limit
     /// (`key`) has no room yet; the `suspended` event names the key.
     Rate { delay_ms: i64, key: String },
+    /// `queued` until the children a turn waits for are done or its
+    /// deadline passes (see `store::children`).
+    Children(crate::store::ChildWait),
+    /// `queued` until input is delivered to a name or the deadline passes
+    /// (see `store::inbox`).
+    Named(crate::store::NamedWait),
 }
 
 /// How a turn finishes.
@@ -441,6 +460,10 @@ pub enum StoreError {
     Unknown(String),
     #[error("migration failed: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),
+    /// What was asked for existed once and is gone for good (a used
+    /// answer link).
+    #[error("{0}")]
+    Gone(String),
 }
 
 impl StoreError {
