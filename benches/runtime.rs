@@ -61,6 +61,7 @@ fn init(store: &Store, run_id: i64, recorded: Vec<EffectRow>, emit_pos: i64) -> 
         secret: None,
         reserved: Vec::new().into(),
         egress: Default::default(),
+        answer_base: None,
         offline: false,
     }
 }

@@ -14,7 +14,13 @@ pub use crate::store::{PluginInfo, PluginSettings};
 
 /// The plugin's sandbox limits: the host's defaults plus its settings.
 pub fn sandbox_limits(settings: &PluginSettings, defaults: &Limits) -> Limits {
-    Limits { http_allow: settings.http_allow.clone(), model: settings.model.clone(), kv: settings.kv, ..defaults.clone() }
+    Limits {
+        http_allow: settings.http_allow.clone(),
+        model: settings.model.clone(),
+        kv: settings.kv,
+        spawn_allow: settings.spawn_allow.clone(),
+        ..defaults.clone()
+    }
 }
 
 /// Why a plugin could not be registered.

@@ -54,6 +54,10 @@ pub struct ExecutorConfig {
     /// Default: the process's monotonic clock; tests move it forward to
     /// simulate a pause.
     pub clock: Monotonic,
+    /// The base of the answer links guests make (`serve --public-url`,
+    /// e.g. `https://leasehold.example.com`). Default: none, so
+    /// `answer-link` is denied.
+    pub answer_base: Option<Arc<str>>,
 }
 
 impl Default for ExecutorConfig {
@@ -67,6 +71,7 @@ impl Default for ExecutorConfig {
             reserved: Vec::new(),
             egress: Default::default(),
             clock: Monotonic::default(),
+            answer_base: None,
         }
     }
 }
@@ -305,6 +310,7 @@ impl Executor {
             secret: run.secret.clone(),
             reserved: self.reserved.clone(),
             egress: self.config.egress.clone(),
+            answer_base: self.config.answer_base.clone(),
             offline: false,
         };
         self.store.faults().before_guest().await;
@@ -331,7 +337,13 @@ impl Executor {
         // write waits (a lock timeout, the batch's own retries).
         watch.renew_for(Duration::MAX);
         watch.closing.store(true, Ordering::Relaxed);
-        self.settle(&plugin, &lease, result, tail, next).await
+        let settled = self.settle(&plugin, &lease, result, tail, next).await;
+        if run.parent_id.is_some() && matches!(settled, Ok(SegmentOutcome::Completed | SegmentOutcome::Failed(_))) {
+            // Its end may have woken its parent (store::children): any
+            // host's idle worker takes the parent now, not at its poll.
+            self.store.signal_work(true).await;
+        }
+        settled
     }
 
     fn renew_every(&self) -> Duration {

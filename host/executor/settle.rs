@@ -53,6 +53,8 @@ impl Executor {
             (Err(_), Some(Interrupt::WaitInput { prompt })) => self.suspend(lease, Suspend::WaitInput { prompt }, &tail).await,
             (Err(_), Some(Interrupt::Sleep { delay_ms })) => self.suspend(lease, Suspend::Sleep { delay_ms }, &tail).await,
             (Err(_), Some(Interrupt::Rate { key, delay_ms })) => self.suspend(lease, Suspend::Rate { delay_ms, key }, &tail).await,
+            (Err(_), Some(Interrupt::AwaitChildren(wait))) => self.suspend(lease, Suspend::Children(wait), &tail).await,
+            (Err(_), Some(Interrupt::WaitNamed(wait))) => self.suspend(lease, Suspend::Named(wait), &tail).await,
             (Err(_), Some(Interrupt::Slice)) => {
                 if state.settled > 0 || !tail.puts.is_empty() {
                     self.suspend(lease, Suspend::Takeover, &tail).await

@@ -15,6 +15,12 @@ pub enum Interrupt {
     /// in place: suspend as `queued` for `delay_ms`, then make the call
     /// again (nothing was recorded for it).
     Rate { key: String, delay_ms: i64 },
+    /// `await-children` with the wait not yet met: suspend as `queued`
+    /// until the children end or the deadline passes.
+    AwaitChildren(crate::store::ChildWait),
+    /// `wait-for` with nothing delivered to its name yet: suspend as
+    /// `queued` until input arrives or the deadline passes.
+    WaitNamed(crate::store::NamedWait),
     /// The slice budget is used up: suspend as `waiting_takeover`.
     Slice,
     /// The host is shutting down: suspend as `waiting_takeover`.

@@ -40,6 +40,9 @@ pub struct Limits {
     pub http_allow: Vec<String>,
     /// What `model.chat` may be asked for. Default: nothing (denied).
     pub model: crate::store::ModelGrant,
+    /// Plugins whose runs `spawn` may start (`*`: any). Default: none
+    /// (denied).
+    pub spawn_allow: Vec<String>,
     /// Bytes the guest may pass to the host in one call (strings and lists
     /// the host copies in): past it, the guest traps as a `limit` error
     /// before anything is copied. Default: 2 MiB.
@@ -82,6 +85,7 @@ impl Default for Limits {
             slice_grace: Duration::from_secs(5),
             http_allow: Vec::new(),
             model: crate::store::ModelGrant::default(),
+            spawn_allow: Vec::new(),
             max_hostcall_bytes: 2 << 20,
             max_prompt_bytes: 4 << 10,
             max_log_lines: 1_000,

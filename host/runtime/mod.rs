@@ -10,6 +10,7 @@
 
 mod cache;
 mod calls;
+mod children;
 mod clocks;
 mod interrupt;
 mod kv_quota;
@@ -31,6 +32,7 @@ pub mod host;
 pub mod offline;
 pub mod replay;
 mod stream;
+pub mod waits;
 
 use std::collections::HashMap;
 use std::path::PathBuf;

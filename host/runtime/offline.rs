@@ -126,6 +126,7 @@ pub async fn replay(rt: &Runtime, plugin: &Plugin, recording: Recording, budget:
         secret: recording.secret,
         reserved: Vec::new().into(),
         egress: Default::default(),
+        answer_base: None,
         offline: true,
     };
     let mut store = rt.store(plugin, init);
