@@ -55,6 +55,10 @@ pub enum PluginsCommand {
         /// one for the key. [default: none]
         #[arg(long)]
         key_concurrency: Option<i64>,
+        /// Comma-separated plugins whose runs its turns may spawn as
+        /// children (`*`: any). [default: none: spawn is denied to it]
+        #[arg(long, default_value = "")]
+        spawn_allow: String,
     },
     /// List registered plugins.
     List,
@@ -83,6 +87,9 @@ pub enum PluginsCommand {
         /// As for `add`.
         #[arg(long)]
         key_concurrency: Option<i64>,
+        /// As for `add`.
+        #[arg(long, default_value = "")]
+        spawn_allow: String,
         /// --check only.
         #[command(flatten)]
         offline: crate::replay::Offline,
@@ -124,6 +131,9 @@ pub enum RunsCommand {
         status: Option<String>,
         #[arg(long)]
         plugin: Option<String>,
+        /// Only the children of this run (the runs its turn spawned).
+        #[arg(long)]
+        parent: Option<i64>,
         #[arg(long, default_value_t = 50)]
         limit: i64,
         /// Show runs older than this id (from a previous page).
@@ -251,10 +261,11 @@ pub async fn plugins(api: &Api, command: PluginsCommand) -> Result<()> {
                 std::process::exit(1);
             }
         }
-        PluginsCommand::Add { name, file, http_allow, upgrade, model_allow, model_max_tokens, key_concurrency }
-        | PluginsCommand::Upgrade { name, file, http_allow, upgrade, model_allow, model_max_tokens, key_concurrency, .. } => {
+        PluginsCommand::Add { name, file, http_allow, upgrade, model_allow, model_max_tokens, key_concurrency, spawn_allow }
+        | PluginsCommand::Upgrade { name, file, http_allow, upgrade, model_allow, model_max_tokens, key_concurrency, spawn_allow, .. } => {
             let bytes = std::fs::read(&file).with_context(|| format!("reading {}", file.display()))?;
-            let mut query = vec![("http_allow", http_allow), ("upgrade", upgrade), ("model_allow", model_allow)];
+            let mut query =
+                vec![("http_allow", http_allow), ("upgrade", upgrade), ("model_allow", model_allow), ("spawn_allow", spawn_allow)];
             if let Some(n) = model_max_tokens {
                 query.push(("model_max_tokens", n.to_string()));
             }
@@ -372,10 +383,11 @@ pub async fn runs(api: &Api, command: RunsCommand) -> Result<()> {
     let c = api.client();
     match command {
         RunsCommand::SubmitBatch { file } => submit_batch(api, &file).await?,
-        RunsCommand::List { status, plugin, limit, cursor } => {
+        RunsCommand::List { status, plugin, parent, limit, cursor } => {
             let mut q = vec![("limit", limit.to_string())];
             q.extend(status.map(|s| ("status", s)));
             q.extend(plugin.map(|p| ("plugin", p)));
+            q.extend(parent.map(|p| ("parent", p.to_string())));
             q.extend(cursor.map(|c| ("cursor", c.to_string())));
             let v = api.send(c.get(api.url("/v1/runs")).query(&q)).await?;
             api.print(&v, |v| {
@@ -391,7 +403,7 @@ pub async fn runs(api: &Api, command: RunsCommand) -> Result<()> {
         RunsCommand::Show { id } => {
             let v = api.send(c.get(api.url(&format!("/v1/runs/{id}")))).await?;
             api.print(&v, |r| {
-                for key in ["id", "status", "plugin", "thread_id", "attempt", "max_attempts", "priority", "concurrency_key", "fence", "lease_owner", "lease_expires_at", "plugin_digest", "upgrade_note", "error"] {
+                for key in ["id", "status", "waiting_for", "parent_id", "root_id", "plugin", "thread_id", "attempt", "max_attempts", "priority", "concurrency_key", "fence", "lease_owner", "lease_expires_at", "plugin_digest", "upgrade_note", "error"] {
                     if !r[key].is_null() {
                         println!("{key:<17} {}", r[key].as_str().map(str::to_string).unwrap_or_else(|| r[key].to_string()));
                     }

@@ -102,6 +102,16 @@ pub struct ServeOptions {
     /// --plugins-dir may reach with `http`. [default: none]
     #[arg(long, env = "LEASEHOLD_HTTP_ALLOW", value_delimiter = ',')]
     pub http_allow: Option<Vec<String>>,
+    /// Comma-separated plugins whose runs the plugins loaded from
+    /// --plugins-dir may spawn as children (`*`: any). [default: none]
+    #[arg(long, env = "LEASEHOLD_SPAWN_ALLOW", value_delimiter = ',')]
+    pub spawn_allow: Option<Vec<String>>,
+    /// The address the world reaches this service at
+    /// (`https://leasehold.example.com`): the base of the answer links
+    /// turns make (`answer-link`), whose host name is then also allowed
+    /// (--allowed-host). [default: none: turns cannot make answer links]
+    #[arg(long, env = "LEASEHOLD_PUBLIC_URL")]
+    pub public_url: Option<String>,
     /// An HTTP proxy every guest `http` request goes through
     /// (`http://host:port`). The proxy resolves the names, so the rule that
     /// guests reach public addresses only becomes the proxy's to enforce
@@ -187,6 +197,8 @@ pub struct Serve {
     pub shutdown_grace: Duration,
     pub plugins_dir: PathBuf,
     pub http_allow: Vec<String>,
+    pub spawn_allow: Vec<String>,
+    pub public_url: Option<String>,
     pub guest_http_proxy: Option<String>,
     pub model_base_url: Option<String>,
     pub model: Option<String>,
@@ -246,6 +258,8 @@ impl ServeOptions {
             shutdown_grace: ms(self.shutdown_grace_ms.or(file.shutdown_grace_ms).unwrap_or(10_000)),
             plugins_dir: self.plugins_dir.or(file.plugins_dir).unwrap_or_else(|| "target/plugins".into()),
             http_allow: self.http_allow.or(file.http_allow).unwrap_or_default(),
+            spawn_allow: self.spawn_allow.or(file.spawn_allow).unwrap_or_default(),
+            public_url: self.public_url.or(file.public_url).filter(|u| !u.is_empty()),
             guest_http_proxy: self.guest_http_proxy.or(file.guest_http_proxy).filter(|u| !u.is_empty()),
             model_base_url: self.model_base_url.or(file.model_base_url).filter(|u| !u.is_empty()),
             model: self.model.or(file.model),

@@ -57,7 +57,7 @@ pub async fn serve_with(cfg: config::Serve, dev: Option<crate::dev::Project>) ->
     runtime_config.default_limits.segment_budget = cfg.segment_budget;
     let runtime = Arc::new(Runtime::new(runtime_config)?);
     if cfg.plugins_dir.is_dir() {
-        let settings = PluginSettings { http_allow: cfg.http_allow.clone(), model: cfg.model_grant.clone(), ..PluginSettings::default() };
+        let settings = PluginSettings { http_allow: cfg.http_allow.clone(), spawn_allow: cfg.spawn_allow.clone(), model: cfg.model_grant.clone(), ..PluginSettings::default() };
         let loaded = plugins::load_dir(&store, &runtime, &cfg.plugins_dir, &settings)
             .await
             .with_context(|| format!("reading {}", cfg.plugins_dir.display()))?;
@@ -89,6 +89,14 @@ pub async fn serve_with(cfg: config::Serve, dev: Option<crate::dev::Project>) ->
             "guests' http goes through a proxy: the proxy, not leasehold, decides which addresses allowed names reach"
         );
     }
+    let mut allowed_hosts = cfg.allowed_hosts.clone();
+    if let Some(public) = &cfg.public_url {
+        let url = reqwest::Url::parse(public).with_context(|| format!("--public-url {public:?} is not a URL"))?;
+        anyhow::ensure!(matches!(url.scheme(), "http" | "https"), "--public-url must be an http or https URL, not {public:?}");
+        let host = url.host_str().context("--public-url has no host")?;
+        allowed_hosts.push(host.to_string());
+        exec_config.answer_base = Some(public.trim_end_matches('/').into());
+    }
     let owner = exec_config.owner.clone();
     let executor = Arc::new(Executor::new(store.clone(), runtime.clone(), exec_config));
     let pool = WorkerPool::start(store.clone(), executor, PoolConfig { workers: cfg.workers, poll: cfg.poll, claim_batch: cfg.claim_batch, prefetch: cfg.prefetch });
@@ -99,7 +107,7 @@ pub async fn serve_with(cfg: config::Serve, dev: Option<crate::dev::Project>) ->
     let vacuum = tokio::spawn(vacuum::run(store.clone(), vacuum_config, VACUUM_EVERY, stop_rx.clone()));
     let api_config = ApiConfig {
         token: cfg.api_token.clone(),
-        allowed_hosts: cfg.allowed_hosts.clone(),
+        allowed_hosts,
         max_body_bytes: cfg.max_body_bytes,
         max_component_bytes: cfg.max_component_bytes,
         request_timeout: cfg.request_timeout,

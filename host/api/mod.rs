@@ -14,6 +14,8 @@
 //! a configured name (421 otherwise), since a rebinding page's own name is
 //! none of those.
 
+mod answers;
+mod children;
 mod dashboard;
 mod error;
 mod events;
@@ -156,6 +158,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/runs/{id}/input", json_post(runs::input))
         .route("/v1/runs/{id}/cancel", json_post(runs::cancel))
         .route("/v1/runs/{id}/effects", get(runs::effects))
+        .route("/v1/runs/{id}/children", get(children::children))
         .route("/v1/limits", get(limits::list))
         .route("/v1/limits/{key}", json_put(limits::put).get(limits::show).delete(limits::remove))
         .route("/v1/stats", get(overview::stats))
@@ -166,6 +169,8 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/threads/{id}/events", get(events::events))
         .route("/metrics", get(metrics::metrics))
         .layer(middleware::from_fn_with_state(state.clone(), auth))
+        // The link's own token is its credential (see `answers`).
+        .route("/v1/answers/{token}", json_post(answers::answer))
         .route("/healthz", get(healthz))
         .route("/v1/openapi.json", get(openapi::openapi))
         .merge(dashboard::router())

@@ -37,6 +37,10 @@ pub struct PutQuery {
     /// ever set one for the key, 1 to 1000000. Default: none.
     #[param(minimum = 1, maximum = 1000000)]
     key_concurrency: Option<i64>,
+    /// Comma-separated plugins whose runs the plugin's turns may spawn as
+    /// children (`*`: any). Default: none: `spawn` is denied to it.
+    #[param(pattern = r"^((\*|[a-z0-9_-]{1,64})(,(\*|[a-z0-9_-]{1,64}))*)?$")]
+    spawn_allow: Option<String>,
 }
 
 /// A registered version.
@@ -70,7 +74,7 @@ pub struct PluginsList {
     plugins: Vec<PluginView>,
 }
 
-/// `PUT /v1/plugins/{name}?http_allow=host:port,…&upgrade=pinned|auto&model_allow=m,…&model_max_tokens=N&kv_max_bytes=N&kv_max_keys=N&key_concurrency=N` with the component's
+/// `PUT /v1/plugins/{name}?http_allow=host:port,…&spawn_allow=name,…&upgrade=pinned|auto&model_allow=m,…&model_max_tokens=N&kv_max_bytes=N&kv_max_keys=N&key_concurrency=N` with the component's
 /// bytes: 201 `{name, digest}`; 422 with the reason when the bytes are not a
 /// component implementing `leasehold:turn/turn`.
 #[utoipa::path(put, path = "/v1/plugins/{name}", tag = "plugins",
@@ -138,7 +142,12 @@ pub async fn put(
     if let Some(n) = q.key_concurrency {
         crate::store::concurrency::check_concurrency(n).map_err(|e| ApiError::bad_request(format!("key_{e}")))?;
     }
-    let settings = PluginSettings { http_allow, upgrade, model, kv, key_concurrency: q.key_concurrency };
+    let spawn_allow: Vec<String> =
+        q.spawn_allow.unwrap_or_default().split(',').map(str::trim).filter(|p| !p.is_empty()).map(str::to_string).collect();
+    if spawn_allow.iter().any(|p| p != "*" && !crate::plugins::valid_name(p)) {
+        return Err(ApiError::bad_request("spawn_allow entries must be plugin names, or *"));
+    }
+    let settings = PluginSettings { http_allow, upgrade, model, kv, key_concurrency: q.key_concurrency, spawn_allow };
     // Awaited here, holding the permit: a caller that goes away drops the
     // registration, and with it the compiler child (`serve` compiles in
     // one), so nothing is left compiling for nobody.

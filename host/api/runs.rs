@@ -276,6 +276,8 @@ pub struct ListQuery {
     /// Only runs of this thread.
     #[param(max_length = 1024, pattern = r"^[^\u0000]*$")]
     thread: Option<String>,
+    /// Only the children of this run (the runs its turn spawned).
+    parent: Option<i64>,
     /// Only runs whose input, output or error holds this text (ignoring
     /// ASCII case). Scans newest first.
     #[param(max_length = 1024, pattern = r"^[^\u0000]*$")]
@@ -290,11 +292,11 @@ pub struct ListQuery {
 /// A page of runs, newest first.
 #[derive(Serialize, ToSchema)]
 pub struct RunsPage {
-    runs: Vec<Run>,
+    pub(crate) runs: Vec<Run>,
     /// Pass as `cursor` for the next page; null on the last. A text search
     /// (`q`) that ran out of time returns a short page, even an empty one,
     /// with a cursor to go on from.
-    next_cursor: Option<i64>,
+    pub(crate) next_cursor: Option<i64>,
 }
 
 /// `GET /v1/runs?status=&plugin=&thread=&q=&limit=&cursor=`: newest first,
@@ -327,6 +329,7 @@ pub async fn list(State(s): State<AppState>, QueryParams(q): QueryParams<ListQue
         status,
         plugin: given("plugin", q.plugin)?,
         thread: given("thread", q.thread)?,
+        parent: q.parent,
         text: given("q", q.q)?,
     };
     // A page ends early when its rows reach the byte cap, or when a text
@@ -352,16 +355,25 @@ pub async fn show(State(s): State<AppState>, Params(id): Params<i64>) -> Result<
 pub struct Input {
     /// A string is delivered as it is; any other JSON as its text.
     input: Value,
+    /// The wait it is for (`wait-for` in the turn): kept in the run's inbox
+    /// until the turn reaches that wait, even if it has not yet. 1 to 128
+    /// of a-z, 0-9, '.', '_', '-'. Without it, the input is for the run's
+    /// unnamed `wait-input`, which must be waiting now.
+    #[schema(pattern = r"^[a-z0-9._-]{1,128}$")]
+    name: Option<String>,
 }
 
 /// `POST /v1/runs/{id}/input`: a string is delivered as it is, any other
-/// JSON as its text. 409 unless the run is waiting for input.
+/// JSON as its text. With a `name`, to the run's inbox under that name
+/// (409 if input delivered to that name is still untaken, or the run has
+/// finished); without one, to its unnamed wait (409 unless the run waits
+/// for input).
 #[utoipa::path(post, path = "/v1/runs/{id}/input", tag = "runs", request_body = Input,
     params(("id" = i64, Path, description = "The run's id.")),
     responses(
         (status = 200, description = "The run, with the input pending.", body = Run),
         (status = 404, description = "No such run.", body = ErrorBody),
-        (status = 409, description = "The run is not waiting for input.", body = ErrorBody),
+        (status = 409, description = "The run is not waiting for input, has finished, or has untaken input for that name.", body = ErrorBody),
     ))]
 pub async fn input(
     State(s): State<AppState>,
@@ -374,6 +386,14 @@ pub async fn input(
     };
     if input.contains('\0') {
         return Err(ApiError::bad_request("input must not contain NUL characters"));
+    }
+    if let Some(name) = &req.name {
+        if !crate::runtime::waits::valid_wait_name(name) {
+            return Err(ApiError::bad_request("name must be 1 to 128 of a-z, 0-9, '.', '_', '-'"));
+        }
+        let run = s.store.deliver_named(id, name, &input).await?;
+        tracing::info!(run_id = id, name = %name, "input delivered to a named wait");
+        return Ok(Json(run));
     }
     let run = s.store.deliver_input(id, &input).await?;
     tracing::info!(run_id = id, "input delivered");

@@ -3,10 +3,13 @@
 // so every value reaches the DOM through textContent or attributes.
 
 import { queuesPage } from './queues.js';
+import { childrenSection } from './tree.js';
 
 const TOKEN_KEY = 'leasehold-token';
 const STATUSES = ['queued', 'running', 'waiting_input', 'waiting_takeover', 'completed', 'failed', 'aborted', 'cancelled'];
 const FINISHED = new Set(['completed', 'failed', 'aborted', 'cancelled']);
+// `not_before` of a run waiting with no deadline (store::children::FOREVER).
+const FOREVER = 253402300799999;
 const RETRACT_LINGER_MS = 2000;
 
 let offset = 0;      // database clock minus this browser's clock, from /v1/stats
@@ -393,11 +396,12 @@ async function runPage(ctx, id) {
     h('h3', { text: 'Deliver input' }), h('div', { class: 'prompt muted' }), inputText,
     h('div', {}, h('button', { type: 'button', id: 'deliver-input', text: 'Deliver input', onclick: () => act('input') })));
   const cancelBtn = h('button', { type: 'button', id: 'cancel-run', class: 'danger', text: 'Cancel run', onclick: () => act('cancel') });
+  const tree = childrenSection({ h, api });
 
   ctx.main.append(
     h('h1', {}, `Run ${id} `, status),
     h('div', { class: 'actions' }, cancelBtn), actionErrs, inputBox,
-    facts,
+    facts, tree.el,
     h('div', { class: 'grid2' },
       h('section', {}, h('h2', { text: 'Stream' }), stream, streamNote),
       h('section', {}, h('h2', { text: 'Events' }), events)),
@@ -417,6 +421,7 @@ async function runPage(ctx, id) {
   // its last suspension waiting for a rate limit's room.
   async function whyWaiting(r) {
     if (r.status !== 'queued' && r.status !== 'waiting_takeover') return null;
+    if (r.waiting_for === 'children') return r.not_before < FOREVER ? `for its children (until ${fmtTime(r.not_before)})` : 'for its children';
     if (r.concurrency_key) {
       try {
         const k = await api(`/v1/limits/${encodeURIComponent(r.concurrency_key)}`, { signal: ctx.signal });
@@ -469,7 +474,7 @@ async function runPage(ctx, id) {
       ...fact('started', when(r.started_at, false)),
       ...fact('updated', when(r.updated_at, false)),
       ...fact('finished', when(r.finished_at, false)),
-      ...(r.not_before ? fact('not before', when(r.not_before, false)) : []),
+      ...(r.not_before && r.not_before < FOREVER ? fact('not before', when(r.not_before, false)) : []),
       ...(r.idempotency_key ? fact('idempotency key', h('span', { class: 'mono', text: r.idempotency_key })) : []),
       ...(r.pending_input != null ? fact('pending input', h('span', { class: 'mono', text: r.pending_input })) : []),
       ...(r.upgrade_note ? fact('upgrade', h('span', { class: 'note', text: r.upgrade_note })) : []));
@@ -520,6 +525,7 @@ async function runPage(ctx, id) {
       const r = await api(`/v1/runs/${id}`, { signal: ctx.signal });
       waiting = await whyWaiting(r);
       showRun(r);
+      await tree.refresh(r, ctx.signal);
       await loadLedger();
       ctx.ok();
     } catch (e) { ctx.fail(e); }
@@ -531,9 +537,10 @@ async function runPage(ctx, id) {
   const first = await api(`/v1/runs/${id}`, { signal: ctx.signal });
   waiting = await whyWaiting(first);
   showRun(first);
+  await tree.refresh(first, ctx.signal);
   await loadLedger();
   ctx.ready();
-  ctx.every(2000, () => { if (run && !FINISHED.has(run.status)) refresh(); });
+  ctx.every(2000, () => { if (run && (!FINISHED.has(run.status) || tree.hasOpen())) refresh(); });
 
   // The stream: this run's deltas by position, struck through and then
   // dropped when a retract voids them (a dead segment's words).
@@ -568,7 +575,7 @@ function eventLine(ev) {
   let text;
   switch (ev.kind) {
     case 'submitted': text = `submitted (${p.plugin ?? ''})`; break;
-    case 'suspended': text = `suspended: ${p.status ?? ''}${p.prompt ? ` — ${p.prompt}` : ''}${p.rate ? ` — rate limit ${p.rate}` : ''}${p.not_before ? ` until ${fmtTime(p.not_before)}` : ''}`; break;
+    case 'suspended': text = `suspended: ${p.waiting_for ? `waiting for ${p.waiting_for} ${(p.children || []).join(', ')}` : (p.status ?? '')}${p.prompt ? ` — ${p.prompt}` : ''}${p.rate ? ` — rate limit ${p.rate}` : ''}${p.not_before && p.not_before < FOREVER ? ` until ${fmtTime(p.not_before)}` : ''}`; break;
     case 'input': text = `input: ${typeof p.input === 'string' ? p.input : JSON.stringify(p.input)}`; break;
     case 'message': text = `message: ${p.status ?? ''}${p.error ? ` — ${p.error}` : ''}`; break;
     case 'cancelled': text = 'cancelled'; break;
