@@ -1,7 +1,10 @@
 """An example agent turn for leasehold, in Python (componentize-py).
 
 One turn: ask the model, POST its answer to a tool, store the tool's reply in
-kv, optionally ask the user for more, and finish with a summary. Deterministic:
+kv, optionally ask the user for more, and finish with a summary. With
+"delegate", it first hands that sub-question to a child run of itself
+(leasehold:turn@0.2.0's child runs; the plugin needs agent-py on its
+spawn_allow list) and adds the child's answer to its own. Deterministic:
 the same calls with the same arguments in the same order given the same
 results, because the host replays recorded results on resume.
 
@@ -20,7 +23,7 @@ from componentize_py_types import Err
 
 # The typed helpers `leasehold new --lang python` ships
 # (templates/python/helpers.py): effect() raises EffectError("<name>: <message>").
-from helpers import EffectError, effect
+from helpers import EffectError, children, effect
 
 
 def _reject_constant(name):
@@ -85,8 +88,23 @@ def _turn(input):
         ask = False
     elif not isinstance(ask, bool):
         raise Err('bad input: "ask" must be a boolean')
+    delegate = args.get("delegate")
+    if delegate is not None and not isinstance(delegate, str):
+        raise Err('bad input: "delegate" must be a string')
     prompt = _well_formed(prompt)
     tool_url = _well_formed(tool_url)
+
+    helper = None
+    if delegate:
+        # A child agent answers the sub-question; waiting for it holds no
+        # worker. Its answer (or how it ended) joins this turn's message.
+        child = children.spawn("agent-py", {"prompt": _well_formed(delegate), "tool_url": tool_url})
+        [outcome] = children.await_all([child], 600_000)
+        if outcome["status"] == "completed":
+            ok, answer = _parse(outcome["output"])
+            helper = _string(answer, "message") if ok else None
+        if helper is None:
+            helper = "(the helper run " + outcome["status"] + ")"
 
     chat = effect("model.chat", {"messages": [{"role": "user", "content": prompt}]})
     content = _string(chat, "content")
@@ -101,6 +119,8 @@ def _turn(input):
     effect("kv.put", {"key": "note", "value": tool_body})
 
     message = content + "\ntool: " + tool_body
+    if helper is not None:
+        message += "\nhelper: " + helper
     if ask:
         message += "\nyou: " + host.wait_input("Anything to add?")
     return _dumps({"message": message})

@@ -520,4 +520,72 @@ static inline bool lh_kv_put_int(const char *key, long value, turn_string_t *err
   return ok;
 }
 
+// ---------------------------------------------------------------------------
+// Child runs (docs/plugins.md, "Child runs"): spawn runs of other plugins
+// (granted by the plugin's spawn_allow) and wait for them.
+
+// Stores "<name>: <message>" for a children call's error in *err.
+static inline void lh_children_error(const char *name, leasehold_turn_children_effect_error_t *e, turn_string_t *err) {
+  const turn_string_t *payload = e->tag == LEASEHOLD_TURN_HOST_EFFECT_ERROR_FAILED     ? &e->val.failed
+                                 : e->tag == LEASEHOLD_TURN_HOST_EFFECT_ERROR_IN_DOUBT ? &e->val.in_doubt
+                                                                                        : &e->val.denied;
+  buf_t b = {0};
+  buf_puts(&b, name);
+  buf_puts(&b, ": ");
+  buf_put(&b, payload->ptr, payload->len);
+  *err = buf_take(&b);
+  leasehold_turn_children_effect_error_free(e);
+}
+
+// Spawns a run of `plugin` with the JSON `input` as a child of this run;
+// `options` is a JSON object ("{}" for none). Stores its id in *id.
+static inline bool lh_spawn(const char *plugin, const buf_t *input, const char *options, uint64_t *id, turn_string_t *err) {
+  turn_string_t p, in = str_of(input), o;
+  turn_string_set(&p, plugin);
+  turn_string_set(&o, options);
+  leasehold_turn_children_effect_error_t e;
+  if (leasehold_turn_children_spawn(&p, &in, &o, id, &e)) return true;
+  lh_children_error("spawn", &e, err);
+  return false;
+}
+
+// Waits for every child in ids[0..n) to end (any: the first), or for
+// timeout_ms if it is not NULL. On success *results holds each child's
+// outcome in order (tag LEASEHOLD_TURN_CHILDREN_CHILD_OUTCOME_*; free with
+// leasehold_turn_children_list_child_result_free).
+static inline bool lh_await_children(uint64_t *ids, size_t n, bool any, uint64_t *timeout_ms,
+                                     leasehold_turn_children_list_child_result_t *results, turn_string_t *err) {
+  turn_list_u64_t list = {ids, n};
+  leasehold_turn_children_effect_error_t e;
+  leasehold_turn_children_await_mode_t mode = any ? LEASEHOLD_TURN_CHILDREN_AWAIT_MODE_ANY : LEASEHOLD_TURN_CHILDREN_AWAIT_MODE_ALL;
+  if (leasehold_turn_children_await_children(&list, mode, timeout_ms, results, &e)) return true;
+  lh_children_error("await-children", &e, err);
+  return false;
+}
+
+// ---------------------------------------------------------------------------
+// Named waits (docs/plugins.md, "Named waits"): input delivered to this run
+// under a name, taken when the turn gets there.
+
+// Waits for input delivered under `name` (it may have arrived already).
+// True with the input in *input (free with turn_string_free); false once
+// *timeout_ms (if not NULL) has passed.
+static inline bool lh_wait_for(const char *name, const char *prompt, uint64_t *timeout_ms, turn_string_t *input) {
+  turn_string_t n, p;
+  turn_string_set(&n, name);
+  turn_string_set(&p, prompt);
+  return leasehold_turn_waits_wait_for(&n, &p, timeout_ms, input);
+}
+
+// A one-use link that delivers input to the wait on `name` without the API
+// token (POST <link> with {"input"}), in *link (free with turn_string_free).
+static inline bool lh_answer_link(const char *name, turn_string_t *link, turn_string_t *err) {
+  turn_string_t n;
+  turn_string_set(&n, name);
+  leasehold_turn_waits_effect_error_t e;
+  if (leasehold_turn_waits_answer_link(&n, link, &e)) return true;
+  lh_children_error("answer-link", &e, err);
+  return false;
+}
+
 #endif

@@ -48,11 +48,7 @@ impl From<Error> for String {
 
 /// Performs effect `name` with a JSON request and parses its JSON result.
 pub fn effect(name: &'static str, request: &Value) -> Result<Value, Error> {
-    let result = host::effect(name, &request.to_string()).map_err(|e| match e {
-        EffectError::Failed(message) => Error::Failed { effect: name, message },
-        EffectError::InDoubt(message) => Error::InDoubt { effect: name, message },
-        EffectError::Denied(message) => Error::Denied { effect: name, message },
-    })?;
+    let result = host::effect(name, &request.to_string()).map_err(|e| host_error(name, e))?;
     serde_json::from_str(&result).map_err(|e| Error::BadResult { effect: name, message: e.to_string() })
 }
 
@@ -74,6 +70,65 @@ pub fn sleep_ms(ms: u64) {
 /// Writes a line to the host's log (not recorded).
 pub fn log(message: &str) {
     host::log(2, message)
+}
+
+fn host_error(effect: &'static str, e: EffectError) -> Error {
+    match e {
+        EffectError::Failed(message) => Error::Failed { effect, message },
+        EffectError::InDoubt(message) => Error::InDoubt { effect, message },
+        EffectError::Denied(message) => Error::Denied { effect, message },
+    }
+}
+
+/// Named waits (docs/plugins.md, "Named waits"): input delivered to this
+/// run under a name, taken when the turn gets there.
+pub mod waits {
+    use super::{Error, host_error};
+    use crate::leasehold::turn::waits as wit;
+
+    /// Waits for input delivered under `name` (it may have arrived
+    /// already) and returns it; `None` once `timeout_ms` has passed.
+    pub fn wait_for(name: &str, prompt: &str, timeout_ms: Option<u64>) -> Option<String> {
+        wit::wait_for(name, prompt, timeout_ms)
+    }
+
+    /// A one-use link that delivers input to the wait on `name` without
+    /// the API token (`POST <link>` with `{"input"}`).
+    pub fn answer_link(name: &str) -> Result<String, Error> {
+        wit::answer_link(name).map_err(|e| host_error("answer-link", e))
+    }
+}
+
+/// Child runs (docs/plugins.md, "Child runs"): spawn runs of other plugins
+/// (granted by the plugin's `spawn_allow`) and wait for them.
+pub mod children {
+    use super::{Error, Value, host_error};
+    pub use crate::leasehold::turn::children::ChildOutcome as Outcome;
+    use crate::leasehold::turn::children::{self as wit, AwaitMode};
+
+    /// Spawns a run of `plugin` with `input` as a child of this run and
+    /// returns its id. `options`: `{"priority", "concurrency_key",
+    /// "max_attempts", "detached"}`, or `json!({})`.
+    pub fn spawn(plugin: &str, input: &Value, options: &Value) -> Result<u64, Error> {
+        wit::spawn(plugin, &input.to_string(), &options.to_string()).map_err(|e| host_error("spawn", e))
+    }
+
+    /// Waits for every child in `ids` to end (or `timeout_ms` to pass)
+    /// and returns their outcomes in the order of `ids`.
+    pub fn await_all(ids: &[u64], timeout_ms: Option<u64>) -> Result<Vec<Outcome>, Error> {
+        wait(ids, AwaitMode::All, timeout_ms)
+    }
+
+    /// Waits for the first child in `ids` to end (or `timeout_ms` to
+    /// pass); the others are `Outcome::Pending`.
+    pub fn await_any(ids: &[u64], timeout_ms: Option<u64>) -> Result<Vec<Outcome>, Error> {
+        wait(ids, AwaitMode::Any, timeout_ms)
+    }
+
+    fn wait(ids: &[u64], mode: AwaitMode, timeout_ms: Option<u64>) -> Result<Vec<Outcome>, Error> {
+        let results = wit::await_children(ids, mode, timeout_ms).map_err(|e| host_error("await-children", e))?;
+        Ok(results.into_iter().map(|r| r.outcome).collect())
+    }
 }
 
 pub mod http {
