@@ -159,6 +159,11 @@ enum Kind {
     /// testkit `wait`; its input is delivered twice at once. Its waiting
     /// for input must never use up its `max_attempts` (1 to 3).
     Wait { max_attempts: i64 },
+    /// `fanout` spawning two testkit `chaos` children of `steps` steps
+    /// (tags `<tag>c0`, `<tag>c1`) and waiting for both: hosts die around
+    /// its spawns and its wait, and it must end with exactly two children,
+    /// each checked as a `Chaos` run.
+    Parent { steps: u64 },
     Hostile(&'static str),
 }
 
@@ -167,7 +172,7 @@ impl Kind {
         match self {
             Kind::Chaos { max_attempts, .. } | Kind::Wait { max_attempts } => *max_attempts,
             Kind::Hostile(_) => 2,
-            Kind::Duplicate { .. } | Kind::Cancel { .. } | Kind::Rated { .. } => 100,
+            Kind::Duplicate { .. } | Kind::Cancel { .. } | Kind::Rated { .. } | Kind::Parent { .. } => 100,
         }
     }
 }
@@ -254,6 +259,7 @@ fn plan(s: &Settings, backend: Backend) -> (Vec<(u64, Fault)>, Vec<Kind>) {
                 7..12 => Kind::Duplicate { steps },
                 12..15 => Kind::Cancel { steps, after_ms: rng.random_range(0..150) },
                 15..20 => Kind::Chaos { steps, spin: 0, delay_ms: rng.random_range(1000..1800), max_attempts },
+                20..25 => Kind::Parent { steps },
                 // About a second a run: enough in flight that faults land
                 // on busy hosts, mid-effect.
                 _ => Kind::Chaos { steps, spin: rng.random_range(0..3_000_000), delay_ms: rng.random_range(50..400), max_attempts },
@@ -531,6 +537,7 @@ impl<'a> Cluster<'a> {
             format!("--test-clock-skew-ms={}", SKEWS_MS[host]),
             "--segment-budget-ms=2000".into(),
             "--shutdown-grace-ms=1000".into(),
+            "--spawn-allow=testkit".into(),
         ];
         // Each host's local queue: serve's default on every host; in the
         // long mode (1,000 runs or more) a mix: the default, none, and a
@@ -722,6 +729,7 @@ struct Counters {
     faults_done: AtomicU64,
 }
 
+#[derive(Clone)]
 struct Acked {
     id: i64,
     kind: Kind,
@@ -748,6 +756,7 @@ async fn chaos(backend: Backend) -> Result<()> {
     let (schedule, load) = plan(&settings, backend);
     let dir = tempfile::Builder::new().prefix("leasehold-chaos").tempdir()?;
     std::fs::write(dir.path().join("testkit.wasm"), plugins::rust_plugin("testkit")?)?;
+    std::fs::write(dir.path().join("fanout.wasm"), plugins::rust_plugin("fanout")?)?;
     // The partition fault's namespaces: made or the run fails, loudly
     // (LEASEHOLD_CHAOS_PARTITIONS=0 leaves the fault out).
     let net = match backend {
@@ -943,11 +952,19 @@ async fn drive(
                 }
                 Kind::Wait { .. } => json!({ "mode": "wait" }),
                 Kind::Hostile(mode) => json!({ "mode": mode }),
+                Kind::Parent { steps } => {
+                    let child = |k: u32| {
+                        let tag = format!("{tag}c{k}");
+                        json!({ "mode": "chaos", "steps": steps, "spin": 1_000_000, "delay_ms": 100, "tag": tag, "url": sink.url })
+                    };
+                    json!({ "inputs": [child(0), child(1)], "options": { "max_attempts": 100 } })
+                }
             };
+            let plugin = if let Kind::Parent { .. } = kind { "fanout" } else { "testkit" };
             let max_attempts = kind.max_attempts();
             let priority = priority_of(settings.seed, i);
             let body = json!({
-                "plugin": "testkit", "input": input, "idempotency_key": key, "max_attempts": max_attempts,
+                "plugin": plugin, "input": input, "idempotency_key": key, "max_attempts": max_attempts,
                 "priority": priority, "concurrency_key": key_of(settings.seed, i),
             });
             let id = if let Kind::Duplicate { .. } = kind {
@@ -1563,6 +1580,25 @@ async fn check(
     elapsed: Duration,
 ) -> Result<Report> {
     let mut failures = Vec::new();
+    // Parents' children are checked as chaos runs of their own: exactly
+    // two a parent, whatever died around its spawns.
+    let kids: Vec<(i64, i64, String)> = patiently(async || {
+        sqlx::query_as("SELECT id, parent_id, input FROM runs WHERE parent_id IS NOT NULL ORDER BY id").fetch_all(store.pool()).await
+    })
+    .await?;
+    let mut acked = acked.to_vec();
+    for a in acked.clone() {
+        let Kind::Parent { steps } = a.kind else { continue };
+        let mine: Vec<&(i64, i64, String)> = kids.iter().filter(|(_, parent, _)| *parent == a.id).collect();
+        if mine.len() != 2 {
+            failures.push(format!("parent run {} has {} children, not 2", a.id, mine.len()));
+        }
+        for (id, _, input) in mine {
+            let tag = serde_json::from_str::<Value>(input)?["tag"].as_str().unwrap_or_default().to_string();
+            acked.push(Acked { id: *id, kind: Kind::Chaos { steps, spin: 0, delay_ms: 0, max_attempts: 100 }, tag });
+        }
+    }
+    let acked = &acked[..];
     let rows: Vec<(i64, String, Option<String>, Option<String>)> = patiently(async || {
         sqlx::query_as("SELECT id, status, output, error FROM runs").fetch_all(store.pool()).await
     })
@@ -1695,6 +1731,16 @@ async fn check(
                     missing_effects += 1;
                     failures.push(format!("run {}: {unkeyed_missing} unkeyed POSTs missing, {in_doubt} in doubt", a.id));
                 }
+            }
+            Kind::Parent { steps } => {
+                // Its children are checked on their own (above); here, that
+                // it completed with both their outputs, in order.
+                let want = format!("did {steps} chaos steps");
+                let outputs: Vec<String> = output.as_deref().and_then(|o| serde_json::from_str(o).ok()).unwrap_or_default();
+                if status != "completed" || outputs.len() != 2 || !outputs.iter().all(|o| o.starts_with(&want)) {
+                    failures.push(format!("parent run {} ended {status} with {output:?}: {error:?}", a.id));
+                }
+                normal_completed += u64::from(status == "completed");
             }
             Kind::Wait { .. } => {
                 if !aborted_ok(a, status, error, &mut failures)

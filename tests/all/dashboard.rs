@@ -90,7 +90,15 @@ both! {
         let keyed = db.store.create_run(&keyed).await?.0.id;
         db.store.set_rate("http:api.example.com:443", Some(60), None).await?;
         db.store.hold("http:api.example.com:443", Duration::from_secs(600)).await?;
+        // A parent waiting for two children that wait for input.
+        let fanout = PluginSettings { spawn_allow: vec!["testkit".into()], ..PluginSettings::default() };
+        leasehold::plugins::register(&db.store, &rt, "fanout", plugins::rust_plugin("fanout")?, fanout).await?;
+        let tree = submit(db, "fanout", json!({ "n": 2, "input": { "mode": "wait" } })).await?;
         w.drain().await?;
+        let filter = leasehold::store::RunFilter { parent: Some(tree), ..Default::default() };
+        let tree_kids: Vec<i64> = db.store.runs_page(&filter, None, 10, i64::MAX).await?.0.iter().map(|r| r.id).collect();
+        ensure!(tree_kids.len() == 2, "the tree has children {tree_kids:?}");
+        ensure!(db.store.get_run(tree).await?.waiting_for.as_deref() == Some("children"), "the parent is not waiting for its children");
         ensure!(db.store.get_run(keyed).await?.status == RunStatus::Queued, "a paused key's run ran");
         ensure!(db.store.get_run(wait).await?.status == RunStatus::WaitingInput);
         ensure!(db.store.get_run(done).await?.status == RunStatus::Completed);
@@ -106,6 +114,7 @@ both! {
         std::fs::create_dir_all(&shots)?;
         let scenario = json!({
             "wait_run": wait, "cancel_run": asleep, "done_run": done, "crash_run": crash, "keyed_run": keyed,
+            "tree_run": tree, "tree_child": tree_kids[0],
             "submit": { "plugin": "testkit", "input": { "mode": "script", "ops": [
                 { "op": "emit", "text": "hello " }, { "op": "wasi-sleep", "ms": 1500 }, { "op": "emit", "text": "world" },
             ] } },
@@ -163,6 +172,17 @@ both! {
                         background.push(tokio::spawn(async move { b.drain().await }));
                         continue;
                     }
+                    "tree" => {
+                        // The children get their input and end; the parent
+                        // is woken and completes, while the page watches.
+                        for kid in &tree_kids {
+                            db.store.deliver_input(*kid, "leaf").await?;
+                        }
+                        stdin.write_all(b"go\n").await?;
+                        let w = worker(db, &rt, "host-w", &model);
+                        background.push(tokio::spawn(async move { w.drain().await }));
+                        continue;
+                    }
                     "done" => {
                         stdin.write_all(b"go\n").await?;
                         break;
@@ -181,13 +201,15 @@ both! {
         result.context("the browser script took over 180 s")??;
         let status = status.context("the browser script did not exit")??;
         ensure!(status.success(), "the browser script failed ({status}) after steps {seen:?}; see its output above and {}", shots.display());
-        ensure!(seen == ["submitted", "input", "crash", "done"], "steps {seen:?}");
-        for page in ["runs", "run", "retract", "plugins", "hosts"] {
+        ensure!(seen == ["submitted", "input", "crash", "tree", "done"], "steps {seen:?}");
+        for page in ["runs", "run", "retract", "plugins", "hosts", "tree"] {
             let png = shots.join(format!("{page}.png"));
             ensure!(std::fs::metadata(&png).map(|m| m.len() > 1000).unwrap_or(false), "no screenshot {}", png.display());
         }
         ensure!(db.store.get_run(asleep).await?.status == RunStatus::Cancelled);
         ensure!(db.store.get_run(wait).await?.output.as_deref() == Some("hello operator"));
+        let tree = db.store.get_run(tree).await?;
+        ensure!(tree.output.as_deref() == Some(r#"["hello leaf","hello leaf"]"#), "the tree's output {:?}", tree.output);
         Ok(())
     }
 }

@@ -144,6 +144,36 @@ async fn dying_mid_answer(db: &TestDb, gaps: bool) -> Result<()> {
 }
 
 both! {
+    async fn a_python_agent_hands_a_sub_question_to_a_child_agent_and_uses_its_answer(db) {
+        let (model, tool) = (FakeModel::start(echo()).await?, Sink::start().await?);
+        let rt = plugins::runtime()?;
+        let settings = leasehold::plugins::PluginSettings {
+            http_allow: vec![tool.allow()],
+            model: leasehold::store::ModelGrant::any(),
+            spawn_allow: vec!["agent-py".into()],
+            ..Default::default()
+        };
+        leasehold::plugins::register(&db.store, &rt, "agent-py", plugins::example_plugin("agent-py")?, settings).await?;
+        let exec = worker(db, &rt, "worker-a", &model);
+        let input = json!({ "prompt": "main", "tool_url": tool.url, "delegate": "sub" });
+        let id = submit(&db.store, "agent-py", input).await?;
+        let done = exec.drain().await?;
+        let run = db.store.get_run(id).await?;
+        ensure!(run.status == RunStatus::Completed, "{done:?}: the parent is {:?}: {:?}", run.status, run.error);
+        let output: Value = serde_json::from_str(run.output.as_deref().unwrap_or_default())?;
+        ensure!(
+            output == json!({ "message": "echo: main\ntool: applied\nhelper: echo: sub\ntool: applied" }),
+            "output {output}"
+        );
+        let filter = leasehold::store::RunFilter { parent: Some(id), ..Default::default() };
+        let (kids, _) = db.store.runs_page(&filter, None, 10, i64::MAX).await?;
+        ensure!(kids.len() == 1 && kids[0].status == RunStatus::Completed && kids[0].root_id == id, "children {kids:?}");
+        // The parent suspended once for its child and was resumed once.
+        ensure!(run.fence == 2, "the parent's fence is {}", run.fence);
+        ensure!(model.hits().len() == 2 && tool.hits().len() == 2, "model {} tool {}", model.hits().len(), tool.hits().len());
+        Ok(())
+    }
+
     async fn a_rust_agent_streams_the_model_answer_calls_its_tool_and_asks_the_user(db) {
         agent_behaviour(db, "agent-rust").await
     }

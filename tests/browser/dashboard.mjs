@@ -202,6 +202,22 @@ async function steps() {
   await waitText('#keys-table tr[data-key="tenant-a"]', (t) => t.includes('Pause') && !t.includes('paused'), 'tenant-a resumed');
   log('8 queues ok');
 
+  // 9. A tree: a parent waiting for two children that wait for input; the
+  // children end (input delivered by the Rust side) and the page shows
+  // them completed and the parent woken and completed, live.
+  step = '9 tree';
+  await open(`#/runs/${S.tree_run}`, 'run');
+  await waitText('#children-summary', (t) => t.includes('2 children') && t.includes('2 waiting_input'), 'two children waiting for input');
+  await waitText('#run-waiting', (t) => t.includes('for its children'), 'the parent saying it waits for its children');
+  await shot('tree.png');
+  await sync('tree', { id: S.tree_run });
+  await waitText('#children-summary', (t) => t.includes('2 completed'), 'both children completed, live', 30_000);
+  await statusIs(['completed']);
+  await open(`#/runs/${S.tree_child}`, 'run');
+  await page.waitForSelector(`#run-parent[href="#/runs/${S.tree_run}"]`, { state: 'attached' });
+  await page.waitForSelector(`#run-root[href="#/runs/${S.tree_run}"]`, { state: 'attached' });
+  log('9 tree ok');
+
   await sync('done');
 }
 

@@ -1,0 +1,164 @@
+//! Named waits (`leasehold:turn/waits@0.2.0`, docs/concepts.md): input
+//! delivered to a run and a name waits in its inbox until the turn's wait
+//! takes it; a deadline resumes the wait with a timeout, once; an answer
+//! link delivers once without the API token. Every test runs on both
+//! backends, with the `approval` example plugin.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, ensure};
+use leasehold::executor::{Executor, ExecutorConfig, SegmentOutcome};
+use leasehold::plugins::PluginSettings;
+use leasehold::store::{NewRun, RunStatus, StoreError};
+use serde_json::{Value, json};
+
+use crate::harness::{TestDb, both};
+use crate::plugins;
+use crate::sink::Sink;
+
+/// Registers `approval` (reaching `http_allow`) and returns a host maker.
+async fn hosts(db: &TestDb, http_allow: Vec<String>, answer_base: Option<String>) -> Result<impl Fn(&str) -> Executor + use<>> {
+    let runtime = plugins::runtime()?;
+    let settings = PluginSettings { http_allow, ..PluginSettings::default() };
+    leasehold::plugins::register(&db.store, &runtime, "approval", plugins::rust_plugin("approval")?, settings).await?;
+    let store = db.store.clone();
+    Ok(move |owner: &str| {
+        let config = ExecutorConfig {
+            owner: owner.into(),
+            model: None,
+            answer_base: answer_base.clone().map(Into::into),
+            ..ExecutorConfig::default()
+        };
+        Executor::new(store.clone(), runtime.clone(), config)
+    })
+}
+
+async fn submit(db: &TestDb, input: Value) -> Result<i64> {
+    Ok(db.store.create_run(&NewRun::new("approval", input.to_string())).await?.0.id)
+}
+
+async fn ledger_names(db: &TestDb, run: i64) -> Result<Vec<String>> {
+    Ok(db.store.effects(run).await?.into_iter().map(|r| r.name).collect())
+}
+
+both! {
+    async fn input_delivered_before_the_wait_to_its_name_is_taken_and_other_names_are_left(db) {
+        let host = hosts(db, vec![], None).await?;
+        let id = submit(db, json!({ "sleep_ms": 400 })).await?;
+        // The turn sleeps first: input arrives before it reaches its wait.
+        let first = host("host-a").run_once().await?;
+        ensure!(first == Some((id, SegmentOutcome::Suspended(RunStatus::Queued))), "{first:?}");
+        db.store.deliver_named(id, "approval", "yes").await?;
+        db.store.deliver_named(id, "other", "not this").await?;
+        let start = Instant::now();
+        while db.store.get_run(id).await?.status != RunStatus::Completed {
+            ensure!(start.elapsed() < Duration::from_secs(20), "the run never completed");
+            host("host-a").drain().await?;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let run = db.store.get_run(id).await?;
+        ensure!(run.output.as_deref() == Some(r#"{"input":"yes"}"#), "output {:?}", run.output);
+        // Suspended once, for the sleep: the wait took its input at once.
+        ensure!(run.fence == 2, "fence {}", run.fence);
+        let left: Vec<String> = sqlx::query_scalar("SELECT name FROM inbox WHERE run_id = $1").bind(id).fetch_all(db.store.pool()).await?;
+        ensure!(left == vec!["other".to_string()], "inbox holds {left:?}");
+        Ok(())
+    }
+
+    async fn a_named_wait_holds_no_worker_until_its_input_arrives_and_a_second_delivery_is_refused(db) {
+        let host = hosts(db, vec![], None).await?;
+        let id = submit(db, json!({ "prompt": "ship it?" })).await?;
+        let first = host("host-a").run_once().await?;
+        ensure!(first == Some((id, SegmentOutcome::Suspended(RunStatus::Queued))), "{first:?}");
+        let run = db.store.get_run(id).await?;
+        ensure!(run.waiting_for.as_deref() == Some("input:approval") && run.lease_owner.is_none(), "{:?} {:?}", run.waiting_for, run.lease_owner);
+        ensure!(host("host-a").run_once().await?.is_none(), "a waiting run was claimed");
+        db.store.deliver_named(id, "approval", "a").await?;
+        match db.store.deliver_named(id, "approval", "b").await {
+            Err(StoreError::Conflict { message, .. }) => ensure!(message.contains("not been taken"), "{message}"),
+            other => anyhow::bail!("a second delivery to one name: {other:?}"),
+        }
+        host("host-a").drain().await?;
+        let run = db.store.get_run(id).await?;
+        ensure!(run.output.as_deref() == Some(r#"{"input":"a"}"#), "output {:?}", run.output);
+        match db.store.deliver_named(id, "approval", "c").await {
+            Err(StoreError::Conflict { message, .. }) => ensure!(message.contains("finished"), "{message}"),
+            other => anyhow::bail!("a delivery to a finished run: {other:?}"),
+        }
+        Ok(())
+    }
+
+    async fn a_deadline_resumes_the_wait_with_a_timeout_once_across_a_death(db) {
+        let host = hosts(db, vec![], None).await?;
+        // After its wait the turn computes for a while: host A dies there,
+        // after the timeout is recorded.
+        let id = submit(db, json!({ "timeout_ms": 300, "spin": 1u64 << 28 })).await?;
+        let first = host("host-a").run_once().await?;
+        ensure!(first == Some((id, SegmentOutcome::Suspended(RunStatus::Queued))), "{first:?}");
+        let deadline = db.store.get_run(id).await?.not_before;
+        while db.store.now_ms().await? < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let a = host("host-a");
+        let dying = tokio::spawn(async move { a.run_once().await });
+        let start = Instant::now();
+        while !ledger_names(db, id).await?.contains(&"wait".to_string()) {
+            ensure!(start.elapsed() < Duration::from_secs(20) && !dying.is_finished(), "the timeout was never recorded");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        dying.abort();
+        let _ = dying.await;
+        db.backdate_lease(id, 60_000).await?;
+        host("host-b").drain().await?;
+        let run = db.store.get_run(id).await?;
+        ensure!(run.output.as_deref() == Some(r#"{"timeout":true}"#), "output {:?}", run.output);
+        ensure!(ledger_names(db, id).await? == ["wait.deadline", "wait"], "ledger {:?}", ledger_names(db, id).await?);
+        ensure!(run.not_before == deadline || run.status == RunStatus::Completed, "the deadline moved");
+        Ok(())
+    }
+
+    async fn an_answer_link_delivers_once_without_the_api_token_and_then_410s(db) {
+        let notify = Sink::start().await?;
+        // The API, served here, with a token the link must not need.
+        let (stop, shutdown) = tokio::sync::watch::channel(false);
+        let rt = plugins::runtime()?;
+        let config = leasehold::api::ApiConfig { token: Some("secret-token".into()), ..leasehold::api::ApiConfig::default() };
+        let state = leasehold::api::AppState::new(db.store.clone(), rt, config, shutdown.clone());
+        let base = crate::harness::serve_api(state, shutdown).await?;
+        let host = hosts(db, vec![notify.allow()], Some(base.clone())).await?;
+        let id = submit(db, json!({ "notify_url": notify.url })).await?;
+        let first = host("host-a").run_once().await?;
+        ensure!(first == Some((id, SegmentOutcome::Suspended(RunStatus::Queued))), "{first:?}: {:?}", db.store.get_run(id).await?.error);
+        let hits = notify.hits();
+        ensure!(hits.len() == 1, "{} notifications", hits.len());
+        let body: Value = serde_json::from_str(&hits[0].body)?;
+        let link = body["link"].as_str().context("no link")?.to_string();
+        ensure!(link.starts_with(&format!("{base}/v1/answers/")), "link {link}");
+        let token = link.rsplit('/').next().unwrap_or_default();
+        let stored: Vec<String> = sqlx::query_scalar("SELECT token_hash FROM answer_links").fetch_all(db.store.pool()).await?;
+        ensure!(stored.len() == 1 && stored[0] != token, "the token itself is stored");
+        let http = reqwest::Client::new();
+        let answer = |input: &str| http.post(&link).json(&json!({ "input": input })).send();
+        let r = answer("ok").await?;
+        ensure!(r.status() == 200, "first use: {} {}", r.status(), r.text().await?);
+        let r = answer("again").await?;
+        ensure!(r.status() == 410, "second use: {} {}", r.status(), r.text().await?);
+        let r = http.post(format!("{base}/v1/answers/{}", "0".repeat(64))).json(&json!({ "input": "x" })).send().await?;
+        ensure!(r.status() == 410, "a made-up link: {}", r.status());
+        host("host-a").drain().await?;
+        let run = db.store.get_run(id).await?;
+        ensure!(run.output.as_deref() == Some(r#"{"input":"ok"}"#), "output {:?}: {:?}", run.output, run.error);
+        // The named delivery through the API, which needs the token.
+        let r = http.post(format!("{base}/v1/runs/{id}/input")).json(&json!({ "name": "approval", "input": "x" })).send().await?;
+        ensure!(r.status() == 401, "without the token: {}", r.status());
+        let r = http
+            .post(format!("{base}/v1/runs/{id}/input"))
+            .bearer_auth("secret-token")
+            .json(&json!({ "name": "Bad Name", "input": "x" }))
+            .send()
+            .await?;
+        ensure!(r.status() == 400, "a bad name: {}", r.status());
+        let _ = stop.send(true);
+        Ok(())
+    }
+}
