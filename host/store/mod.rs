@@ -10,6 +10,7 @@
 //! database* (`{now}` in a statement template). No statement takes a time
 //! from the worker.
 
+mod budgets;
 mod children;
 mod claims;
 mod columns;
@@ -48,16 +49,14 @@ mod types;
 mod upgrades;
 mod upkeep;
 
-use std::str::FromStr;
-use std::sync::OnceLock;
-use std::time::Duration;
+use std::{str::FromStr, sync::OnceLock, time::Duration};
 
 use sqlx::any::{AnyConnectOptions, AnyPoolOptions};
 use sqlx::{AnyPool, Executor};
 
 pub(crate) use closes::{max_batch as closes_max_batch, writers as close_writers};
 pub use {children::{ChildEnd, ChildState, ChildWait, FOREVER, Spawn}, claims::{baseline_sql, claim_sql}};
-pub use {inbox::{NamedWait, wait_result}, retry::is_lock_timeout};
+pub use {budgets::{Budget, Hold}, inbox::{NamedWait, wait_result}, retry::is_lock_timeout};
 pub use ledger::{Completion, EffectCall, LedgerSummary, REQUEST_PREVIEW, Streamed, idempotency_key};
 pub use kv_usage::{KvQuota, KvRoom, KvUsage};
 pub use local::{HeldPut, LocalOp};

@@ -43,6 +43,7 @@ struct PgSubmit<'a> {
     ckey: &'a str,
     payload: String,
     secret: &'a str,
+    budget: Option<i64>,
 }
 
 /// SQLite: writes a batch of submits inside the caller's transaction, in
@@ -66,18 +67,19 @@ async fn insert_runs_sqlite(store: &Store, conn: &mut AnyConnection, submits: &[
                 s.max_attempts,
                 s.secret,
                 s.new.priority,
-                s.new.concurrency_key.as_deref().unwrap_or("")
+                s.new.concurrency_key.as_deref().unwrap_or(""),
+                s.new.budget_tokens
             ])
         })
         .collect();
     let rows = sqlx::query(sql!(
         store,
         "INSERT INTO runs (thread_id, plugin, plugin_digest, input, idempotency_key, status, \
-         max_attempts, not_before, created_at, updated_at, secret, priority, concurrency_key) \
+         max_attempts, not_before, created_at, updated_at, secret, priority, concurrency_key, budget_tokens) \
          SELECT value ->> 0, value ->> 1, \
          CASE WHEN value ->> 2 = 'current' THEN (SELECT p.digest FROM plugins p WHERE p.name = value ->> 1) \
          ELSE value ->> 2 END, value ->> 3, value ->> 4, 'queued', value ->> 5, \
-         {now}, {now}, {now}, value ->> 6, value ->> 7, value ->> 8 FROM jsonb_each($1) WHERE true ORDER BY key \
+         {now}, {now}, {now}, value ->> 6, value ->> 7, value ->> 8, value ->> 9 FROM jsonb_each($1) WHERE true ORDER BY key \
          ON CONFLICT (idempotency_key) DO NOTHING RETURNING {runs}"
     ))
     .bind(serde_json::Value::Array(list).to_string())
@@ -277,6 +279,7 @@ impl Store {
                 ckey: s.new.concurrency_key.as_deref().unwrap_or(""),
                 payload: submitted_payload(&s.new),
                 secret: &s.secret,
+                budget: s.new.budget_tokens,
             })
             .collect();
         let list = serde_json::to_string(&list).map_err(|e| StoreError::Corrupt(format!("a submit batch: {e}")))?;
@@ -288,14 +291,14 @@ impl Store {
                     self,
                     concat!("WITH l AS (SELECT * FROM jsonb_to_recordset($1::text::jsonb) AS l(i bigint, thread_id text, \
                      plugin text, digest text, input text, key text, max_attempts bigint, priority bigint, ckey text, payload text, \
-                     secret text)), \
+                     secret text, budget bigint)), \
                      k AS (INSERT INTO concurrency_keys (key, active, concurrency) SELECT ckey, true, MIN(p.key_concurrency) \
                      FROM l LEFT JOIN plugins p ON p.name = l.plugin WHERE ckey <> '' GROUP BY ckey ORDER BY 1 ", crate::key_default!(), "), \
                      r AS (INSERT INTO runs (thread_id, plugin, plugin_digest, input, idempotency_key, \
-                     status, max_attempts, not_before, created_at, updated_at, secret, priority, concurrency_key) \
+                     status, max_attempts, not_before, created_at, updated_at, secret, priority, concurrency_key, budget_tokens) \
                      SELECT thread_id, plugin, \
                      CASE WHEN digest = 'current' THEN (SELECT p.digest FROM plugins p WHERE p.name = l.plugin) ELSE digest END, \
-                     input, key, 'queued', max_attempts, {now}, {now}, {now}, secret, priority, ckey \
+                     input, key, 'queued', max_attempts, {now}, {now}, {now}, secret, priority, ckey, budget \
                      FROM l ORDER BY i ON CONFLICT (idempotency_key) DO NOTHING RETURNING {runs}), \
                      t AS (INSERT INTO threads (id, last_seq) SELECT thread_id, 1 FROM r ORDER BY thread_id \
                      ON CONFLICT (id) DO UPDATE SET last_seq = threads.last_seq + 1 RETURNING id, last_seq), \

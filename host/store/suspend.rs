@@ -26,6 +26,7 @@ impl Store {
             Suspend::Rate { delay_ms, key } => (RunStatus::Queued, (*delay_ms).max(0), None, Some(key.as_str())),
             Suspend::Children(wait) => return self.suspend_for_children(lease, wait).await,
             Suspend::Named(wait) => return self.suspend_named(lease, wait).await,
+            Suspend::Budget => return self.suspend_for_budget(lease).await,
         };
         let status = self.retry(|| async move {
             let mut tx = self.writer().begin().await?;

@@ -197,6 +197,9 @@ pub struct NewRun {
     /// Its runs share the key's limit and take turns with other keys
     /// ([`crate::store::concurrency`]). Default: none.
     pub concurrency_key: Option<String>,
+    /// Tokens the run's tree (it and the runs it spawns) may have
+    /// `model.chat` use (`store::budgets`). Default: none.
+    pub budget_tokens: Option<i64>,
 }
 
 impl NewRun {
@@ -218,6 +221,7 @@ impl NewRun {
             idempotency_key: None,
             priority: 0,
             concurrency_key: None,
+            budget_tokens: None,
         }
     }
 }
@@ -266,6 +270,8 @@ pub enum Suspend {
     /// `queued` until input is delivered to a name or the deadline passes
     /// (see `store::inbox`).
     Named(crate::store::NamedWait),
+    /// `queued` until the tree's budget is raised (see `store::budgets`).
+    Budget,
 }
 
 /// How a turn finishes.
