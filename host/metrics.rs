@@ -76,6 +76,9 @@ pub struct Metrics {
     pub rate_suspensions: AtomicU64,
     /// Providers' `Retry-After` answers that held a rate key.
     pub rate_holds: AtomicU64,
+    /// Runs suspended because a `model.chat` would have spent past its
+    /// tree's token budget (`runtime::budget`).
+    pub budget_waits: AtomicU64,
     /// Runs claimed ahead of free workers and waiting in the pool's local
     /// queue now (a gauge; see `pool`).
     pub prefetched: AtomicU64,
@@ -182,6 +185,7 @@ impl Metrics {
             &self.rate_suspensions,
         );
         counter(&mut out, "leasehold_rate_holds_total", "Providers' Retry-After answers that held every call to their rate key.", &self.rate_holds);
+        counter(&mut out, "leasehold_budget_waits_total", "Runs suspended because a model call would have spent past its tree's token budget.", &self.budget_waits);
         let _ = writeln!(
             out,
             "# HELP leasehold_prefetched_runs Runs claimed ahead of free workers, waiting in the local queue.\n\

@@ -55,6 +55,7 @@ impl Executor {
             (Err(_), Some(Interrupt::Rate { key, delay_ms })) => self.suspend(lease, Suspend::Rate { delay_ms, key }, &tail).await,
             (Err(_), Some(Interrupt::AwaitChildren(wait))) => self.suspend(lease, Suspend::Children(wait), &tail).await,
             (Err(_), Some(Interrupt::WaitNamed(wait))) => self.suspend(lease, Suspend::Named(wait), &tail).await,
+            (Err(_), Some(Interrupt::Budget)) => self.suspend(lease, Suspend::Budget, &tail).await,
             (Err(_), Some(Interrupt::Slice)) => {
                 if state.settled > 0 || !tail.puts.is_empty() {
                     self.suspend(lease, Suspend::Takeover, &tail).await

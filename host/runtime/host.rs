@@ -454,6 +454,7 @@ impl SegmentState {
             Effect::Remote(remote) => remote,
         };
         let mut remote = remote;
+        let budget_held = self.hold_budget(&mut remote, &call).await?;
         let ticket = self.admit(&mut remote, reissue).await?;
         let class = remote.class();
         let (db, lease, c) = (self.db.clone(), self.lease.clone(), call.clone());
@@ -510,6 +511,9 @@ impl SegmentState {
         self.settled += 1;
         self.ledger_bytes += result_len as i64;
         self.settle_rate(&ticket, &outcome).await;
+        if budget_held {
+            self.release_budget(call.seq).await;
+        }
         Ok(outcome)
     }
 

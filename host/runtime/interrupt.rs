@@ -21,6 +21,10 @@ pub enum Interrupt {
     /// `wait-for` with nothing delivered to its name yet: suspend as
     /// `queued` until input arrives or the deadline passes.
     WaitNamed(crate::store::NamedWait),
+    /// A `model.chat` would spend past its tree's budget: suspend as
+    /// `queued` until the budget is raised, then make the call again
+    /// (nothing was recorded for it).
+    Budget,
     /// The slice budget is used up: suspend as `waiting_takeover`.
     Slice,
     /// The host is shutting down: suspend as `waiting_takeover`.

@@ -8,6 +8,7 @@
 //! * Compiled components are cached on disk, keyed by content digest and
 //!   engine compatibility, and reused across restarts.
 
+mod budget;
 mod cache;
 mod calls;
 mod children;
