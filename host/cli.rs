@@ -118,6 +118,10 @@ pub struct SubmitArgs {
     /// limits`) and takes turns with other keys. Default: none.
     #[arg(long)]
     key: Option<String>,
+    /// Tokens the run and the runs it spawns may have `model.chat` use.
+    /// Default: no budget.
+    #[arg(long)]
+    budget_tokens: Option<i64>,
     /// Stream the run's events until it finishes or waits for input.
     #[arg(long)]
     follow: bool,
@@ -155,8 +159,15 @@ pub enum RunsCommand {
     },
     /// Deliver input to a run waiting for it.
     Input { id: i64, input: String },
-    /// Cancel a run.
+    /// Cancel a run, and every run below it.
     Cancel { id: i64 },
+    /// Show the token budget of a run's tree (what it spent and holds), or
+    /// set it with --tokens, which lets its runs waiting for budget go on.
+    Budget {
+        id: i64,
+        #[arg(long)]
+        tokens: Option<i64>,
+    },
     /// Submit many runs: FILE (or - for stdin) holds one JSON object per
     /// line, as the body of `POST /v1/runs`, each with its own
     /// `idempotency_key`. Sent 1000 to a request (`POST /v1/runs:batch`),
@@ -310,6 +321,10 @@ pub async fn submit(api: &Api, args: SubmitArgs) -> Result<()> {
         "priority": args.priority,
         "concurrency_key": args.key,
     });
+    let mut body = body;
+    if let Some(tokens) = args.budget_tokens {
+        body["budget"] = json!({ "tokens": tokens });
+    }
     let run = api.send(api.client().post(api.url("/v1/runs")).json(&body)).await?;
     api.print(&run, |r| println!("run {} queued on thread {}", r["id"], r["thread_id"].as_str().unwrap_or("")));
     if args.follow {
@@ -462,6 +477,16 @@ pub async fn runs(api: &Api, command: RunsCommand) -> Result<()> {
             let body = json!({ "input": parse_input(&input) });
             let v = api.send(c.post(api.url(&format!("/v1/runs/{id}/input"))).json(&body)).await?;
             api.print(&v, |r| println!("input delivered to run {}", r["id"]));
+        }
+        RunsCommand::Budget { id, tokens } => {
+            let v = match tokens {
+                Some(t) => api.send(c.post(api.url(&format!("/v1/runs/{id}/budget"))).json(&json!({ "tokens": t }))).await?,
+                None => api.send(c.get(api.url(&format!("/v1/runs/{id}/budget")))).await?,
+            };
+            api.print(&v, |b| {
+                let limit = b["tokens"].as_i64().map_or("none".to_string(), |t| t.to_string());
+                println!("tree of run {}: budget {limit}, spent {}, held {}", b["root_id"], b["spent"], b["held"]);
+            });
         }
         RunsCommand::Cancel { id } => {
             let v = api.send(c.post(api.url(&format!("/v1/runs/{id}/cancel"))).json(&json!({}))).await?;

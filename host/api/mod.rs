@@ -15,6 +15,7 @@
 //! none of those.
 
 mod answers;
+mod budget;
 mod children;
 mod dashboard;
 mod error;
@@ -159,6 +160,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/runs/{id}/cancel", json_post(runs::cancel))
         .route("/v1/runs/{id}/effects", get(runs::effects))
         .route("/v1/runs/{id}/children", get(children::children))
+        .route("/v1/runs/{id}/budget", json_post(budget::set).get(budget::show))
         .route("/v1/limits", get(limits::list))
         .route("/v1/limits/{key}", json_put(limits::put).get(limits::show).delete(limits::remove))
         .route("/v1/stats", get(overview::stats))

@@ -47,6 +47,36 @@ pub struct Submit {
     /// turns with other keys' runs. Default: none.
     #[schema(min_length = 1, max_length = 256, pattern = r"^(?!http:|model:)[^\u0000-\u001f\u007f-\u009f]+$")]
     concurrency_key: Option<String>,
+    /// What the run's tree (it and every run it spawns) may spend on
+    /// `model.chat`, as the answers report it (docs/concepts.md,
+    /// "Budgets"). Default: no budget.
+    budget: Option<BudgetRequest>,
+}
+
+/// A tree's budget.
+#[derive(Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct BudgetRequest {
+    /// Tokens, 0 to 10^12.
+    #[schema(value_type = i64, minimum = 0, maximum = 1_000_000_000_000i64)]
+    pub(crate) tokens: serde_json::Number,
+}
+
+impl BudgetRequest {
+    /// Its tokens, checked.
+    pub(crate) fn checked(&self) -> Result<i64, ApiError> {
+        let n = &self.tokens;
+        let t = n.as_i64().or_else(|| n.as_f64().filter(|f| f.fract() == 0.0 && f.abs() < 9.0e15).map(|f| f as i64));
+        match t {
+            Some(t) if (0..=1_000_000_000_000).contains(&t) => Ok(t),
+            _ => Err(ApiError::bad_request("budget.tokens must be a whole number from 0 to 1000000000000")),
+        }
+    }
+}
+
+/// A submit's budget, checked.
+pub(super) fn check_budget(b: &Option<BudgetRequest>) -> Result<Option<i64>, ApiError> {
+    b.as_ref().map(BudgetRequest::checked).transpose()
 }
 
 /// An integer, also written as a float with no fraction (`3.0`), as JSON
@@ -100,6 +130,7 @@ pub async fn submit(State(s): State<AppState>, JsonBody(req): JsonBody<Submit>) 
     }
     let priority = check_priority(req.priority)?;
     check_concurrency_key(&req.concurrency_key)?;
+    let budget_tokens = check_budget(&req.budget)?;
     if !crate::plugins::valid_name(&req.plugin) {
         return Err(ApiError::not_found(format!("no plugin named {:?}", req.plugin)));
     }
@@ -119,6 +150,7 @@ pub async fn submit(State(s): State<AppState>, JsonBody(req): JsonBody<Submit>) 
         idempotency_key: req.idempotency_key.clone(),
         priority,
         concurrency_key: req.concurrency_key.clone(),
+        budget_tokens,
     };
     let (run, created) = s.store.create_run(&new).await?;
     if !created {
@@ -224,6 +256,7 @@ pub async fn submit_batch(State(s): State<AppState>, JsonBody(req): JsonBody<Bat
         }
         let priority = check_priority(r.priority).map_err(at)?;
         check_concurrency_key(&r.concurrency_key).map_err(at)?;
+        let budget_tokens = check_budget(&r.budget).map_err(at)?;
         if !(crate::plugins::valid_name(&r.plugin) && s.store.plugin_exists(&r.plugin).await?) {
             return Err(at(ApiError::not_found(format!("no plugin named {:?}", r.plugin))));
         }
@@ -237,6 +270,7 @@ pub async fn submit_batch(State(s): State<AppState>, JsonBody(req): JsonBody<Bat
             idempotency_key: r.idempotency_key.clone(),
             priority,
             concurrency_key: r.concurrency_key.clone(),
+            budget_tokens,
         });
     }
     let written = s.store.create_runs(&news).await?;

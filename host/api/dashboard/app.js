@@ -421,6 +421,8 @@ async function runPage(ctx, id) {
   // its last suspension waiting for a rate limit's room.
   async function whyWaiting(r) {
     if (r.status !== 'queued' && r.status !== 'waiting_takeover') return null;
+    if (r.waiting_for === 'budget') return 'for its tree\'s budget to be raised';
+    if (r.waiting_for?.startsWith('input:')) return `for input to ${r.waiting_for.slice(6)}${r.not_before < FOREVER ? ` (until ${fmtTime(r.not_before)})` : ''}`;
     if (r.waiting_for === 'children') return r.not_before < FOREVER ? `for its children (until ${fmtTime(r.not_before)})` : 'for its children';
     if (r.concurrency_key) {
       try {

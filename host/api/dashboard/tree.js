@@ -10,8 +10,9 @@ export function childrenSection(ui) {
   const links = h('p', { id: 'run-tree', class: 'muted' });
   const body = h('tbody');
   const summary = h('p', { id: 'children-summary', class: 'muted' });
+  const budget = h('p', { id: 'run-budget', class: 'note', hidden: true });
   const el = h('section', { id: 'children-section', hidden: true },
-    h('h2', { text: 'Children' }), links, summary,
+    h('h2', { text: 'Children' }), links, budget, summary,
     h('table', { id: 'children' },
       h('thead', {}, h('tr', {}, ['run', 'status', 'plugin', 'waiting for', 'output or error'].map((t) => h('th', { text: t })))),
       body));
@@ -28,8 +29,12 @@ export function childrenSection(ui) {
       cursor = page.next_cursor;
     }
     kids.sort((a, b) => a.id - b.id);
+    const b = await api(`/v1/runs/${run.id}/budget`, { signal });
+    budget.hidden = b.tokens == null;
+    budget.textContent = b.tokens == null ? '' : `budget: ${b.spent} tokens spent and ${b.held} held of ${b.tokens}, by the tree of run ${b.root_id}`
+      + (run.waiting_for === 'budget' ? ' — this run waits for a raise' : '');
     const isChild = run.parent_id != null;
-    el.hidden = !isChild && kids.length === 0;
+    el.hidden = !isChild && kids.length === 0 && b.tokens == null;
     links.replaceChildren(...(isChild ? [
       'child of ', h('a', { id: 'run-parent', href: `#/runs/${run.parent_id}`, text: `run ${run.parent_id}` }),
       ', in the tree of ', h('a', { id: 'run-root', href: `#/runs/${run.root_id}`, text: `run ${run.root_id}` }),
