@@ -93,7 +93,9 @@ both! {
         // A parent waiting for two children that wait for input.
         let fanout = PluginSettings { spawn_allow: vec!["testkit".into()], ..PluginSettings::default() };
         leasehold::plugins::register(&db.store, &rt, "fanout", plugins::rust_plugin("fanout")?, fanout).await?;
-        let tree = submit(db, "fanout", json!({ "n": 2, "input": { "mode": "wait" } })).await?;
+        let digest = db.store.plugin_digest("fanout").await?.context("fanout")?;
+        let tree = NewRun { plugin_digest: digest, budget_tokens: Some(1_000_000), ..NewRun::new("fanout", json!({ "n": 2, "input": { "mode": "wait" } }).to_string()) };
+        let tree = db.store.create_run(&tree).await?.0.id;
         w.drain().await?;
         let filter = leasehold::store::RunFilter { parent: Some(tree), ..Default::default() };
         let tree_kids: Vec<i64> = db.store.runs_page(&filter, None, 10, i64::MAX).await?.0.iter().map(|r| r.id).collect();

@@ -10,6 +10,7 @@ mod bench_drain;
 mod bench_e2e;
 mod bench_fairness;
 mod bench_submit;
+mod budgets;
 mod children;
 mod chaos;
 mod concurrency;

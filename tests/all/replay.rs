@@ -44,6 +44,28 @@ async fn recording(store: &Store, id: i64) -> Result<Recording> {
 }
 
 both! {
+    async fn a_parent_replays_its_spawns_and_its_wait_from_the_ledger_and_spawns_nothing(db) {
+        let rt = plugins::runtime()?;
+        leasehold::plugins::register(&db.store, &rt, "testkit", plugins::rust_plugin("testkit")?, Default::default()).await?;
+        let grant = leasehold::plugins::PluginSettings { spawn_allow: vec!["testkit".into()], ..Default::default() };
+        let fanout = leasehold::plugins::register(&db.store, &rt, "fanout", plugins::rust_plugin("fanout")?, grant).await?;
+        let input = json!({ "n": 2, "input": { "steps": 1 }, "timeout_ms": 60_000 });
+        let id = db.store.create_run(&NewRun::new("fanout", input.to_string())).await?.0.id;
+        Executor::new(db.store.clone(), rt.clone(), worker()).drain().await?;
+        let runs = || async { anyhow::Ok(db.store.list_runs(None, None, None, 100).await?.len()) };
+        let (run, before) = (db.store.get_run(id).await?, runs().await?);
+        ensure!(run.status == RunStatus::Completed && before == 3, "{:?} with {before} runs", run.status);
+        let report = offline::replay(&rt, &fanout, recording(&db.store, id).await?, BUDGET).await?;
+        match &report.outcome {
+            Outcome::Returned { output } => ensure!(output == r#"["did 1 steps","did 1 steps"]"#, "{report:?}"),
+            _ => bail!("not a clean replay: {report:?}"),
+        }
+        // Two spawns, the wait's deadline and the wait itself.
+        ensure!(report.clean() && report.replayed_calls == 4, "{report:?}");
+        ensure!(runs().await? == before, "replay made a run");
+        Ok(())
+    }
+
     async fn an_unchanged_component_replays_a_finished_run_clean_and_performs_nothing(db) {
         let sink = Sink::start().await?;
         let (rt, plugin) = setup(vec![sink.allow()])?;

@@ -209,6 +209,7 @@ async function steps() {
   await open(`#/runs/${S.tree_run}`, 'run');
   await waitText('#children-summary', (t) => t.includes('2 children') && t.includes('2 waiting_input'), 'two children waiting for input');
   await waitText('#run-waiting', (t) => t.includes('for its children'), 'the parent saying it waits for its children');
+  await waitText('#run-budget', (t) => t.includes('of 1000000'), 'the tree\'s budget');
   await shot('tree.png');
   await sync('tree', { id: S.tree_run });
   await waitText('#children-summary', (t) => t.includes('2 completed'), 'both children completed, live', 30_000);
