@@ -485,7 +485,7 @@ pub async fn runs(api: &Api, command: RunsCommand) -> Result<()> {
             };
             api.print(&v, |b| {
                 let limit = b["tokens"].as_i64().map_or("none".to_string(), |t| t.to_string());
-                println!("tree of run {}: budget {limit}, spent {}, held {}", b["root_id"], b["spent"], b["held"]);
+                println!("budget of run {} and the runs below it: {limit}, spent {}, held {}", b["holder_id"], b["spent"], b["held"]);
             });
         }
         RunsCommand::Cancel { id } => {

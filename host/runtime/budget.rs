@@ -32,8 +32,9 @@ impl SegmentState {
                 }
                 Ok(true)
             }
-            Hold::Over { spent, held, limit } => {
-                tracing::info!(run_id = self.lease.run_id, spent, held, limit, tokens, "model.chat would overspend its tree's budget; waiting for a raise");
+            Hold::Over { holder, spent, held, limit } => {
+                let tokens = rate::reserve(remote);
+                tracing::info!(run_id = self.lease.run_id, holder, spent, held, limit, tokens, "model.chat would overspend a budget over it; waiting for a raise");
                 crate::metrics::global().budget_waits.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 self.stop(Interrupt::Budget)
             }

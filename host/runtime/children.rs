@@ -39,6 +39,15 @@ struct SpawnOptions {
     max_attempts: Option<i64>,
     #[serde(default)]
     detached: bool,
+    #[serde(default)]
+    budget: Option<BudgetShare>,
+}
+
+/// A share of the tree's token budget given to a child (`{"tokens": N}`).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct BudgetShare {
+    tokens: i64,
 }
 
 impl Host for SegmentState {
@@ -96,6 +105,10 @@ impl SegmentState {
         if !(1..=MAX_CHILD_ATTEMPTS).contains(&max_attempts) {
             return Err(EffectError::Denied(format!("spawn: max_attempts must be 1 to {MAX_CHILD_ATTEMPTS}")));
         }
+        let budget_tokens = o.budget.map(|b| b.tokens);
+        if budget_tokens.is_some_and(|t| !(0..=1_000_000_000_000).contains(&t)) {
+            return Err(EffectError::Denied("spawn: budget.tokens must be 0 to 1000000000000".into()));
+        }
         Ok(Spawn {
             plugin: plugin.to_string(),
             input: input.to_string(),
@@ -103,6 +116,7 @@ impl SegmentState {
             concurrency_key: o.concurrency_key,
             max_attempts,
             detached: o.detached,
+            budget_tokens,
         })
     }
 

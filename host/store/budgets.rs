@@ -1,7 +1,8 @@
 //! Token budgets shared by a run's tree (docs/concepts.md, "Budgets").
 //!
 //! A root run may carry a budget (`budget_tokens`); its children, theirs
-//! and so on draw from it. What the tree has spent is never a counter: it
+//! and so on draw from it. A parent may give a child a share (the child's
+//! own `budget_tokens`), which its subtree may not pass either. What the tree has spent is never a counter: it
 //! is the sum of `usage.total_tokens` over the tree's committed
 //! `model.chat` rows, so a replayed call (its row already committed) costs
 //! nothing and a resumed run is never granted a fresh budget. A call about
@@ -19,12 +20,14 @@ use crate::store::guard::{guard, rejected};
 use crate::store::log::{self, kind};
 use crate::store::{Backend, FOREVER, Lease, RunStatus, Store, StoreError, sql};
 
-/// A tree's budget as it stands.
+/// A budget as it stands: a root's, for its whole tree, or the share a
+/// parent gave a child, for the child's subtree.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 pub struct Budget {
-    /// The tree's root, which carries the budget.
-    pub root_id: i64,
-    /// Tokens the tree may use; `None`: no budget.
+    /// The run that carries the budget (the tree's root, or a child given
+    /// a share); it covers that run and every run below it.
+    pub holder_id: i64,
+    /// Tokens the subtree may use; `None`: no budget.
     pub tokens: Option<i64>,
     /// Tokens its committed `model.chat` calls report having used.
     pub spent: i64,
@@ -40,71 +43,95 @@ pub enum Hold {
     /// Held (or held already, for a re-issued call).
     Held,
     /// The call would go past the budget: nothing held.
-    Over { spent: i64, held: i64, limit: i64 },
+    Over { holder: i64, spent: i64, held: i64, limit: i64 },
 }
 
-/// The tree spend of root `$1`, per backend: usage over its committed
-/// `model.chat` rows.
+/// The runs of the subtree under `$1` (it included), as CTE `sub`.
+macro_rules! subtree {
+    () => {
+        "WITH RECURSIVE sub(id) AS (SELECT CAST($1 AS BIGINT) UNION ALL SELECT r.id FROM runs r JOIN sub ON r.parent_id = sub.id) "
+    };
+}
+
+/// What the subtree under `$1` has spent, per backend: the usage over its
+/// committed `model.chat` rows.
 fn spent_sql(store: &Store) -> &'static str {
     match store.backend() {
         Backend::Sqlite => sql!(
             store,
-            "SELECT COALESCE(SUM(json_extract(e.result, '$.usage.total_tokens')), 0) FROM effects e \
-             WHERE e.run_id IN (SELECT id FROM runs WHERE id = $1 UNION ALL SELECT id FROM runs WHERE root_id = $1) \
-             AND e.name = 'model.chat' AND e.state = 'committed'"
+            concat!(
+                subtree!(),
+                "SELECT COALESCE(SUM(json_extract(e.result, '$.usage.total_tokens')), 0) FROM effects e \
+                 WHERE e.run_id IN (SELECT id FROM sub) AND e.name = 'model.chat' AND e.state = 'committed'"
+            )
         ),
         Backend::Postgres => sql!(
             store,
-            "SELECT COALESCE(SUM((e.result::jsonb -> 'usage' ->> 'total_tokens')::bigint), 0)::bigint FROM effects e \
-             WHERE e.run_id IN (SELECT id FROM runs WHERE id = $1 UNION ALL SELECT id FROM runs WHERE root_id = $1) \
-             AND e.name = 'model.chat' AND e.state = 'committed'"
+            concat!(
+                subtree!(),
+                "SELECT COALESCE(SUM((e.result::jsonb -> 'usage' ->> 'total_tokens')::bigint), 0)::bigint FROM effects e \
+                 WHERE e.run_id IN (SELECT id FROM sub) AND e.name = 'model.chat' AND e.state = 'committed'"
+            )
         ),
     }
 }
 
-/// Tokens held for root `$1` by calls with no outcome yet, of open runs.
-const HELD: &str = "SELECT CAST(COALESCE(SUM(h.tokens), 0) AS BIGINT) FROM budget_holds h JOIN runs r ON r.id = h.run_id \
-     LEFT JOIN effects e ON e.run_id = h.run_id AND e.seq = h.seq \
-     WHERE h.root_id = $1 AND r.status NOT IN ('completed','failed','aborted','cancelled') \
-     AND (e.state IS NULL OR e.state IN ('started','in_doubt'))";
+/// Tokens held in the subtree under `$1` by calls with no outcome yet, of
+/// open runs.
+const HELD: &str = concat!(
+    subtree!(),
+    "SELECT CAST(COALESCE(SUM(h.tokens), 0) AS BIGINT) FROM budget_holds h JOIN sub ON sub.id = h.run_id \
+     JOIN runs r ON r.id = h.run_id LEFT JOIN effects e ON e.run_id = h.run_id AND e.seq = h.seq \
+     WHERE r.status NOT IN ('completed','failed','aborted','cancelled') \
+     AND (e.state IS NULL OR e.state IN ('started','in_doubt'))"
+);
+
+/// The runs from `$1` up to its root that carry a budget, root first.
+const HOLDERS: &str = "WITH RECURSIVE up(id, parent_id, budget_tokens) AS (SELECT id, parent_id, budget_tokens FROM runs WHERE id = $1 \
+     UNION ALL SELECT r.id, r.parent_id, r.budget_tokens FROM runs r JOIN up ON r.id = up.parent_id) \
+     SELECT id, budget_tokens FROM up WHERE budget_tokens IS NOT NULL ORDER BY id";
 
 impl Store {
-    async fn budget_on(&self, conn: &mut sqlx::AnyConnection, root: i64, tokens: Option<i64>) -> Result<Budget, StoreError> {
-        let spent: i64 = sqlx::query_scalar(spent_sql(self)).bind(root).fetch_one(&mut *conn).await?;
-        let held: i64 = sqlx::query_scalar(sql!(self, HELD)).bind(root).fetch_one(&mut *conn).await?;
-        Ok(Budget { root_id: root, tokens, spent, held })
+    async fn budget_on(&self, conn: &mut sqlx::AnyConnection, holder: i64, tokens: Option<i64>) -> Result<Budget, StoreError> {
+        let spent: i64 = sqlx::query_scalar(spent_sql(self)).bind(holder).fetch_one(&mut *conn).await?;
+        let held: i64 = sqlx::query_scalar(sql!(self, HELD)).bind(holder).fetch_one(&mut *conn).await?;
+        Ok(Budget { holder_id: holder, tokens, spent, held })
     }
 
-    /// The budget of the tree run `run_id` belongs to.
+    /// The budget that binds run `run_id` most closely: its own share, its
+    /// nearest ancestor's, or its root's (with `tokens` none if the root
+    /// has none either).
+    async fn nearest(&self, conn: &mut sqlx::AnyConnection, run_id: i64) -> Result<(i64, Option<i64>), StoreError> {
+        let holders = sqlx::query(sql!(self, HOLDERS)).bind(run_id).fetch_all(&mut *conn).await?;
+        if let Some(last) = holders.last() {
+            return Ok((last.try_get("id")?, last.try_get("budget_tokens")?));
+        }
+        let root: Option<i64> = sqlx::query_scalar(sql!(self, "SELECT COALESCE(root_id, id) FROM runs WHERE id = $1"))
+            .bind(run_id)
+            .fetch_optional(&mut *conn)
+            .await?;
+        Ok((root.ok_or(StoreError::RunNotFound(run_id))?, None))
+    }
+
+    /// The budget that binds run `run_id` most closely (see
+    /// [`Store::set_budget`]).
     pub async fn budget(&self, run_id: i64) -> Result<Budget, StoreError> {
         let mut conn = self.pool().acquire().await?;
-        let row = sqlx::query(sql!(
-            self,
-            "SELECT r.id, r.budget_tokens FROM runs r WHERE r.id = (SELECT COALESCE(root_id, id) FROM runs WHERE id = $1)"
-        ))
-        .bind(run_id)
-        .fetch_optional(&mut *conn)
-        .await?
-        .ok_or(StoreError::RunNotFound(run_id))?;
-        self.budget_on(&mut *conn, row.try_get("id")?, row.try_get("budget_tokens")?).await
+        let (holder, tokens) = self.nearest(&mut *conn, run_id).await?;
+        self.budget_on(&mut *conn, holder, tokens).await
     }
 
-    /// Holds `tokens` of its tree's budget for call `seq` of the run
-    /// `lease` holds, under (owner, fence) and the root's row lock.
+    /// Holds `tokens` for call `seq` of the run `lease` holds, under
+    /// (owner, fence), against every budget over it (its root's and any
+    /// share on the way), each under its holder's row lock, root first.
     pub async fn hold_budget(&self, lease: &Lease, seq: i64, tokens: i64) -> Result<Hold, StoreError> {
         self.retry(|| async {
             let mut tx = self.writer().begin().await?;
             guard(self, &mut tx, lease).await?;
-            let root: i64 = sqlx::query_scalar(sql!(self, "SELECT COALESCE(root_id, id) FROM runs WHERE id = $1"))
-                .bind(lease.run_id)
-                .fetch_one(&mut *tx)
-                .await?;
-            let locked = match self.backend() {
-                Backend::Sqlite => sql!(self, "SELECT budget_tokens FROM runs WHERE id = $1"),
-                Backend::Postgres => sql!(self, "SELECT budget_tokens FROM runs WHERE id = $1 FOR UPDATE"),
-            };
-            let limit: Option<i64> = sqlx::query_scalar(locked).bind(root).fetch_one(&mut *tx).await?;
-            let Some(limit) = limit else { return Ok(Hold::Unlimited) };
+            let holders = sqlx::query(sql!(self, HOLDERS)).bind(lease.run_id).fetch_all(&mut *tx).await?;
+            if holders.is_empty() {
+                return Ok(Hold::Unlimited);
+            }
             let already: Option<i64> = sqlx::query_scalar(sql!(self, "SELECT tokens FROM budget_holds WHERE run_id = $1 AND seq = $2"))
                 .bind(lease.run_id)
                 .bind(seq)
@@ -113,17 +140,25 @@ impl Store {
             if already.is_some() {
                 return Ok(Hold::Held);
             }
-            let b = self.budget_on(&mut *tx, root, Some(limit)).await?;
-            if b.spent + b.held + tokens > limit {
-                return Ok(Hold::Over { spent: b.spent, held: b.held, limit });
+            for h in &holders {
+                let holder: i64 = h.try_get("id")?;
+                let locked = match self.backend() {
+                    Backend::Sqlite => sql!(self, "SELECT budget_tokens FROM runs WHERE id = $1"),
+                    Backend::Postgres => sql!(self, "SELECT budget_tokens FROM runs WHERE id = $1 FOR UPDATE"),
+                };
+                let Some(limit): Option<i64> = sqlx::query_scalar(locked).bind(holder).fetch_one(&mut *tx).await? else { continue };
+                let b = self.budget_on(&mut *tx, holder, Some(limit)).await?;
+                if b.spent + b.held + tokens > limit {
+                    return Ok(Hold::Over { holder, spent: b.spent, held: b.held, limit });
+                }
             }
             sqlx::query(sql!(
                 self,
-                "INSERT INTO budget_holds (run_id, seq, root_id, tokens, created_at) VALUES ($1, $2, $3, $4, {now})"
+                "INSERT INTO budget_holds (run_id, seq, root_id, tokens, created_at) \
+                 SELECT id, $2, COALESCE(root_id, id), $3, {now} FROM runs WHERE id = $1"
             ))
             .bind(lease.run_id)
             .bind(seq)
-            .bind(root)
             .bind(tokens)
             .execute(&mut *tx)
             .await?;
@@ -189,9 +224,10 @@ impl Store {
         Ok(RunStatus::Queued)
     }
 
-    /// Sets the budget of the tree run `run_id` belongs to (on its root;
-    /// `None` removes it) and makes the tree's runs waiting for budget
-    /// due, so each looks again. Returns the budget as it now stands.
+    /// Sets the budget that binds run `run_id` most closely (a share
+    /// given to it or an ancestor, else its root's; `None` removes it) and
+    /// makes the tree's runs waiting for budget due, so each looks again.
+    /// Returns the budget as it now stands.
     pub async fn set_budget(&self, run_id: i64, tokens: Option<i64>) -> Result<Budget, StoreError> {
         if tokens.is_some_and(|t| t < 0) {
             return Err(StoreError::Config("a budget is 0 tokens or more".into()));
@@ -199,17 +235,17 @@ impl Store {
         let (budget, woken) = self
             .retry(|| async {
                 let mut tx = self.writer().begin().await?;
+                let (holder, _) = self.nearest(&mut *tx, run_id).await?;
                 let root: i64 = sqlx::query_scalar(sql!(
                     self,
-                    "UPDATE runs SET budget_tokens = $2 WHERE id = (SELECT COALESCE(root_id, id) FROM runs WHERE id = $1) RETURNING id"
+                    "UPDATE runs SET budget_tokens = $2 WHERE id = $1 RETURNING COALESCE(root_id, id)"
                 ))
-                .bind(run_id)
+                .bind(holder)
                 .bind(tokens)
-                .fetch_optional(&mut *tx)
-                .await?
-                .ok_or(StoreError::RunNotFound(run_id))?;
+                .fetch_one(&mut *tx)
+                .await?;
                 let woken = wake_waiting(self, &mut tx, root).await?;
-                let budget = self.budget_on(&mut *tx, root, tokens).await?;
+                let budget = self.budget_on(&mut *tx, holder, tokens).await?;
                 tx.commit().await?;
                 Ok((budget, woken))
             })

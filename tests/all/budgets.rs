@@ -56,13 +56,40 @@ both! {
         // Nothing is claimable until the raise.
         ensure!(host("host-a").run_once().await?.is_none(), "a run waiting for budget was claimed");
         let raised = db.store.set_budget(kids[0].id, Some(10_000)).await?;
-        ensure!(raised.root_id == root, "the raise went to {} not the root {root}", raised.root_id);
+        ensure!(raised.holder_id == root, "the raise went to {} not the root {root}", raised.holder_id);
         host("host-a").drain().await?;
         let done = db.store.get_run(root).await?;
         ensure!(done.status == RunStatus::Completed, "the root is {:?}: {:?}", done.status, done.error);
         ensure!(model.hits().len() == 4, "{} calls", model.hits().len());
         let budget = db.store.budget(root).await?;
         ensure!(budget.spent == 4 * USAGE_TOKENS && budget.held == 0, "{budget:?}");
+        Ok(())
+    }
+
+    async fn a_childs_share_caps_its_subtree_under_the_roots_budget(db) {
+        let model = FakeModel::start(echo()).await?;
+        let host = hosts(db, &model).await?;
+        // Each child may spend 1,500 of the root's 10,000: two calls each
+        // go out, the third waits on the child's share, not the root's.
+        let input = json!({ "inputs": [chats(3), chats(3)], "options": { "budget": { "tokens": 1_500 } } });
+        let root = submit(db, "fanout", input, 10_000).await?;
+        host("host-a").drain().await?;
+        ensure!(model.hits().len() == 4, "{} calls went out", model.hits().len());
+        let (mut kids, _) = db.store.runs_page(&RunFilter { parent: Some(root), ..RunFilter::default() }, None, 10, i64::MAX).await?;
+        kids.sort_by_key(|k| k.id);
+        for k in &kids {
+            ensure!(k.waiting_for.as_deref() == Some("budget"), "child {} waits for {:?}", k.id, k.waiting_for);
+            let b = db.store.budget(k.id).await?;
+            ensure!(b.holder_id == k.id && b.tokens == Some(1_500) && b.spent == 2 * USAGE_TOKENS, "{b:?}");
+        }
+        let tree = db.store.budget(root).await?;
+        ensure!(tree.holder_id == root && tree.spent == 4 * USAGE_TOKENS, "{tree:?}");
+        // Raising the first child's share lets it finish; the second still waits.
+        db.store.set_budget(kids[0].id, Some(5_000)).await?;
+        host("host-a").drain().await?;
+        ensure!(db.store.get_run(kids[0].id).await?.status == RunStatus::Completed, "the first child did not finish");
+        ensure!(db.store.get_run(kids[1].id).await?.waiting_for.as_deref() == Some("budget"), "the second child stopped waiting");
+        ensure!(db.store.budget(root).await?.tokens == Some(10_000), "the root's budget moved");
         Ok(())
     }
 

@@ -31,7 +31,7 @@ export function childrenSection(ui) {
     kids.sort((a, b) => a.id - b.id);
     const b = await api(`/v1/runs/${run.id}/budget`, { signal });
     budget.hidden = b.tokens == null;
-    budget.textContent = b.tokens == null ? '' : `budget: ${b.spent} tokens spent and ${b.held} held of ${b.tokens}, by the tree of run ${b.root_id}`
+    budget.textContent = b.tokens == null ? '' : `budget: ${b.spent} tokens spent and ${b.held} held of ${b.tokens}, by run ${b.holder_id} and the runs below it`
       + (run.waiting_for === 'budget' ? ' — this run waits for a raise' : '');
     const isChild = run.parent_id != null;
     el.hidden = !isChild && kids.length === 0 && b.tokens == null;
