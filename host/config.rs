@@ -173,6 +173,11 @@ pub struct ServeOptions {
     /// clock, so this must change nothing else. [default: 0]
     #[arg(long, env = "LEASEHOLD_TEST_CLOCK_SKEW_MS", hide = true, allow_negative_numbers = true)]
     pub test_clock_skew_ms: Option<i64>,
+    /// Test only: hold every spawn for a minute `before` or `after` its
+    /// commit, so a test can kill the host there. [default: none]
+    #[arg(long, hide = true)]
+    #[serde(skip)]
+    pub test_pause_spawns: Option<leasehold::store::faults::SpawnPause>,
 }
 
 /// Resolved settings. `Debug` shows no secret.
@@ -214,6 +219,7 @@ pub struct Serve {
     pub owner: Option<String>,
     pub segment_budget: Duration,
     pub test_clock_skew_ms: i64,
+    pub test_pause_spawns: Option<leasehold::store::faults::SpawnPause>,
 }
 
 impl ServeOptions {
@@ -280,6 +286,7 @@ impl ServeOptions {
             owner: self.owner.or(file.owner),
             segment_budget: ms(self.segment_budget_ms.or(file.segment_budget_ms).unwrap_or(30_000)),
             test_clock_skew_ms: self.test_clock_skew_ms.or(file.test_clock_skew_ms).unwrap_or(0),
+            test_pause_spawns: self.test_pause_spawns,
         };
         if serve.pg_vacuum_dead_rows < 0 {
             bail!("--pg-vacuum-dead-rows must be 0 (off) or more");

@@ -41,6 +41,10 @@ pub async fn serve_with(cfg: config::Serve, dev: Option<crate::dev::Project>) ->
     }
     let options = StoreOptions { sqlite_sync: cfg.sqlite_sync, ..StoreOptions::default() };
     let store = connect_with_retry(&cfg.database_url, options).await?;
+    if let Some(at) = cfg.test_pause_spawns {
+        tracing::warn!(?at, "test setting: every spawn pauses for a minute");
+        store.faults().pause_spawns(at);
+    }
     if cfg.sqlite_sync == SqliteSync::Normal && store.backend() == leasehold::Backend::Sqlite {
         tracing::warn!(
             "--sqlite-synchronous normal: a power loss or OS crash may lose the last commits, \

@@ -36,6 +36,9 @@ pub struct Spawn {
     pub max_attempts: i64,
     /// Left open when the parent fails or is aborted (default: cancelled).
     pub detached: bool,
+    /// A share of the tree's token budget that the child's subtree may not
+    /// pass (`store::budgets`). Default: none (it draws on its root's).
+    pub budget_tokens: Option<i64>,
 }
 
 /// How one child stands, as a waiting parent is told.
@@ -103,9 +106,9 @@ impl Store {
                 let row = sqlx::query(sql!(
                     self,
                     "INSERT INTO runs (thread_id, plugin, plugin_digest, input, status, max_attempts, not_before, \
-                     created_at, updated_at, secret, priority, concurrency_key, parent_id, root_id, spawn_seq, detached) \
+                     created_at, updated_at, secret, priority, concurrency_key, parent_id, root_id, spawn_seq, detached, budget_tokens) \
                      SELECT $1, p.name, p.digest, $2, 'queued', $3, {now}, {now}, {now}, $4, $5, $6, $7, \
-                     (SELECT COALESCE(r.root_id, r.id) FROM runs r WHERE r.id = $7), $8, $9 \
+                     (SELECT COALESCE(r.root_id, r.id) FROM runs r WHERE r.id = $7), $8, $9, $11 \
                      FROM plugins p WHERE p.name = $10 RETURNING {runs}"
                 ))
                 .bind(&thread_id)
@@ -118,6 +121,7 @@ impl Store {
                 .bind(call.seq)
                 .bind(i64::from(spawn.detached))
                 .bind(&spawn.plugin)
+                .bind(spawn.budget_tokens)
                 .fetch_optional(&mut *tx)
                 .await?;
                 let Some(row) = row else { return Ok(None) };
@@ -141,7 +145,9 @@ impl Store {
                 let result = child.id.to_string();
                 let ledger = insert_row(self, &mut tx, lease, call, EffectClass::Local, EffectState::Committed, Some(&result)).await?;
                 self.faults().before_spawn_commit()?;
+                self.faults().spawn_pause(crate::store::faults::SpawnPause::Before).await;
                 tx.commit().await?;
+                self.faults().spawn_pause(crate::store::faults::SpawnPause::After).await;
                 self.faults().after_spawn_commit()?;
                 Ok(Some((ledger, child)))
             })

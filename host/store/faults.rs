@@ -19,6 +19,19 @@ pub struct Faults {
     claim_reply_losses: AtomicU32,
     spawn_rollbacks: AtomicU32,
     spawn_reply_losses: AtomicU32,
+    /// 1: pause spawns before their commit; 2: after it (see
+    /// [`Faults::pause_spawns`]).
+    spawn_pause: AtomicU32,
+}
+
+/// Where [`Faults::pause_spawns`] holds a spawn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SpawnPause {
+    /// Inside its transaction, everything written but the commit.
+    Before,
+    /// Just after its commit, before the segment hears of it.
+    After,
 }
 
 impl Faults {
@@ -90,6 +103,21 @@ impl Faults {
     /// in the database, and the segment stops with a database error.
     pub fn lose_spawn_replies(&self, n: u32) {
         self.spawn_reply_losses.store(n, Ordering::Relaxed);
+    }
+
+    /// Holds every spawn for a minute at `at`, saying so in the log at
+    /// `warn` (a test kills the host there: `serve --test-pause-spawns`).
+    pub fn pause_spawns(&self, at: SpawnPause) {
+        self.spawn_pause.store(if at == SpawnPause::Before { 1 } else { 2 }, Ordering::Relaxed);
+    }
+
+    /// The pause [`Faults::pause_spawns`] asked for at this point, if any.
+    pub(crate) async fn spawn_pause(&self, at: SpawnPause) {
+        let want = if at == SpawnPause::Before { 1 } else { 2 };
+        if self.spawn_pause.load(Ordering::Relaxed) == want {
+            tracing::warn!(?at, "test setting: pausing a spawn for a minute");
+            tokio::time::sleep(Duration::from_secs(60)).await;
+        }
     }
 
     /// Just before a spawn commits: `Err` rolls it back, if asked to

@@ -116,7 +116,53 @@ async fn spawn_death(db: &TestDb, death: Death) -> Result<()> {
     Ok(())
 }
 
+/// A `leasehold serve` host that pauses every spawn at `at` is SIGKILLed
+/// there; a second host takes the parent over once its lease runs out.
+async fn sigkill_at_spawn(db: &TestDb, at: &str) -> Result<()> {
+    use crate::serve_proc::{ServeArgs, ServeProc};
+    let dir = tempfile::tempdir()?;
+    std::fs::write(dir.path().join("testkit.wasm"), plugins::rust_plugin("testkit")?)?;
+    std::fs::write(dir.path().join("fanout.wasm"), plugins::rust_plugin("fanout")?)?;
+    let host = |owner: &str, pause: Option<&str>| -> Result<ServeArgs<'_>> {
+        let mut args = ServeArgs::new(db.url(), dir.path(), owner.into())?;
+        args.extra.push("--spawn-allow=testkit".into());
+        args.extra.extend(pause.map(|p| format!("--test-pause-spawns={p}")));
+        Ok(args)
+    };
+    leasehold::effects::http::install_tls();
+    let http = crate::serve_proc::client(reqwest::Client::builder())?;
+    let a_args = host("host-a", Some(at))?;
+    let a = ServeProc::spawn(&a_args)?;
+    a.wait_healthy(&http, Duration::from_secs(60)).await?;
+    let parent = submit(&db.store, "fanout", json!({ "n": 1, "input": { "mode": "steps", "steps": 1 } })).await?;
+    let start = Instant::now();
+    while !std::fs::read_to_string(&a_args.log).unwrap_or_default().contains("pausing a spawn") {
+        ensure!(start.elapsed() < Duration::from_secs(30), "{at}: host A never reached its spawn");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    drop(a); // SIGKILL
+    let made = children(&db.store, parent).await?.len();
+    let expected = if at == "before" { 0 } else { 1 };
+    ensure!(made == expected, "{at}: {made} children right after the kill");
+    let b = ServeProc::spawn(&host("host-b", None)?)?;
+    b.wait_healthy(&http, Duration::from_secs(60)).await?;
+    let done = finished(&db.store, parent, Duration::from_secs(60)).await?;
+    ensure!(done.status == RunStatus::Completed, "{at}: the parent is {:?}: {:?}", done.status, done.error);
+    ensure!(done.output.as_deref() == Some(r#"["did 1 steps"]"#), "{at}: output {:?}", done.output);
+    let kids = children(&db.store, parent).await?;
+    ensure!(kids.len() == 1, "{at}: {} children", kids.len());
+    Ok(())
+}
+
 both! {
+    async fn a_host_sigkilled_before_its_spawn_commits_leaves_exactly_one_child(db) {
+        sigkill_at_spawn(db, "before").await
+    }
+
+    async fn a_host_sigkilled_after_its_spawn_commits_leaves_exactly_one_child(db) {
+        sigkill_at_spawn(db, "after").await
+    }
+
     async fn a_spawn_rolled_back_by_a_dying_host_is_made_once_by_the_host_that_resumes(db) {
         spawn_death(db, Death::BeforeCommit).await
     }
