@@ -15,6 +15,15 @@ use utoipa::ToSchema;
 use super::{ApiError, AppState, ErrorBody, JsonBody, Params};
 use crate::runtime::waits::token_hash;
 
+/// `GET /v1/answers/{token}`: the link's page, a form that POSTs the
+/// answer (opening a link, as a mail scanner does, uses nothing).
+#[utoipa::path(get, path = "/v1/answers/{token}", tag = "runs", security(()),
+    params(("token" = String, Path, description = "The link's token.")),
+    responses((status = 200, description = "A page with a form that sends the answer.", content_type = "text/html", body = String)))]
+pub async fn page() -> axum::response::Response {
+    super::dashboard::answer_page()
+}
+
 /// What an answer link delivers.
 #[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]

@@ -1,4 +1,4 @@
-//! The web dashboard: five files embedded in the binary and served at `/`
+//! The web dashboard: five files (and the answer links' page, two more) embedded in the binary and served at `/`
 //! (nothing is fetched from elsewhere, so it works offline). The page holds
 //! no data and needs no token; it asks the API for everything with the
 //! token the operator gives it (`/#token=…`, kept in the tab's
@@ -18,6 +18,8 @@ const INDEX: &str = include_str!("dashboard/index.html");
 const APP_JS: &str = include_str!("dashboard/app.js");
 const QUEUES_JS: &str = include_str!("dashboard/queues.js");
 const TREE_JS: &str = include_str!("dashboard/tree.js");
+const ANSWER_HTML: &str = include_str!("dashboard/answer.html");
+const ANSWER_JS: &str = include_str!("dashboard/answer.js");
 const STYLE_CSS: &str = include_str!("dashboard/style.css");
 
 const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; \
@@ -29,7 +31,15 @@ pub(super) fn router<S: Clone + Send + Sync + 'static>() -> Router<S> {
         .route("/ui/app.js", get(|| async { asset("text/javascript; charset=utf-8", APP_JS) }))
         .route("/ui/queues.js", get(|| async { asset("text/javascript; charset=utf-8", QUEUES_JS) }))
         .route("/ui/tree.js", get(|| async { asset("text/javascript; charset=utf-8", TREE_JS) }))
+        .route("/ui/answer.js", get(|| async { asset("text/javascript; charset=utf-8", ANSWER_JS) }))
         .route("/ui/style.css", get(|| async { asset("text/css; charset=utf-8", STYLE_CSS) }))
+}
+
+/// The page an answer link opens (`GET /v1/answers/{token}`): a form that
+/// POSTs the answer. The same for every token, so opening it tells
+/// nothing and uses nothing.
+pub(super) fn answer_page() -> Response {
+    asset("text/html; charset=utf-8", ANSWER_HTML)
 }
 
 fn asset(content_type: &'static str, body: &'static str) -> Response {

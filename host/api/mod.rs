@@ -172,7 +172,7 @@ pub fn router(state: AppState) -> Router {
         .route("/metrics", get(metrics::metrics))
         .layer(middleware::from_fn_with_state(state.clone(), auth))
         // The link's own token is its credential (see `answers`).
-        .route("/v1/answers/{token}", json_post(answers::answer))
+        .route("/v1/answers/{token}", json_post(answers::answer).get(answers::page))
         .route("/healthz", get(healthz))
         .route("/v1/openapi.json", get(openapi::openapi))
         .merge(dashboard::router())

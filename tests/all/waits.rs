@@ -138,6 +138,10 @@ both! {
         let stored: Vec<String> = sqlx::query_scalar("SELECT token_hash FROM answer_links").fetch_all(db.store.pool()).await?;
         ensure!(stored.len() == 1 && stored[0] != token, "the token itself is stored");
         let http = reqwest::Client::new();
+        // Opening the link (as a mail scanner does) shows a form and uses nothing.
+        let page = http.get(&link).send().await?;
+        ensure!(page.status() == 200, "the link's page: {}", page.status());
+        ensure!(page.text().await?.contains("answer-form"), "the link's page has no form");
         let answer = |input: &str| http.post(&link).json(&json!({ "input": input })).send();
         let r = answer("ok").await?;
         ensure!(r.status() == 200, "first use: {} {}", r.status(), r.text().await?);
