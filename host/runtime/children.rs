@@ -27,6 +27,10 @@ pub const MAX_AWAITED: usize = 10_000;
 /// Most attempts a spawn may give its child.
 const MAX_CHILD_ATTEMPTS: i64 = 100;
 
+/// Deepest a tree may grow: a run this many levels below its root may not
+/// spawn. A plugin granted to spawn itself cannot nest without end.
+pub const MAX_TREE_DEPTH: i64 = 32;
+
 /// `spawn`'s `options`, as JSON.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -152,6 +156,20 @@ impl SegmentState {
             Ok(spawn) => spawn,
             Err(error) => return Ok(self.refuse(&call, error).await?.map(|_| 0)),
         };
+        let depth = {
+            let _db = self.phase.enter(Phase::DATABASE);
+            let (db, run) = (self.db.clone(), self.lease.run_id);
+            match detached(async move { db.depth(run).await }).await {
+                Ok(depth) => depth,
+                Err(e) => return self.store_failed(e),
+            }
+        };
+        if depth >= MAX_TREE_DEPTH {
+            let error = EffectError::Denied(format!(
+                "spawn: this run is {depth} levels below its root; a tree may be at most {MAX_TREE_DEPTH} deep"
+            ));
+            return Ok(self.refuse(&call, error).await?.map(|_| 0));
+        }
         self.room(20)?;
         let _db = self.phase.enter(Phase::DATABASE);
         self.flush_stream().await?;

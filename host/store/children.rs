@@ -163,6 +163,20 @@ impl Store {
         Ok(written)
     }
 
+    /// How many runs are above `run_id` in its tree (0 for a root). A
+    /// run's ancestors never change, so this needs no lock.
+    pub async fn depth(&self, run_id: i64) -> Result<i64, StoreError> {
+        Ok(sqlx::query_scalar(sql!(
+            self,
+            "WITH RECURSIVE up(parent_id, d) AS (SELECT parent_id, CAST(0 AS BIGINT) FROM runs WHERE id = $1 \
+             UNION ALL SELECT r.parent_id, up.d + 1 FROM runs r JOIN up ON r.id = up.parent_id) \
+             SELECT CAST(COALESCE(MAX(d), 0) AS BIGINT) FROM up"
+        ))
+        .bind(run_id)
+        .fetch_one(self.pool())
+        .await?)
+    }
+
     /// How each of `ids` stands, in the order given; `None` for an id that
     /// is not a child of `parent`.
     pub async fn child_states(&self, parent: i64, ids: &[i64]) -> Result<Vec<Option<ChildEnd>>, StoreError> {

@@ -332,6 +332,20 @@ both! {
         Ok(())
     }
 
+    async fn a_tree_stops_growing_at_its_depth_cap(db) {
+        // fanout spawning itself 40 levels deep, one child a level.
+        let pool = pool(db, "h1", 2, crate::harness::TTL).await?;
+        let root = submit(&db.store, "fanout", json!({ "n": 1, "depth": 40 })).await?;
+        let done = finished(&db.store, root, Duration::from_secs(120)).await?;
+        ensure!(done.status == RunStatus::Completed, "the root ended {:?}: {:?}", done.status, done.error);
+        let output = done.output.unwrap_or_default();
+        ensure!(output.contains("a tree may be at most 32 deep"), "output {output}");
+        let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM runs WHERE id = $1 OR root_id = $1").bind(root).fetch_one(db.store.pool()).await?;
+        ensure!(n == 33, "{n} runs in the tree");
+        pool.shutdown(Duration::from_secs(5)).await;
+        Ok(())
+    }
+
     async fn a_spawn_without_a_grant_is_denied_and_the_parent_sees_why(db) {
         let runtime = plugins::runtime()?;
         leasehold::plugins::register(&db.store, &runtime, "testkit", plugins::rust_plugin("testkit")?, PluginSettings::default()).await?;
