@@ -35,7 +35,7 @@ impl Store {
                 "UPDATE runs SET status = $4, lease_owner = NULL, lease_expires_at = NULL, \
                  not_before = {now} + $5, \
                  pending_input = CASE WHEN $4 = 'waiting_input' THEN NULL ELSE pending_input END, \
-                 attempt = 0, updated_at = {now} \
+                 waiting_for = NULL, attempt = 0, updated_at = {now} \
                  WHERE id = $1 AND lease_owner = $2 AND fence = $3 AND status = 'running' \
                  RETURNING thread_id, not_before"
             ))

@@ -117,6 +117,27 @@ both! {
         Ok(())
     }
 
+    async fn a_run_past_its_wait_no_longer_waits_on_its_name(db) {
+        let host = hosts(db, vec![], None).await?;
+        // The wait times out; the turn then sleeps a minute.
+        let id = submit(db, json!({ "timeout_ms": 200, "sleep_after_ms": 60_000 })).await?;
+        host("host-a").run_once().await?;
+        let deadline = db.store.get_run(id).await?.not_before;
+        while db.store.now_ms().await? < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let second = host("host-a").run_once().await?;
+        ensure!(second == Some((id, SegmentOutcome::Suspended(RunStatus::Queued))), "{second:?}");
+        let asleep = db.store.get_run(id).await?;
+        ensure!(asleep.waiting_for.is_none(), "a sleeping run shows waiting_for {:?}", asleep.waiting_for);
+        // Input to the name it no longer waits on lands in the inbox and
+        // does not wake the sleep.
+        db.store.deliver_named(id, "approval", "late").await?;
+        let run = db.store.get_run(id).await?;
+        ensure!(run.not_before == asleep.not_before, "the delivery moved not_before from {} to {}", asleep.not_before, run.not_before);
+        Ok(())
+    }
+
     async fn an_answer_link_delivers_once_without_the_api_token_and_then_410s(db) {
         let notify = Sink::start().await?;
         // The API, served here, with a token the link must not need.

@@ -8,7 +8,8 @@
 //!   `{"link": …}` there with `http` (as an email or a chat message
 //!   would carry it), so whoever gets it can answer without the API token;
 //! * `sleep_ms`: a durable sleep before the wait (input may arrive then);
-//! * `spin`: iterations of work after the wait, before returning.
+//! * `spin`: iterations of work after the wait, before returning;
+//! * `sleep_after_ms`: a durable sleep after the wait.
 
 wit_bindgen::generate!({ path: "../../wit", world: "turn" });
 
@@ -49,6 +50,9 @@ impl Guest for Approval {
         }
         let got = wait_for(name, prompt, v["timeout_ms"].as_u64());
         spin(v["spin"].as_u64().unwrap_or(0));
+        if let Some(ms) = v["sleep_after_ms"].as_u64() {
+            sleep(ms);
+        }
         Ok(match got {
             Some(input) => json!({ "input": input }),
             None => json!({ "timeout": true }),
