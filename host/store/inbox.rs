@@ -227,6 +227,9 @@ async fn deliver_in(store: &Store, conn: &mut sqlx::AnyConnection, run_id: i64, 
     if landed.is_none() {
         return Err(StoreError::Conflict { run_id, status, message: "input delivered to this name has not been taken yet" });
     }
+    // Unconditional (the CASE decides): on PostgreSQL the update then waits
+    // for a suspend in flight (which holds the row) and sees it waiting; a
+    // WHERE on the status would skip the row by its snapshot instead.
     let row = sqlx::query(sql!(
         store,
         "UPDATE runs SET not_before = CASE WHEN status = 'queued' AND waiting_for = $2 THEN {now} ELSE not_before END, \

@@ -17,13 +17,26 @@ use serde_json::{Value, json};
 use crate::harness::{TestDb, both};
 use crate::plugins;
 
+/// A runtime with `testkit` and `fanout` registered, fanout granted to
+/// spawn the plugins in `spawn_allow`.
+async fn registered(db: &TestDb, spawn_allow: &[&str]) -> Result<Arc<leasehold::runtime::Runtime>> {
+    let runtime = plugins::runtime()?;
+    leasehold::plugins::register(&db.store, &runtime, "testkit", plugins::rust_plugin("testkit")?, PluginSettings::default()).await?;
+    let grant = PluginSettings { spawn_allow: spawn_allow.iter().map(|p| p.to_string()).collect(), ..PluginSettings::default() };
+    leasehold::plugins::register(&db.store, &runtime, "fanout", plugins::rust_plugin("fanout")?, grant).await?;
+    Ok(runtime)
+}
+
+/// A worker of `owner` on `runtime`.
+fn host(db: &TestDb, runtime: &Arc<leasehold::runtime::Runtime>, owner: &str) -> Executor {
+    let config = ExecutorConfig { owner: owner.into(), model: None, ..ExecutorConfig::default() };
+    Executor::new(db.store.clone(), runtime.clone(), config)
+}
+
 /// Registers `testkit` and `fanout` (which may spawn both) and starts a
 /// pool of `workers` for `owner`.
 async fn pool(db: &TestDb, owner: &str, workers: usize, lease_ttl: Duration) -> Result<WorkerPool> {
-    let runtime = plugins::runtime()?;
-    leasehold::plugins::register(&db.store, &runtime, "testkit", plugins::rust_plugin("testkit")?, PluginSettings::default()).await?;
-    let grant = PluginSettings { spawn_allow: vec!["testkit".into(), "fanout".into()], ..PluginSettings::default() };
-    leasehold::plugins::register(&db.store, &runtime, "fanout", plugins::rust_plugin("fanout")?, grant).await?;
+    let runtime = registered(db, &["testkit", "fanout"]).await?;
     let config = ExecutorConfig { owner: owner.into(), model: None, lease_ttl, ..ExecutorConfig::default() };
     let exec = Arc::new(Executor::new(db.store.clone(), runtime, config));
     Ok(WorkerPool::start(db.store.clone(), exec, PoolConfig { workers, poll: Duration::from_millis(50), claim_batch: 4, prefetch: 0 }))
@@ -82,14 +95,8 @@ enum Death {
 /// Host A dies at the parent's spawn as `death` says; host B takes the
 /// run over once its lease has run out. Exactly one child either way.
 async fn spawn_death(db: &TestDb, death: Death) -> Result<()> {
-    let runtime = plugins::runtime()?;
-    leasehold::plugins::register(&db.store, &runtime, "testkit", plugins::rust_plugin("testkit")?, PluginSettings::default()).await?;
-    let grant = PluginSettings { spawn_allow: vec!["testkit".into()], ..PluginSettings::default() };
-    leasehold::plugins::register(&db.store, &runtime, "fanout", plugins::rust_plugin("fanout")?, grant).await?;
-    let host = |owner: &str| {
-        let config = ExecutorConfig { owner: owner.into(), model: None, ..ExecutorConfig::default() };
-        Executor::new(db.store.clone(), runtime.clone(), config)
-    };
+    let runtime = registered(db, &["testkit"]).await?;
+    let host = |owner: &str| host(db, &runtime, owner);
     let parent = submit(&db.store, "fanout", json!({ "n": 1, "input": { "mode": "steps", "steps": 1 } })).await?;
     match death {
         Death::BeforeCommit => db.store.faults().roll_back_spawns(1),
@@ -172,14 +179,8 @@ both! {
     }
 
     async fn a_child_killed_mid_turn_is_resumed_and_its_parent_still_gets_its_result(db) {
-        let runtime = plugins::runtime()?;
-        leasehold::plugins::register(&db.store, &runtime, "testkit", plugins::rust_plugin("testkit")?, PluginSettings::default()).await?;
-        let grant = PluginSettings { spawn_allow: vec!["testkit".into()], ..PluginSettings::default() };
-        leasehold::plugins::register(&db.store, &runtime, "fanout", plugins::rust_plugin("fanout")?, grant).await?;
-        let host = |owner: &str| {
-            let config = ExecutorConfig { owner: owner.into(), model: None, ..ExecutorConfig::default() };
-            Executor::new(db.store.clone(), runtime.clone(), config)
-        };
+        let runtime = registered(db, &["testkit"]).await?;
+        let host = |owner: &str| host(db, &runtime, owner);
         // The child puts, then computes for a while: host A dies there.
         let parent = submit(&db.store, "fanout", json!({ "n": 1, "input": { "mode": "put-then-spin", "spins": 1u64 << 28 } })).await?;
         let a = host("host-a");
@@ -347,11 +348,8 @@ both! {
     }
 
     async fn a_spawn_without_a_grant_is_denied_and_the_parent_sees_why(db) {
-        let runtime = plugins::runtime()?;
-        leasehold::plugins::register(&db.store, &runtime, "testkit", plugins::rust_plugin("testkit")?, PluginSettings::default()).await?;
-        leasehold::plugins::register(&db.store, &runtime, "fanout", plugins::rust_plugin("fanout")?, PluginSettings::default()).await?;
-        let config = ExecutorConfig { owner: "h1".into(), model: None, ..ExecutorConfig::default() };
-        let exec = Arc::new(Executor::new(db.store.clone(), runtime, config));
+        let runtime = registered(db, &[]).await?;
+        let exec = host(db, &runtime, "h1");
         let parent = submit(&db.store, "fanout", json!({ "n": 1 })).await?;
         exec.run_once().await?.context("nothing claimed")?;
         let done = db.store.get_run(parent).await?;
