@@ -122,6 +122,10 @@ pub struct SubmitArgs {
     /// Default: no budget.
     #[arg(long)]
     budget_tokens: Option<i64>,
+    /// US dollars the run and the runs it spawns may have priced
+    /// `model.chat` calls cost (`serve --model-price`). Default: no budget.
+    #[arg(long)]
+    budget_usd: Option<f64>,
     /// Stream the run's events until it finishes or waits for input.
     #[arg(long)]
     follow: bool,
@@ -167,6 +171,8 @@ pub enum RunsCommand {
         id: i64,
         #[arg(long)]
         tokens: Option<i64>,
+        #[arg(long)]
+        usd: Option<f64>,
     },
     /// Submit many runs: FILE (or - for stdin) holds one JSON object per
     /// line, as the body of `POST /v1/runs`, each with its own
@@ -322,8 +328,8 @@ pub async fn submit(api: &Api, args: SubmitArgs) -> Result<()> {
         "concurrency_key": args.key,
     });
     let mut body = body;
-    if let Some(tokens) = args.budget_tokens {
-        body["budget"] = json!({ "tokens": tokens });
+    if args.budget_tokens.is_some() || args.budget_usd.is_some() {
+        body["budget"] = json!({ "tokens": args.budget_tokens, "usd": args.budget_usd });
     }
     let run = api.send(api.client().post(api.url("/v1/runs")).json(&body)).await?;
     api.print(&run, |r| println!("run {} queued on thread {}", r["id"], r["thread_id"].as_str().unwrap_or("")));
@@ -478,14 +484,19 @@ pub async fn runs(api: &Api, command: RunsCommand) -> Result<()> {
             let v = api.send(c.post(api.url(&format!("/v1/runs/{id}/input"))).json(&body)).await?;
             api.print(&v, |r| println!("input delivered to run {}", r["id"]));
         }
-        RunsCommand::Budget { id, tokens } => {
-            let v = match tokens {
-                Some(t) => api.send(c.post(api.url(&format!("/v1/runs/{id}/budget"))).json(&json!({ "tokens": t }))).await?,
-                None => api.send(c.get(api.url(&format!("/v1/runs/{id}/budget")))).await?,
+        RunsCommand::Budget { id, tokens, usd } => {
+            let url = api.url(&format!("/v1/runs/{id}/budget"));
+            let v = match (tokens, usd) {
+                (None, None) => api.send(c.get(url)).await?,
+                _ => api.send(c.post(url).json(&json!({ "tokens": tokens, "usd": usd }))).await?,
             };
             api.print(&v, |b| {
-                let limit = b["tokens"].as_i64().map_or("none".to_string(), |t| t.to_string());
-                println!("budget of run {} and the runs below it: {limit}, spent {}, held {}", b["holder_id"], b["spent"], b["held"]);
+                let tokens = b["tokens"].as_i64().map_or("none".to_string(), |t| t.to_string());
+                println!("budget of run {} and the runs below it:", b["holder_id"]);
+                println!("  tokens: {tokens}, spent {}, held {}", b["spent"], b["held"]);
+                let usd = b["usd"].as_f64().map_or("none".to_string(), |u| format!("${u:.6}"));
+                let dollars = |k: &str| format!("${:.6}", b[k].as_f64().unwrap_or(0.0));
+                println!("  usd: {usd}, spent {}, held {}", dollars("spent_usd"), dollars("held_usd"));
             });
         }
         RunsCommand::Cancel { id } => {

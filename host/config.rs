@@ -135,6 +135,12 @@ pub struct ServeOptions {
     /// asks for none is given this. [default: 4096]
     #[arg(long, env = "LEASEHOLD_MODEL_MAX_TOKENS")]
     pub model_max_tokens: Option<u64>,
+    /// A model's price, MODEL=PROMPT/ANSWER in US dollars per million
+    /// tokens (`gpt-4o-mini=0.15/0.60`); repeat it, or separate with
+    /// commas. Runs may then carry budgets in dollars; a call to a model
+    /// without a price is denied under one. [default: none]
+    #[arg(long = "model-price", env = "LEASEHOLD_MODEL_PRICES", value_delimiter = ',')]
+    pub model_prices: Option<Vec<String>>,
     /// Compiled-component cache: a private directory (created 0700; one
     /// owned by another user or writable by others is refused).
     /// [default: $XDG_CACHE_HOME/leasehold/components, else ~/.cache/leasehold/components]
@@ -209,6 +215,7 @@ pub struct Serve {
     pub model: Option<String>,
     /// What the plugins loaded from --plugins-dir may ask of `model.chat`.
     pub model_grant: leasehold::store::ModelGrant,
+    pub model_prices: leasehold::effects::prices::Prices,
     pub cache_dir: PathBuf,
     pub max_instances: u32,
     pub max_body_bytes: usize,
@@ -273,6 +280,9 @@ impl ServeOptions {
                 models: self.model_allow.or(file.model_allow).unwrap_or_default().into_iter().filter(|m| !m.trim().is_empty()).collect(),
                 max_tokens: self.model_max_tokens.or(file.model_max_tokens).unwrap_or(leasehold::store::ModelGrant::default().max_tokens),
             },
+            model_prices: leasehold::effects::prices::Prices::parse(&self.model_prices.or(file.model_prices).unwrap_or_default())
+                .map_err(anyhow::Error::msg)
+                .context("--model-price")?,
             cache_dir: self
                 .cache_dir
                 .or(file.cache_dir)

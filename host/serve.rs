@@ -74,8 +74,12 @@ pub async fn serve_with(cfg: config::Serve, dev: Option<crate::dev::Project>) ->
         if let Some(name) = &cfg.model {
             m.default_model = name.clone();
         }
+        m.prices = cfg.model_prices.clone();
         Arc::new(m)
     });
+    if model.is_none() && !cfg.model_prices.is_empty() {
+        tracing::warn!("--model-price is set but --model-base-url is not: model.chat is denied, so the prices go unused");
+    }
     if model.is_none() {
         tracing::info!("no --model-base-url: model.chat is denied to plugins");
     }

@@ -1,4 +1,4 @@
-//! `/v1/runs/{id}/budget`: the token budget that binds a run most closely
+//! `/v1/runs/{id}/budget`: the budget (tokens, dollars) that binds a run most closely
 //! (docs/concepts.md, "Budgets": its own share, an ancestor's, or its
 //! tree's root's): read it with what its subtree has spent and holds, or
 //! set it, which lets the tree's runs waiting for budget go on.
@@ -21,18 +21,20 @@ pub async fn show(State(s): State<AppState>, Params(id): Params<i64>) -> Result<
     Ok(Json(s.store.budget(id).await?))
 }
 
-/// `POST /v1/runs/{id}/budget` with `{"tokens": N}`: sets that budget to
-/// N tokens (the root's, when no share binds the run); the tree's runs
-/// waiting for budget look again.
+/// `POST /v1/runs/{id}/budget` with `{"tokens": N}`, `{"usd": X}` or
+/// both: sets that budget (the root's, when no share binds the run) in
+/// the units given, leaving the other as it is; the tree's runs waiting
+/// for budget look again.
 #[utoipa::path(post, path = "/v1/runs/{id}/budget", tag = "runs", request_body = BudgetRequest,
     params(("id" = i64, Path, description = "A run.")),
     responses(
         (status = 200, description = "The budget as it now stands.", body = Budget),
+        (status = 400, description = "A bad budget (a unit out of range).", body = ErrorBody),
         (status = 404, description = "No such run.", body = ErrorBody),
     ))]
 pub async fn set(State(s): State<AppState>, Params(id): Params<i64>, JsonBody(req): JsonBody<BudgetRequest>) -> Result<Json<Budget>, ApiError> {
-    let tokens = req.checked()?;
-    let budget = s.store.set_budget(id, Some(tokens)).await?;
-    tracing::info!(run_id = id, holder_id = budget.holder_id, tokens, spent = budget.spent, "budget set");
+    let limits = req.checked()?;
+    let budget = s.store.set_budget(id, limits).await?;
+    tracing::info!(run_id = id, holder_id = budget.holder_id, tokens = ?budget.tokens, usd = ?budget.usd, spent = budget.spent, spent_usd = budget.spent_usd, "budget set");
     Ok(Json(budget))
 }

@@ -9,7 +9,7 @@ use serde_json::Value;
 use utoipa::{IntoParams, ToSchema};
 
 use super::{ApiError, AppState, ErrorBody, ErrorDetail, JsonBody, Params, QueryParams};
-use crate::store::{EffectRow, MAX_SUBMIT_BATCH, NewRun, Run, RunFilter, RunStatus};
+use crate::store::{EffectRow, BudgetLimits, MAX_SUBMIT_BATCH, NewRun, Run, RunFilter, RunStatus, usd_to_nanos};
 
 /// Longest thread id or idempotency key, in characters.
 const MAX_KEY_CHARS: usize = 256;
@@ -50,33 +50,57 @@ pub struct Submit {
     /// What the run's tree (it and every run it spawns) may spend on
     /// `model.chat`, as the answers report it (docs/concepts.md,
     /// "Budgets"). Default: no budget.
+    #[serde(default, deserialize_with = "budget_object")]
     budget: Option<BudgetRequest>,
 }
 
-/// A tree's budget.
+/// A tree's budget: tokens, US dollars, or both (neither, `{}`: no budget
+/// on a submit, no change on a run).
 #[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct BudgetRequest {
-    /// Tokens, 0 to 10^12.
-    #[schema(value_type = i64, minimum = 0, maximum = 1_000_000_000_000i64)]
-    pub(crate) tokens: serde_json::Number,
+    /// Tokens, 0 to 10^12. Default: no budget in tokens (or, when set on
+    /// a run, the one it has).
+    #[schema(value_type = Option<i64>, minimum = 0, maximum = 1_000_000_000_000i64)]
+    #[serde(default)]
+    pub(crate) tokens: Option<serde_json::Number>,
+    /// US dollars, 0 to 10^6, spent at the prices `serve --model-price`
+    /// gives; a call to a model with no price is denied under it.
+    /// Default: no budget in dollars (or, when set on a run, the one it
+    /// has).
+    #[schema(minimum = 0, maximum = 1_000_000)]
+    #[serde(default)]
+    pub(crate) usd: Option<f64>,
 }
 
 impl BudgetRequest {
-    /// Its tokens, checked.
-    pub(crate) fn checked(&self) -> Result<i64, ApiError> {
-        let n = &self.tokens;
-        let t = n.as_i64().or_else(|| n.as_f64().filter(|f| f.fract() == 0.0 && f.abs() < 9.0e15).map(|f| f as i64));
-        match t {
-            Some(t) if (0..=1_000_000_000_000).contains(&t) => Ok(t),
-            _ => Err(ApiError::bad_request("budget.tokens must be a whole number from 0 to 1000000000000")),
-        }
+    /// Its limits, checked.
+    pub(crate) fn checked(&self) -> Result<BudgetLimits, ApiError> {
+        let tokens = match &self.tokens {
+            None => None,
+            Some(n) => match n.as_i64().or_else(|| n.as_f64().filter(|f| f.fract() == 0.0 && f.abs() < 9.0e15).map(|f| f as i64)) {
+                Some(t) if (0..=1_000_000_000_000).contains(&t) => Some(t),
+                _ => return Err(ApiError::bad_request("budget.tokens must be a whole number from 0 to 1000000000000")),
+            },
+        };
+        let usd_nanos = match self.usd {
+            None => None,
+            Some(usd) => Some(usd_to_nanos(usd).ok_or_else(|| ApiError::bad_request("budget.usd must be a number from 0 to 1000000"))?),
+        };
+        Ok(BudgetLimits { tokens, usd_nanos })
     }
 }
 
+/// A budget from a JSON object only (serde would take a struct from an
+/// array too, which the description does not allow).
+fn budget_object<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<BudgetRequest>, D::Error> {
+    let Some(map) = Option::<serde_json::Map<String, Value>>::deserialize(d)? else { return Ok(None) };
+    serde_json::from_value(Value::Object(map)).map(Some).map_err(serde::de::Error::custom)
+}
+
 /// A submit's budget, checked.
-pub(super) fn check_budget(b: &Option<BudgetRequest>) -> Result<Option<i64>, ApiError> {
-    b.as_ref().map(BudgetRequest::checked).transpose()
+pub(super) fn check_budget(b: &Option<BudgetRequest>) -> Result<BudgetLimits, ApiError> {
+    Ok(b.as_ref().map(BudgetRequest::checked).transpose()?.unwrap_or_default())
 }
 
 /// An integer, also written as a float with no fraction (`3.0`), as JSON
@@ -130,7 +154,7 @@ pub async fn submit(State(s): State<AppState>, JsonBody(req): JsonBody<Submit>) 
     }
     let priority = check_priority(req.priority)?;
     check_concurrency_key(&req.concurrency_key)?;
-    let budget_tokens = check_budget(&req.budget)?;
+    let budget = check_budget(&req.budget)?;
     if !crate::plugins::valid_name(&req.plugin) {
         return Err(ApiError::not_found(format!("no plugin named {:?}", req.plugin)));
     }
@@ -150,7 +174,8 @@ pub async fn submit(State(s): State<AppState>, JsonBody(req): JsonBody<Submit>) 
         idempotency_key: req.idempotency_key.clone(),
         priority,
         concurrency_key: req.concurrency_key.clone(),
-        budget_tokens,
+        budget_tokens: budget.tokens,
+        budget_usd_nanos: budget.usd_nanos,
     };
     let (run, created) = s.store.create_run(&new).await?;
     if !created {
@@ -256,7 +281,7 @@ pub async fn submit_batch(State(s): State<AppState>, JsonBody(req): JsonBody<Bat
         }
         let priority = check_priority(r.priority).map_err(at)?;
         check_concurrency_key(&r.concurrency_key).map_err(at)?;
-        let budget_tokens = check_budget(&r.budget).map_err(at)?;
+        let budget = check_budget(&r.budget).map_err(at)?;
         if !(crate::plugins::valid_name(&r.plugin) && s.store.plugin_exists(&r.plugin).await?) {
             return Err(at(ApiError::not_found(format!("no plugin named {:?}", r.plugin))));
         }
@@ -270,7 +295,8 @@ pub async fn submit_batch(State(s): State<AppState>, JsonBody(req): JsonBody<Bat
             idempotency_key: r.idempotency_key.clone(),
             priority,
             concurrency_key: r.concurrency_key.clone(),
-            budget_tokens,
+            budget_tokens: budget.tokens,
+            budget_usd_nanos: budget.usd_nanos,
         });
     }
     let written = s.store.create_runs(&news).await?;

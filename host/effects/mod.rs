@@ -11,6 +11,7 @@ pub mod http;
 pub mod kv;
 pub mod model;
 pub mod model_grant;
+pub mod prices;
 pub mod rate;
 
 use crate::store::{EffectClass, LocalOp};

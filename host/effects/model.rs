@@ -11,7 +11,8 @@
 //! where `deltas` is how many emits the call made (the host uses it to keep
 //! stream positions right on replay) and `usage` what the provider said the
 //! call used (null when it said nothing; asked for when a token limit
-//! applies, see docs/flow-control.md).
+//! applies, see docs/flow-control.md). A call to a priced model also
+//! records `"cost_usd_nanos"`, what it cost ([`super::prices`]).
 //!
 //! Class: keyed. A chat has no side effect beyond its cost, so a call whose
 //! segment died is re-issued (with the same `Idempotency-Key`, for gateways
@@ -22,6 +23,7 @@ use std::time::Duration;
 
 use serde_json::{Map, Value};
 
+use super::prices::Prices;
 use super::{RemoteCtx, RemoteFailure, in_progress};
 use crate::redact::Secret;
 use super::EffectError;
@@ -42,6 +44,9 @@ pub struct ModelConfig {
     pub default_model: String,
     /// The whole call, first byte to last. Default: 120 s.
     pub timeout: Duration,
+    /// Prices per model, for budgets in dollars ([`super::prices`]); set
+    /// by `serve --model-price`. Default: none.
+    pub prices: Prices,
 }
 
 impl ModelConfig {
@@ -60,6 +65,7 @@ impl ModelConfig {
             api_key: env("LEASEHOLD_MODEL_API_KEY").or_else(|| env("OPENAI_API_KEY")).map(Secret::from),
             default_model: env("LEASEHOLD_MODEL").unwrap_or_else(|| "gpt-4o-mini".to_string()),
             timeout: Duration::from_secs(120),
+            prices: Prices::default(),
         }
     }
 }
@@ -84,6 +90,14 @@ impl ChatRequest {
     /// The most tokens its answer may cost, if it says.
     pub fn max_tokens(&self) -> Option<i64> {
         ["max_tokens", "max_completion_tokens"].iter().find_map(|k| self.body.get(*k).and_then(Value::as_i64))
+    }
+
+    /// What it may cost before it goes out, as (prompt tokens, answer
+    /// tokens): its prompt's bytes over four (a common rough measure) and
+    /// its `max_tokens` (1,024 if it names none; the grant always sets
+    /// one).
+    pub fn estimate(&self) -> (i64, i64) {
+        (self.prompt_bytes() as i64 / 4 + 1, self.max_tokens().unwrap_or(1024))
     }
 
     /// Asks the provider to report the call's usage at the end of the
@@ -148,6 +162,8 @@ pub async fn perform(
 ) -> Result<String, RemoteFailure> {
     let failed = |m: String| RemoteFailure::Effect(EffectError::Failed(format!("model.chat: {m}")));
     let url = format!("{}/chat/completions", config.base_url.trim_end_matches('/'));
+    let price = config.prices.get(req.model());
+    let estimate = req.estimate();
     // The operator's endpoint (often on the host's own network): not the
     // guests' public-only client.
     let mut builder = super::http::host_client()
@@ -249,14 +265,17 @@ pub async fn perform(
     } else if !done {
         return Err(failed("the stream ended before `data: [DONE]`".to_string()));
     }
-    Ok(serde_json::json!({
+    let mut result = serde_json::json!({
         "content": reply.content,
         "finish_reason": reply.finish_reason,
         "model": reply.model,
         "deltas": reply.deltas,
         "usage": reply.usage,
-    })
-    .to_string())
+    });
+    if let Some(price) = price {
+        result["cost_usd_nanos"] = super::prices::cost_nanos(price, reply.usage.as_ref(), estimate).into();
+    }
+    Ok(result.to_string())
 }
 
 /// How many emits a recorded `model.chat` result made.

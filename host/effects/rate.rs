@@ -7,10 +7,6 @@ use std::time::Duration;
 
 use super::Remote;
 
-/// What a chat call reserves for its answer when it names no
-/// `max_tokens` (the grant always sets one; this is the fallback).
-const DEFAULT_ANSWER_TOKENS: i64 = 1024;
-
 /// The rate key a call counts against: `http:HOST:PORT` (the URL's host
 /// in lower case, its port or the scheme's) or `model:NAME`.
 pub fn key_of(remote: &Remote) -> String {
@@ -36,10 +32,14 @@ pub fn key_of(remote: &Remote) -> String {
 /// reports. Other calls cost no tokens.
 pub fn reserve(remote: &Remote) -> i64 {
     match remote {
-        Remote::Chat { request } => request.prompt_bytes() as i64 / 4 + 1 + request.max_tokens().unwrap_or(DEFAULT_ANSWER_TOKENS),
+        Remote::Chat { request } => {
+            let (prompt, answer) = request.estimate();
+            prompt + answer
+        }
         Remote::Http { .. } => 0,
     }
 }
+
 
 /// The tokens a recorded chat result says its call used
 /// (`usage.total_tokens`), if the provider reported them.

@@ -19,7 +19,7 @@ use super::host::{Interrupt, SegmentState, WitEffectError, detached};
 use super::phase::Phase;
 use super::text::decode_error;
 use crate::effects::EffectError;
-use crate::store::{ChildEnd, ChildState, ChildWait, EffectState, LocalOp, Spawn};
+use crate::store::{ChildEnd, ChildState, ChildWait, EffectState, LocalOp, Spawn, usd_to_nanos};
 
 /// Most children one `await-children` may list.
 pub const MAX_AWAITED: usize = 10_000;
@@ -47,11 +47,15 @@ struct SpawnOptions {
     budget: Option<BudgetShare>,
 }
 
-/// A share of the tree's token budget given to a child (`{"tokens": N}`).
+/// A share of the tree's budget given to a child (`{"tokens": N}`,
+/// `{"usd": X}`, or both).
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct BudgetShare {
-    tokens: i64,
+    #[serde(default)]
+    tokens: Option<i64>,
+    #[serde(default)]
+    usd: Option<f64>,
 }
 
 impl Host for SegmentState {
@@ -109,10 +113,14 @@ impl SegmentState {
         if !(1..=MAX_CHILD_ATTEMPTS).contains(&max_attempts) {
             return Err(EffectError::Denied(format!("spawn: max_attempts must be 1 to {MAX_CHILD_ATTEMPTS}")));
         }
-        let budget_tokens = o.budget.map(|b| b.tokens);
+        let budget_tokens = o.budget.as_ref().and_then(|b| b.tokens);
         if budget_tokens.is_some_and(|t| !(0..=1_000_000_000_000).contains(&t)) {
             return Err(EffectError::Denied("spawn: budget.tokens must be 0 to 1000000000000".into()));
         }
+        let budget_usd_nanos = match o.budget.as_ref().and_then(|b| b.usd) {
+            None => None,
+            Some(usd) => Some(usd_to_nanos(usd).ok_or_else(|| EffectError::Denied("spawn: budget.usd must be 0 to 1000000".into()))?),
+        };
         Ok(Spawn {
             plugin: plugin.to_string(),
             input: input.to_string(),
@@ -121,6 +129,7 @@ impl SegmentState {
             max_attempts,
             detached: o.detached,
             budget_tokens,
+            budget_usd_nanos,
         })
     }
 

@@ -454,7 +454,10 @@ impl SegmentState {
             Effect::Remote(remote) => remote,
         };
         let mut remote = remote;
-        let budget_held = self.hold_budget(&mut remote, &call).await?;
+        let budget_held = match self.hold_budget(&mut remote, &call).await? {
+            Ok(held) => held,
+            Err(refusal) => return self.refuse_budget(&call, refusal, reissue).await,
+        };
         let ticket = self.admit(&mut remote, reissue).await?;
         let class = remote.class();
         let (db, lease, c) = (self.db.clone(), self.lease.clone(), call.clone());

@@ -1,17 +1,22 @@
-//! Token budgets shared by a run's tree (docs/concepts.md, "Budgets").
+//! Budgets shared by a run's tree, in tokens and in US dollars
+//! (docs/concepts.md, "Budgets").
 //!
-//! A root run may carry a budget (`budget_tokens`); its children, theirs
-//! and so on draw from it. A parent may give a child a share (the child's
-//! own `budget_tokens`), which its subtree may not pass either. What the tree has spent is never a counter: it
-//! is the sum of `usage.total_tokens` over the tree's committed
-//! `model.chat` rows, so a replayed call (its row already committed) costs
-//! nothing and a resumed run is never granted a fresh budget. A call about
-//! to go out first holds its estimate (the request's `max_tokens` and its
-//! prompt, see `effects::rate::reserve`) in `budget_holds`, under the
+//! A root run may carry a budget (`budget_tokens`, `budget_usd_nanos`); its
+//! children, theirs and so on draw from it. A parent may give a child a
+//! share (the child's own budget columns), which its subtree may not pass
+//! either. What the tree has spent is never a counter: it is the sum of
+//! `usage.total_tokens` and of `cost_usd_nanos` (recorded at the price of
+//! the moment, `effects::prices`) over the tree's committed `model.chat`
+//! rows, so a replayed call (its row already committed) costs nothing and a
+//! resumed run is never granted a fresh budget. A call about to go out
+//! first holds its estimate (the request's `max_tokens` and its prompt, see
+//! `effects::rate::reserve`, and their price) in `budget_holds`, under the
 //! root's row lock, so calls at once on several hosts cannot together go
-//! past the budget; a hold counts while its call has no outcome and its
-//! run is open. A call that would go past it is not made: the run waits
-//! (`queued`, `waiting_for = 'budget'`) until the budget is raised.
+//! past the budget; a hold counts while its call has no outcome and its run
+//! is open. A call that would go past it is not made: the run waits
+//! (`queued`, `waiting_for = 'budget'`) until the budget is raised. A call
+//! to a model with no price, under a budget in dollars, is denied: its
+//! cost could not be told.
 
 use serde::Serialize;
 use sqlx::Row;
@@ -20,19 +25,47 @@ use crate::store::guard::{guard, rejected};
 use crate::store::log::{self, kind};
 use crate::store::{Backend, FOREVER, Lease, RunStatus, Store, StoreError, sql};
 
+/// Nano-dollars in a dollar.
+const NANOS: f64 = 1e9;
+
 /// A budget as it stands: a root's, for its whole tree, or the share a
 /// parent gave a child, for the child's subtree.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct Budget {
     /// The run that carries the budget (the tree's root, or a child given
     /// a share); it covers that run and every run below it.
     pub holder_id: i64,
-    /// Tokens the subtree may use; `None`: no budget.
+    /// Tokens the subtree may use; `None`: no budget in tokens.
     pub tokens: Option<i64>,
     /// Tokens its committed `model.chat` calls report having used.
     pub spent: i64,
     /// Tokens held by its calls in flight.
     pub held: i64,
+    /// US dollars the subtree may spend; `None`: no budget in dollars.
+    pub usd: Option<f64>,
+    /// Dollars its committed `model.chat` calls cost (priced calls only).
+    pub spent_usd: f64,
+    /// Dollars held by its calls in flight.
+    pub held_usd: f64,
+}
+
+/// A budget's limits: either may be unset.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BudgetLimits {
+    pub tokens: Option<i64>,
+    /// US dollars, in whole nano-dollars.
+    pub usd_nanos: Option<i64>,
+}
+
+impl BudgetLimits {
+    pub fn is_none(&self) -> bool {
+        self.tokens.is_none() && self.usd_nanos.is_none()
+    }
+}
+
+/// Dollars as whole nano-dollars, for a budget of 0 to a million dollars.
+pub fn usd_to_nanos(usd: f64) -> Option<i64> {
+    (usd.is_finite() && (0.0..=1e6).contains(&usd)).then(|| (usd * NANOS).round() as i64)
 }
 
 /// What a hold found.
@@ -42,8 +75,12 @@ pub enum Hold {
     Unlimited,
     /// Held (or held already, for a re-issued call).
     Held,
-    /// The call would go past the budget: nothing held.
-    Over { holder: i64, spent: i64, held: i64, limit: i64 },
+    /// The call would go past the budget: nothing held. `unit` is
+    /// `tokens` or `usd_nanos`.
+    Over { holder: i64, unit: &'static str, spent: i64, held: i64, limit: i64 },
+    /// A budget in dollars binds the run and its call's model has no
+    /// price: nothing held.
+    Unpriced { holder: i64 },
 }
 
 /// The runs of the subtree under `$1` (it included), as CTE `sub`.
@@ -53,15 +90,16 @@ macro_rules! subtree {
     };
 }
 
-/// What the subtree under `$1` has spent, per backend: the usage over its
-/// committed `model.chat` rows.
+/// What the subtree under `$1` has spent, per backend: the usage (tokens)
+/// and the cost (nano-dollars) over its committed `model.chat` rows.
 fn spent_sql(store: &Store) -> &'static str {
     match store.backend() {
         Backend::Sqlite => sql!(
             store,
             concat!(
                 subtree!(),
-                "SELECT COALESCE(SUM(json_extract(e.result, '$.usage.total_tokens')), 0) FROM effects e \
+                "SELECT COALESCE(SUM(json_extract(e.result, '$.usage.total_tokens')), 0), \
+                 COALESCE(SUM(json_extract(e.result, '$.cost_usd_nanos')), 0) FROM effects e \
                  WHERE e.run_id IN (SELECT id FROM sub) AND e.name = 'model.chat' AND e.state = 'committed'"
             )
         ),
@@ -69,62 +107,86 @@ fn spent_sql(store: &Store) -> &'static str {
             store,
             concat!(
                 subtree!(),
-                "SELECT COALESCE(SUM((e.result::jsonb -> 'usage' ->> 'total_tokens')::bigint), 0)::bigint FROM effects e \
+                "SELECT COALESCE(SUM((e.result::jsonb -> 'usage' ->> 'total_tokens')::bigint), 0)::bigint, \
+                 COALESCE(SUM((e.result::jsonb ->> 'cost_usd_nanos')::bigint), 0)::bigint FROM effects e \
                  WHERE e.run_id IN (SELECT id FROM sub) AND e.name = 'model.chat' AND e.state = 'committed'"
             )
         ),
     }
 }
 
-/// Tokens held in the subtree under `$1` by calls with no outcome yet, of
-/// open runs.
+/// Tokens and nano-dollars held in the subtree under `$1` by calls with no
+/// outcome yet, of open runs.
 const HELD: &str = concat!(
     subtree!(),
-    "SELECT CAST(COALESCE(SUM(h.tokens), 0) AS BIGINT) FROM budget_holds h JOIN sub ON sub.id = h.run_id \
+    "SELECT CAST(COALESCE(SUM(h.tokens), 0) AS BIGINT), CAST(COALESCE(SUM(h.usd_nanos), 0) AS BIGINT) FROM budget_holds h JOIN sub ON sub.id = h.run_id \
      JOIN runs r ON r.id = h.run_id LEFT JOIN effects e ON e.run_id = h.run_id AND e.seq = h.seq \
      WHERE r.status NOT IN ('completed','failed','aborted','cancelled') \
      AND (e.state IS NULL OR e.state IN ('started','in_doubt'))"
 );
 
 /// The runs from `$1` up to its root that carry a budget, root first.
-const HOLDERS: &str = "WITH RECURSIVE up(id, parent_id, budget_tokens) AS (SELECT id, parent_id, budget_tokens FROM runs WHERE id = $1 \
-     UNION ALL SELECT r.id, r.parent_id, r.budget_tokens FROM runs r JOIN up ON r.id = up.parent_id) \
-     SELECT id, budget_tokens FROM up WHERE budget_tokens IS NOT NULL ORDER BY id";
+const HOLDERS: &str = "WITH RECURSIVE up(id, parent_id, budget_tokens, budget_usd_nanos) AS \
+     (SELECT id, parent_id, budget_tokens, budget_usd_nanos FROM runs WHERE id = $1 \
+     UNION ALL SELECT r.id, r.parent_id, r.budget_tokens, r.budget_usd_nanos FROM runs r JOIN up ON r.id = up.parent_id) \
+     SELECT id, budget_tokens, budget_usd_nanos FROM up WHERE budget_tokens IS NOT NULL OR budget_usd_nanos IS NOT NULL ORDER BY id";
+
+/// Spent or held, in both units.
+#[derive(Debug, Clone, Copy)]
+struct Sums {
+    tokens: i64,
+    usd_nanos: i64,
+}
 
 impl Store {
-    async fn budget_on(&self, conn: &mut sqlx::AnyConnection, holder: i64, tokens: Option<i64>) -> Result<Budget, StoreError> {
-        let spent: i64 = sqlx::query_scalar(spent_sql(self)).bind(holder).fetch_one(&mut *conn).await?;
-        let held: i64 = sqlx::query_scalar(sql!(self, HELD)).bind(holder).fetch_one(&mut *conn).await?;
-        Ok(Budget { holder_id: holder, tokens, spent, held })
+    async fn sums(&self, conn: &mut sqlx::AnyConnection, holder: i64) -> Result<(Sums, Sums), StoreError> {
+        let spent = sqlx::query(spent_sql(self)).bind(holder).fetch_one(&mut *conn).await?;
+        let held = sqlx::query(sql!(self, HELD)).bind(holder).fetch_one(&mut *conn).await?;
+        let sums = |r: &sqlx::any::AnyRow| -> Result<Sums, sqlx::Error> { Ok(Sums { tokens: r.try_get(0)?, usd_nanos: r.try_get(1)? }) };
+        Ok((sums(&spent)?, sums(&held)?))
+    }
+
+    async fn budget_on(&self, conn: &mut sqlx::AnyConnection, holder: i64, limits: BudgetLimits) -> Result<Budget, StoreError> {
+        let (spent, held) = self.sums(&mut *conn, holder).await?;
+        Ok(Budget {
+            holder_id: holder,
+            tokens: limits.tokens,
+            spent: spent.tokens,
+            held: held.tokens,
+            usd: limits.usd_nanos.map(|n| n as f64 / NANOS),
+            spent_usd: spent.usd_nanos as f64 / NANOS,
+            held_usd: held.usd_nanos as f64 / NANOS,
+        })
     }
 
     /// The budget that binds run `run_id` most closely: its own share, its
-    /// nearest ancestor's, or its root's (with `tokens` none if the root
-    /// has none either).
-    async fn nearest(&self, conn: &mut sqlx::AnyConnection, run_id: i64) -> Result<(i64, Option<i64>), StoreError> {
+    /// nearest ancestor's, or its root's (with no limits if the root has
+    /// none either).
+    async fn nearest(&self, conn: &mut sqlx::AnyConnection, run_id: i64) -> Result<(i64, BudgetLimits), StoreError> {
         let holders = sqlx::query(sql!(self, HOLDERS)).bind(run_id).fetch_all(&mut *conn).await?;
         if let Some(last) = holders.last() {
-            return Ok((last.try_get("id")?, last.try_get("budget_tokens")?));
+            return Ok((last.try_get("id")?, limits_of(last)?));
         }
         let root: Option<i64> = sqlx::query_scalar(sql!(self, "SELECT COALESCE(root_id, id) FROM runs WHERE id = $1"))
             .bind(run_id)
             .fetch_optional(&mut *conn)
             .await?;
-        Ok((root.ok_or(StoreError::RunNotFound(run_id))?, None))
+        Ok((root.ok_or(StoreError::RunNotFound(run_id))?, BudgetLimits::default()))
     }
 
     /// The budget that binds run `run_id` most closely (see
     /// [`Store::set_budget`]).
     pub async fn budget(&self, run_id: i64) -> Result<Budget, StoreError> {
         let mut conn = self.pool().acquire().await?;
-        let (holder, tokens) = self.nearest(&mut *conn, run_id).await?;
-        self.budget_on(&mut *conn, holder, tokens).await
+        let (holder, limits) = self.nearest(&mut *conn, run_id).await?;
+        self.budget_on(&mut *conn, holder, limits).await
     }
 
-    /// Holds `tokens` for call `seq` of the run `lease` holds, under
-    /// (owner, fence), against every budget over it (its root's and any
-    /// share on the way), each under its holder's row lock, root first.
-    pub async fn hold_budget(&self, lease: &Lease, seq: i64, tokens: i64) -> Result<Hold, StoreError> {
+    /// Holds `tokens` and `usd_nanos` (`None`: the call's model has no
+    /// price) for call `seq` of the run `lease` holds, under (owner,
+    /// fence), against every budget over it (its root's and any share on
+    /// the way), each under its holder's row lock, root first.
+    pub async fn hold_budget(&self, lease: &Lease, seq: i64, tokens: i64, usd_nanos: Option<i64>) -> Result<Hold, StoreError> {
         self.retry(|| async {
             let mut tx = self.writer().begin().await?;
             guard(self, &mut tx, lease).await?;
@@ -143,23 +205,35 @@ impl Store {
             for h in &holders {
                 let holder: i64 = h.try_get("id")?;
                 let locked = match self.backend() {
-                    Backend::Sqlite => sql!(self, "SELECT budget_tokens FROM runs WHERE id = $1"),
-                    Backend::Postgres => sql!(self, "SELECT budget_tokens FROM runs WHERE id = $1 FOR UPDATE"),
+                    Backend::Sqlite => sql!(self, "SELECT budget_tokens, budget_usd_nanos FROM runs WHERE id = $1"),
+                    Backend::Postgres => sql!(self, "SELECT budget_tokens, budget_usd_nanos FROM runs WHERE id = $1 FOR UPDATE"),
                 };
-                let Some(limit): Option<i64> = sqlx::query_scalar(locked).bind(holder).fetch_one(&mut *tx).await? else { continue };
-                let b = self.budget_on(&mut *tx, holder, Some(limit)).await?;
-                if b.spent + b.held + tokens > limit {
-                    return Ok(Hold::Over { holder, spent: b.spent, held: b.held, limit });
+                let limits = limits_of(&sqlx::query(locked).bind(holder).fetch_one(&mut *tx).await?)?;
+                if limits.is_none() {
+                    continue;
+                }
+                let (spent, held) = self.sums(&mut *tx, holder).await?;
+                if let Some(limit) = limits.tokens
+                    && spent.tokens + held.tokens + tokens > limit
+                {
+                    return Ok(Hold::Over { holder, unit: "tokens", spent: spent.tokens, held: held.tokens, limit });
+                }
+                if let Some(limit) = limits.usd_nanos {
+                    let Some(usd) = usd_nanos else { return Ok(Hold::Unpriced { holder }) };
+                    if spent.usd_nanos + held.usd_nanos + usd > limit {
+                        return Ok(Hold::Over { holder, unit: "usd_nanos", spent: spent.usd_nanos, held: held.usd_nanos, limit });
+                    }
                 }
             }
             sqlx::query(sql!(
                 self,
-                "INSERT INTO budget_holds (run_id, seq, root_id, tokens, created_at) \
-                 SELECT id, $2, COALESCE(root_id, id), $3, {now} FROM runs WHERE id = $1"
+                "INSERT INTO budget_holds (run_id, seq, root_id, tokens, usd_nanos, created_at) \
+                 SELECT id, $2, COALESCE(root_id, id), $3, $4, {now} FROM runs WHERE id = $1"
             ))
             .bind(lease.run_id)
             .bind(seq)
             .bind(tokens)
+            .bind(usd_nanos.unwrap_or(0))
             .execute(&mut *tx)
             .await?;
             tx.commit().await?;
@@ -225,27 +299,32 @@ impl Store {
     }
 
     /// Sets the budget that binds run `run_id` most closely (a share
-    /// given to it or an ancestor, else its root's; `None` removes it) and
-    /// makes the tree's runs waiting for budget due, so each looks again.
-    /// Returns the budget as it now stands.
-    pub async fn set_budget(&self, run_id: i64, tokens: Option<i64>) -> Result<Budget, StoreError> {
-        if tokens.is_some_and(|t| t < 0) {
-            return Err(StoreError::Config("a budget is 0 tokens or more".into()));
+    /// given to it or an ancestor, else its root's): each limit given
+    /// replaces that unit's, one not given stays as it is. The tree's runs
+    /// waiting for budget are made due, so each looks again. Returns the
+    /// budget as it now stands.
+    pub async fn set_budget(&self, run_id: i64, limits: BudgetLimits) -> Result<Budget, StoreError> {
+        if limits.tokens.is_some_and(|t| t < 0) || limits.usd_nanos.is_some_and(|t| t < 0) {
+            return Err(StoreError::Config("a budget is 0 or more".into()));
         }
         let (budget, woken) = self
             .retry(|| async {
                 let mut tx = self.writer().begin().await?;
                 let (holder, _) = self.nearest(&mut *tx, run_id).await?;
-                let root: i64 = sqlx::query_scalar(sql!(
+                let row = sqlx::query(sql!(
                     self,
-                    "UPDATE runs SET budget_tokens = $2 WHERE id = $1 RETURNING COALESCE(root_id, id)"
+                    "UPDATE runs SET budget_tokens = COALESCE($2, budget_tokens), budget_usd_nanos = COALESCE($3, budget_usd_nanos) \
+                     WHERE id = $1 RETURNING COALESCE(root_id, id) AS root, budget_tokens, budget_usd_nanos"
                 ))
                 .bind(holder)
-                .bind(tokens)
+                .bind(limits.tokens)
+                .bind(limits.usd_nanos)
                 .fetch_one(&mut *tx)
                 .await?;
+                let root: i64 = row.try_get("root")?;
+                let now = limits_of(&row)?;
                 let woken = wake_waiting(self, &mut tx, root).await?;
-                let budget = self.budget_on(&mut *tx, holder, tokens).await?;
+                let budget = self.budget_on(&mut *tx, holder, now).await?;
                 tx.commit().await?;
                 Ok((budget, woken))
             })
@@ -255,6 +334,11 @@ impl Store {
         }
         Ok(budget)
     }
+}
+
+/// The limits a row of `runs` carries (`budget_tokens`, `budget_usd_nanos`).
+fn limits_of(row: &sqlx::any::AnyRow) -> Result<BudgetLimits, sqlx::Error> {
+    Ok(BudgetLimits { tokens: row.try_get("budget_tokens")?, usd_nanos: row.try_get("budget_usd_nanos")? })
 }
 
 /// Makes the runs of root `root`'s tree that wait for budget due.

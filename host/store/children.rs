@@ -39,6 +39,9 @@ pub struct Spawn {
     /// A share of the tree's token budget that the child's subtree may not
     /// pass (`store::budgets`). Default: none (it draws on its root's).
     pub budget_tokens: Option<i64>,
+    /// A share of the tree's budget in dollars (whole nano-dollars), as
+    /// `budget_tokens`. Default: none.
+    pub budget_usd_nanos: Option<i64>,
 }
 
 /// How one child stands, as a waiting parent is told.
@@ -106,9 +109,9 @@ impl Store {
                 let row = sqlx::query(sql!(
                     self,
                     "INSERT INTO runs (thread_id, plugin, plugin_digest, input, status, max_attempts, not_before, \
-                     created_at, updated_at, secret, priority, concurrency_key, parent_id, root_id, spawn_seq, detached, budget_tokens) \
+                     created_at, updated_at, secret, priority, concurrency_key, parent_id, root_id, spawn_seq, detached, budget_tokens, budget_usd_nanos) \
                      SELECT $1, p.name, p.digest, $2, 'queued', $3, {now}, {now}, {now}, $4, $5, $6, $7, \
-                     (SELECT COALESCE(r.root_id, r.id) FROM runs r WHERE r.id = $7), $8, $9, $11 \
+                     (SELECT COALESCE(r.root_id, r.id) FROM runs r WHERE r.id = $7), $8, $9, $11, $12 \
                      FROM plugins p WHERE p.name = $10 RETURNING {runs}"
                 ))
                 .bind(&thread_id)
@@ -122,6 +125,7 @@ impl Store {
                 .bind(i64::from(spawn.detached))
                 .bind(&spawn.plugin)
                 .bind(spawn.budget_tokens)
+                .bind(spawn.budget_usd_nanos)
                 .fetch_optional(&mut *tx)
                 .await?;
                 let Some(row) = row else { return Ok(None) };

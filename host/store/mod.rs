@@ -56,7 +56,7 @@ use sqlx::{AnyPool, Executor};
 
 pub(crate) use closes::{max_batch as closes_max_batch, writers as close_writers};
 pub use {children::{ChildEnd, ChildState, ChildWait, FOREVER, Spawn}, claims::{baseline_sql, claim_sql}};
-pub use {budgets::{Budget, Hold}, inbox::{NamedWait, wait_result}, retry::is_lock_timeout};
+pub use {budgets::{Budget, Hold, BudgetLimits, usd_to_nanos}, inbox::{NamedWait, wait_result}, retry::is_lock_timeout};
 pub use ledger::{Completion, EffectCall, LedgerSummary, REQUEST_PREVIEW, Streamed, idempotency_key};
 pub use kv_usage::{KvQuota, KvRoom, KvUsage};
 pub use local::{HeldPut, LocalOp};

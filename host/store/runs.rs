@@ -44,6 +44,7 @@ struct PgSubmit<'a> {
     payload: String,
     secret: &'a str,
     budget: Option<i64>,
+    budget_usd: Option<i64>,
 }
 
 /// SQLite: writes a batch of submits inside the caller's transaction, in
@@ -68,18 +69,19 @@ async fn insert_runs_sqlite(store: &Store, conn: &mut AnyConnection, submits: &[
                 s.secret,
                 s.new.priority,
                 s.new.concurrency_key.as_deref().unwrap_or(""),
-                s.new.budget_tokens
+                s.new.budget_tokens,
+                s.new.budget_usd_nanos
             ])
         })
         .collect();
     let rows = sqlx::query(sql!(
         store,
         "INSERT INTO runs (thread_id, plugin, plugin_digest, input, idempotency_key, status, \
-         max_attempts, not_before, created_at, updated_at, secret, priority, concurrency_key, budget_tokens) \
+         max_attempts, not_before, created_at, updated_at, secret, priority, concurrency_key, budget_tokens, budget_usd_nanos) \
          SELECT value ->> 0, value ->> 1, \
          CASE WHEN value ->> 2 = 'current' THEN (SELECT p.digest FROM plugins p WHERE p.name = value ->> 1) \
          ELSE value ->> 2 END, value ->> 3, value ->> 4, 'queued', value ->> 5, \
-         {now}, {now}, {now}, value ->> 6, value ->> 7, value ->> 8, value ->> 9 FROM jsonb_each($1) WHERE true ORDER BY key \
+         {now}, {now}, {now}, value ->> 6, value ->> 7, value ->> 8, value ->> 9, value ->> 10 FROM jsonb_each($1) WHERE true ORDER BY key \
          ON CONFLICT (idempotency_key) DO NOTHING RETURNING {runs}"
     ))
     .bind(serde_json::Value::Array(list).to_string())
@@ -280,6 +282,7 @@ impl Store {
                 payload: submitted_payload(&s.new),
                 secret: &s.secret,
                 budget: s.new.budget_tokens,
+                budget_usd: s.new.budget_usd_nanos,
             })
             .collect();
         let list = serde_json::to_string(&list).map_err(|e| StoreError::Corrupt(format!("a submit batch: {e}")))?;
@@ -291,14 +294,14 @@ impl Store {
                     self,
                     concat!("WITH l AS (SELECT * FROM jsonb_to_recordset($1::text::jsonb) AS l(i bigint, thread_id text, \
                      plugin text, digest text, input text, key text, max_attempts bigint, priority bigint, ckey text, payload text, \
-                     secret text, budget bigint)), \
+                     secret text, budget bigint, budget_usd bigint)), \
                      k AS (INSERT INTO concurrency_keys (key, active, concurrency) SELECT ckey, true, MIN(p.key_concurrency) \
                      FROM l LEFT JOIN plugins p ON p.name = l.plugin WHERE ckey <> '' GROUP BY ckey ORDER BY 1 ", crate::key_default!(), "), \
                      r AS (INSERT INTO runs (thread_id, plugin, plugin_digest, input, idempotency_key, \
-                     status, max_attempts, not_before, created_at, updated_at, secret, priority, concurrency_key, budget_tokens) \
+                     status, max_attempts, not_before, created_at, updated_at, secret, priority, concurrency_key, budget_tokens, budget_usd_nanos) \
                      SELECT thread_id, plugin, \
                      CASE WHEN digest = 'current' THEN (SELECT p.digest FROM plugins p WHERE p.name = l.plugin) ELSE digest END, \
-                     input, key, 'queued', max_attempts, {now}, {now}, {now}, secret, priority, ckey, budget \
+                     input, key, 'queued', max_attempts, {now}, {now}, {now}, secret, priority, ckey, budget, budget_usd \
                      FROM l ORDER BY i ON CONFLICT (idempotency_key) DO NOTHING RETURNING {runs}), \
                      t AS (INSERT INTO threads (id, last_seq) SELECT thread_id, 1 FROM r ORDER BY thread_id \
                      ON CONFLICT (id) DO UPDATE SET last_seq = threads.last_seq + 1 RETURNING id, last_seq), \

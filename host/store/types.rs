@@ -200,6 +200,9 @@ pub struct NewRun {
     /// Tokens the run's tree (it and the runs it spawns) may have
     /// `model.chat` use (`store::budgets`). Default: none.
     pub budget_tokens: Option<i64>,
+    /// US dollars (whole nano-dollars) its tree's priced `model.chat`
+    /// calls may cost (`store::budgets`). Default: none.
+    pub budget_usd_nanos: Option<i64>,
 }
 
 impl NewRun {
@@ -222,6 +225,7 @@ impl NewRun {
             priority: 0,
             concurrency_key: None,
             budget_tokens: None,
+            budget_usd_nanos: None,
         }
     }
 }

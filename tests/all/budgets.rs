@@ -1,18 +1,20 @@
-//! Token budgets shared by a run's tree (docs/concepts.md, "Budgets"): the
-//! spend is the usage committed `model.chat` rows report, so a replay
-//! costs nothing; a call that would overspend waits (`waiting_for:
-//! "budget"`) until the budget is raised. Both backends, a fake model that
-//! reports `USAGE_TOKENS` per answer.
+//! Budgets shared by a run's tree (docs/concepts.md, "Budgets"), in tokens
+//! and in dollars: the spend is the usage (and the cost, at the host's
+//! prices) committed `model.chat` rows record, so a replay costs nothing; a
+//! call that would overspend waits (`waiting_for: "budget"`) until the
+//! budget is raised. Both backends, a fake model that reports
+//! `USAGE_TOKENS` per answer, half prompt and half answer.
 
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, ensure};
 use leasehold::executor::{Executor, SegmentOutcome};
 use leasehold::plugins::PluginSettings;
-use leasehold::store::{ModelGrant, NewRun, RunFilter, RunStatus};
+use leasehold::effects::prices::Prices;
+use leasehold::store::{BudgetLimits, ModelGrant, NewRun, RunFilter, RunStatus};
 use serde_json::{Value, json};
 
-use crate::fake_model::{FakeModel, USAGE_TOKENS, echo, worker};
+use crate::fake_model::{FakeModel, USAGE_TOKENS, echo, priced_worker, worker};
 use crate::harness::{TestDb, both};
 use crate::plugins;
 
@@ -26,6 +28,10 @@ async fn hosts<'a>(db: &'a TestDb, model: &'a FakeModel) -> Result<impl Fn(&str)
     let fanout = PluginSettings { spawn_allow: vec!["testkit".into()], ..PluginSettings::default() };
     leasehold::plugins::register(&db.store, &rt, "fanout", plugins::rust_plugin("fanout")?, fanout).await?;
     Ok(move |owner: &str| worker(db, &rt, owner, model))
+}
+
+fn tokens(n: i64) -> BudgetLimits {
+    BudgetLimits { tokens: Some(n), usd_nanos: None }
 }
 
 fn chats(n: usize) -> Value {
@@ -55,7 +61,7 @@ both! {
         ensure!(db.store.get_run(root).await?.waiting_for.as_deref() == Some("children"), "the root does not wait for its children");
         // Nothing is claimable until the raise.
         ensure!(host("host-a").run_once().await?.is_none(), "a run waiting for budget was claimed");
-        let raised = db.store.set_budget(kids[0].id, Some(10_000)).await?;
+        let raised = db.store.set_budget(kids[0].id, tokens(10_000)).await?;
         ensure!(raised.holder_id == root, "the raise went to {} not the root {root}", raised.holder_id);
         host("host-a").drain().await?;
         let done = db.store.get_run(root).await?;
@@ -85,7 +91,7 @@ both! {
         let tree = db.store.budget(root).await?;
         ensure!(tree.holder_id == root && tree.spent == 4 * USAGE_TOKENS, "{tree:?}");
         // Raising the first child's share lets it finish; the second still waits.
-        db.store.set_budget(kids[0].id, Some(5_000)).await?;
+        db.store.set_budget(kids[0].id, tokens(5_000)).await?;
         host("host-a").drain().await?;
         ensure!(db.store.get_run(kids[0].id).await?.status == RunStatus::Completed, "the first child did not finish");
         ensure!(db.store.get_run(kids[1].id).await?.waiting_for.as_deref() == Some("budget"), "the second child stopped waiting");
@@ -122,11 +128,117 @@ both! {
         ensure!(model.hits().len() == 2, "{} calls went out", model.hits().len());
         let budget = db.store.budget(id).await?;
         ensure!(budget.spent == 2 * USAGE_TOKENS && budget.held == 0, "{budget:?}");
-        db.store.set_budget(id, Some(3_100)).await?;
+        db.store.set_budget(id, tokens(3_100)).await?;
         host("host-b").drain().await?;
         let run = db.store.get_run(id).await?;
         ensure!(run.status == RunStatus::Completed, "{:?}: {:?}", run.status, run.error);
         ensure!(db.store.budget(id).await?.spent == 3 * USAGE_TOKENS, "spent");
+        Ok(())
+    }
+}
+
+/// `fake-1` at $1 per million prompt tokens and $3 per million answer
+/// tokens: each fake answer (500 and 500) costs $0.002.
+const PRICES: &str = "fake-1=1/3";
+const ANSWER_NANOS: i64 = 2_000_000;
+
+both! {
+    async fn a_budget_in_dollars_is_spent_at_the_hosts_prices_and_waits_for_a_raise(db) {
+        let model = FakeModel::start(echo()).await?;
+        let rt = plugins::runtime()?;
+        let grant = ModelGrant { models: vec!["*".into()], max_tokens: 20 };
+        leasehold::plugins::register(&db.store, &rt, "testkit", plugins::rust_plugin("testkit")?, PluginSettings { model: grant, ..PluginSettings::default() }).await?;
+        let prices = Prices::parse(&[PRICES]).map_err(anyhow::Error::msg)?;
+        let host = |owner: &str| priced_worker(db, &rt, owner, &model, prices.clone());
+        // $0.003: the first call fits, the second fits on what the first
+        // held (its estimate), and the third finds $0.004 spent.
+        let new = NewRun { budget_usd_nanos: Some(3_000_000), ..NewRun::new("testkit", chats(3).to_string()) };
+        let id = db.store.create_run(&new).await?.0.id;
+        host("host-a").drain().await?;
+        ensure!(model.hits().len() == 2, "{} calls went out", model.hits().len());
+        let run = db.store.get_run(id).await?;
+        ensure!(run.waiting_for.as_deref() == Some("budget"), "{:?} waiting for {:?}", run.status, run.waiting_for);
+        let budget = db.store.budget(id).await?;
+        let nanos = |usd: f64| (usd * 1e9).round() as i64;
+        ensure!(nanos(budget.spent_usd) == 2 * ANSWER_NANOS && budget.usd == Some(0.003) && budget.tokens.is_none(), "{budget:?}");
+        ensure!(budget.held_usd == 0.0 && budget.spent == 2 * USAGE_TOKENS, "{budget:?}");
+        // Each committed call recorded what it cost, at the price of then.
+        let ledger = db.store.effects(id).await?;
+        let costs: Vec<i64> = ledger.iter().filter_map(|e| serde_json::from_str::<Value>(e.result.as_deref()?).ok()?["cost_usd_nanos"].as_i64()).collect();
+        ensure!(costs == [ANSWER_NANOS, ANSWER_NANOS], "recorded costs {costs:?}");
+        // A raise in dollars leaves the (absent) token budget alone.
+        let raised = db.store.set_budget(id, BudgetLimits { tokens: None, usd_nanos: Some(10_000_000) }).await?;
+        ensure!(raised.usd == Some(0.01) && raised.tokens.is_none(), "{raised:?}");
+        host("host-a").drain().await?;
+        let run = db.store.get_run(id).await?;
+        ensure!(run.status == RunStatus::Completed, "{:?}: {:?}", run.status, run.error);
+        ensure!(nanos(db.store.budget(id).await?.spent_usd) == 3 * ANSWER_NANOS, "spent");
+        Ok(())
+    }
+
+    async fn a_model_without_a_price_is_denied_under_a_budget_in_dollars_only(db) {
+        let model = FakeModel::start(echo()).await?;
+        let rt = plugins::runtime()?;
+        let grant = ModelGrant { models: vec!["*".into()], max_tokens: 20 };
+        leasehold::plugins::register(&db.store, &rt, "testkit", plugins::rust_plugin("testkit")?, PluginSettings { model: grant, ..PluginSettings::default() }).await?;
+        // `fake-1`, the model the calls name, has no price here.
+        let prices = Prices::parse(&["other=1/1"]).map_err(anyhow::Error::msg)?;
+        let host = priced_worker(db, &rt, "host-a", &model, prices);
+        let in_dollars = NewRun { budget_usd_nanos: Some(1_000_000_000), ..NewRun::new("testkit", chats(1).to_string()) };
+        let denied = db.store.create_run(&in_dollars).await?.0.id;
+        let in_tokens = NewRun { budget_tokens: Some(100_000), ..NewRun::new("testkit", chats(1).to_string()) };
+        let allowed = db.store.create_run(&in_tokens).await?.0.id;
+        host.drain().await?;
+        let out = db.store.get_run(denied).await?;
+        ensure!(out.status == RunStatus::Completed, "{:?}: {:?}", out.status, out.error);
+        let said = out.output.unwrap_or_default();
+        ensure!(said.contains("denied") && said.contains("has no price"), "the turn was told {said}");
+        ensure!(model.hits().len() == 1, "{} calls went out (the denied one must not)", model.hits().len());
+        // The refusal is recorded: a replay takes the same branch.
+        let ledger = db.store.effects(denied).await?;
+        ensure!(ledger.iter().any(|e| e.name == "model.chat" && e.result.as_deref().is_some_and(|r| r.contains("no price"))), "{ledger:?}");
+        ensure!(db.store.get_run(allowed).await?.status == RunStatus::Completed, "the run under a token budget did not complete");
+        Ok(())
+    }
+}
+
+both! {
+    async fn the_api_takes_budgets_in_tokens_dollars_or_both_and_refuses_bad_ones(db) {
+        let rt = plugins::runtime()?;
+        leasehold::plugins::register(&db.store, &rt, "testkit", plugins::rust_plugin("testkit")?, PluginSettings::default()).await?;
+        let (stop, shutdown) = tokio::sync::watch::channel(false);
+        let state = leasehold::api::AppState::new(db.store.clone(), rt.clone(), leasehold::api::ApiConfig::default(), shutdown.clone());
+        let base = crate::harness::serve_api(state, shutdown).await?;
+        leasehold::effects::http::install_tls();
+        let http = reqwest::Client::new();
+        let send = async |path: &str, body: Option<Value>| -> Result<(u16, Value)> {
+            let b = match body {
+                Some(body) => http.post(format!("{base}{path}")).json(&body),
+                None => http.get(format!("{base}{path}")),
+            };
+            let resp = b.send().await?;
+            Ok((resp.status().as_u16(), resp.json().await?))
+        };
+        let (status, run) = send("/v1/runs", Some(json!({ "plugin": "testkit", "input": {}, "budget": { "usd": 0.25 } }))).await?;
+        ensure!(status == 201, "{status} {run}");
+        let id = run["id"].as_i64().unwrap_or_default();
+        let (_, b) = send(&format!("/v1/runs/{id}/budget"), None).await?;
+        ensure!(b["usd"] == json!(0.25) && b["tokens"].is_null() && b["spent_usd"] == json!(0.0), "{b}");
+        // Setting tokens leaves the dollars as they are.
+        let (status, b) = send(&format!("/v1/runs/{id}/budget"), Some(json!({ "tokens": 500 }))).await?;
+        ensure!(status == 200 && b["tokens"] == json!(500) && b["usd"] == json!(0.25), "{status} {b}");
+        // `{}` names no unit: no change.
+        let (status, b) = send(&format!("/v1/runs/{id}/budget"), Some(json!({}))).await?;
+        ensure!(status == 200 && b["usd"] == json!(0.25) && b["tokens"] == json!(500), "{status} {b}");
+        for bad in [json!([null, null]), json!({ "usd": -1 }), json!({ "usd": 2e6 }), json!({ "usd": "1" }), json!({ "tokens": 1.5 }), json!({ "dollars": 1 })] {
+            let (status, e) = send(&format!("/v1/runs/{id}/budget"), Some(bad.clone())).await?;
+            ensure!(status == 400 && e["error"]["message"].is_string(), "{bad} got {status} {e}");
+            let (status, e) = send("/v1/runs", Some(json!({ "plugin": "testkit", "input": {}, "budget": bad }))).await?;
+            ensure!(status == 400 && e["error"]["message"].is_string(), "a submit with budget {bad} got {status} {e}");
+        }
+        let (_, b) = send(&format!("/v1/runs/{id}/budget"), None).await?;
+        ensure!(b["tokens"] == json!(500) && b["usd"] == json!(0.25), "a refused body changed the budget: {b}");
+        let _ = stop.send(true);
         Ok(())
     }
 }

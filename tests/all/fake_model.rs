@@ -176,8 +176,20 @@ pub fn worker(
     owner: &str,
     model: &FakeModel,
 ) -> leasehold::executor::Executor {
+    priced_worker(db, rt, owner, model, Default::default())
+}
+
+/// [`worker`], with the models priced at `prices`.
+pub fn priced_worker(
+    db: &crate::harness::TestDb,
+    rt: &Arc<leasehold::runtime::Runtime>,
+    owner: &str,
+    model: &FakeModel,
+    prices: leasehold::effects::prices::Prices,
+) -> leasehold::executor::Executor {
     use leasehold::executor::{Executor, ExecutorConfig};
     let mut config = leasehold::effects::model::ModelConfig::new(&model.base_url);
+    config.prices = prices;
     config.api_key = Some("sk-test".into());
     config.default_model = "fake-1".into();
     config.timeout = std::time::Duration::from_secs(20);

@@ -30,11 +30,14 @@ export function childrenSection(ui) {
     }
     kids.sort((a, b) => a.id - b.id);
     const b = await api(`/v1/runs/${run.id}/budget`, { signal });
-    budget.hidden = b.tokens == null;
-    budget.textContent = b.tokens == null ? '' : `budget: ${b.spent} tokens spent and ${b.held} held of ${b.tokens}, by run ${b.holder_id} and the runs below it`
+    const parts = [];
+    if (b.tokens != null) parts.push(`${b.spent} tokens spent and ${b.held} held of ${b.tokens}`);
+    if (b.usd != null) parts.push(`${dollars(b.spent_usd)} spent and ${dollars(b.held_usd)} held of ${dollars(b.usd)}`);
+    budget.hidden = parts.length === 0;
+    budget.textContent = parts.length === 0 ? '' : `budget: ${parts.join('; ')}, by run ${b.holder_id} and the runs below it`
       + (run.waiting_for === 'budget' ? ' — this run waits for a raise' : '');
     const isChild = run.parent_id != null;
-    el.hidden = !isChild && kids.length === 0 && b.tokens == null;
+    el.hidden = !isChild && kids.length === 0 && parts.length === 0;
     links.replaceChildren(...(isChild ? [
       'child of ', h('a', { id: 'run-parent', href: `#/runs/${run.parent_id}`, text: `run ${run.parent_id}` }),
       ', in the tree of ', h('a', { id: 'run-root', href: `#/runs/${run.root_id}`, text: `run ${run.root_id}` }),
@@ -54,4 +57,9 @@ export function childrenSection(ui) {
   }
 
   return { el, refresh, hasOpen: () => open };
+}
+
+/** Dollars to the cent, or to six places under a cent. */
+function dollars(usd) {
+  return '$' + (usd !== 0 && Math.abs(usd) < 0.01 ? usd.toFixed(6) : usd.toFixed(2));
 }
