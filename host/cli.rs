@@ -4,6 +4,7 @@
 //! printed with its code and the command exits non-zero.
 
 pub mod limits;
+pub mod resolve;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -165,6 +166,9 @@ pub enum RunsCommand {
     Input { id: i64, input: String },
     /// Cancel a run, and every run below it.
     Cancel { id: i64 },
+    /// Write the outcome of a call in doubt or failed (the run's last
+    /// row); the run goes on from it.
+    Resolve(resolve::ResolveArgs),
     /// Show the token budget of a run's tree (what it spent and holds), or
     /// set it with --tokens, which lets its runs waiting for budget go on.
     Budget {
@@ -404,6 +408,7 @@ pub async fn runs(api: &Api, command: RunsCommand) -> Result<()> {
     let c = api.client();
     match command {
         RunsCommand::SubmitBatch { file } => submit_batch(api, &file).await?,
+        RunsCommand::Resolve(args) => resolve::resolve(api, args).await?,
         RunsCommand::List { status, plugin, parent, limit, cursor } => {
             let mut q = vec![("limit", limit.to_string())];
             q.extend(status.map(|s| ("status", s)));

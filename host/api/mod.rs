@@ -26,6 +26,7 @@ mod metrics;
 mod openapi;
 mod overview;
 mod plugins;
+mod resolve;
 mod runs;
 
 use std::sync::Arc;
@@ -161,6 +162,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/runs/{id}/effects", get(runs::effects))
         .route("/v1/runs/{id}/children", get(children::children))
         .route("/v1/runs/{id}/budget", json_post(budget::set).get(budget::show))
+        .route("/v1/runs/{id}/effects/{seq}/resolve", json_post(resolve::resolve))
         .route("/v1/limits", get(limits::list))
         .route("/v1/limits/{key}", json_put(limits::put).get(limits::show).delete(limits::remove))
         .route("/v1/stats", get(overview::stats))

@@ -26,6 +26,7 @@ mod timers;
 mod wasi;
 
 pub use limits::{GuestErrorKind, Limits};
+pub use text::encode_error;
 pub use output::OUTPUT_TAIL;
 
 pub use cache::default_dir as default_cache_dir;

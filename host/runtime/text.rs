@@ -90,7 +90,7 @@ pub fn request_hash(name: &str, request: &str) -> String {
 }
 
 /// How a failed effect is stored in the ledger's `result`.
-pub(super) fn encode_error(e: &EffectError) -> String {
+pub fn encode_error(e: &EffectError) -> String {
     let (kind, message) = match e {
         EffectError::Failed(m) => ("failed", m),
         EffectError::InDoubt(m) => ("in-doubt", m),

@@ -22,7 +22,7 @@ const RUNS: &[&str] = &[
 
 const EFFECTS: &[&str] = &[
     "run_id", "seq", "name", "request_hash", "idempotency_key", "class", "state", "result", "emit_pos", "fence_started",
-    "fence_completed", "created_at", "updated_at", "deltas", "delta_bytes", "request", "kv_bytes",
+    "fence_completed", "created_at", "updated_at", "deltas", "delta_bytes", "request", "kv_bytes", "resolved_by", "resolved_at",
 ];
 
 const EVENTS: &[&str] = &["thread_id", "seq", "run_id", "fence", "kind", "payload", "created_at"];

@@ -23,6 +23,9 @@ pub mod kind {
     /// Stream positions `from..to` of this run, written by a segment that
     /// died, are void; payload `{from, to}`. Readers drop those deltas.
     pub const RETRACT: &str = "retract";
+    /// An operator resolved an effect by hand; payload `{seq, outcome, by,
+    /// status}` (`store::resolve`).
+    pub const RESOLVED: &str = "resolved";
 }
 
 /// Applies a run's `delta` and `retract` events, in log order, as a reader

@@ -34,6 +34,7 @@ pub mod postgres;
 pub mod priority;
 pub mod rates;
 mod reap;
+mod resolve;
 mod retry;
 pub(crate) mod retention;
 pub(crate) mod renewals;
@@ -56,7 +57,7 @@ use sqlx::{AnyPool, Executor};
 
 pub(crate) use closes::{max_batch as closes_max_batch, writers as close_writers};
 pub use {children::{ChildEnd, ChildState, ChildWait, FOREVER, Spawn}, claims::{baseline_sql, claim_sql}};
-pub use {budgets::{Budget, Hold, BudgetLimits, usd_to_nanos}, inbox::{NamedWait, wait_result}, retry::is_lock_timeout};
+pub use {budgets::{Budget, Hold, BudgetLimits, usd_to_nanos}, inbox::{NamedWait, wait_result}, resolve::Resolution, retry::is_lock_timeout};
 pub use ledger::{Completion, EffectCall, LedgerSummary, REQUEST_PREVIEW, Streamed, idempotency_key};
 pub use kv_usage::{KvQuota, KvRoom, KvUsage};
 pub use local::{HeldPut, LocalOp};

@@ -368,7 +368,7 @@ impl EffectState {
             EffectState::InDoubt => "in_doubt",
         }
     }
-    fn parse(s: &str) -> Result<Self, StoreError> {
+    pub(crate) fn parse(s: &str) -> Result<Self, StoreError> {
         match s {
             "started" => Ok(EffectState::Started),
             "committed" => Ok(EffectState::Committed),
@@ -405,6 +405,12 @@ pub struct EffectRow {
     pub fence_completed: Option<i64>,
     pub created_at: i64,
     pub updated_at: i64,
+    /// Who resolved the row by hand (`store::resolve`), if anyone did.
+    #[serde(default)]
+    pub resolved_by: Option<String>,
+    /// When they did (ms since the epoch, the database's clock).
+    #[serde(default)]
+    pub resolved_at: Option<i64>,
 }
 
 impl EffectRow {
@@ -428,6 +434,8 @@ impl EffectRow {
             fence_completed: row.try_get("fence_completed")?,
             created_at: row.try_get("created_at")?,
             updated_at: row.try_get("updated_at")?,
+            resolved_by: row.try_get("resolved_by")?,
+            resolved_at: row.try_get("resolved_at")?,
         })
     }
 }
@@ -452,6 +460,9 @@ pub enum StoreError {
     /// caller must replay it instead.
     #[error("run {run_id} already has a ledger row at seq {seq}")]
     EffectExists { run_id: i64, seq: i64 },
+    /// No ledger row at that position.
+    #[error("run {run_id} has no ledger row at seq {seq}")]
+    EffectNotFound { run_id: i64, seq: i64 },
     /// Completing an effect that was never started (or already completed).
     #[error("run {run_id} has no open ledger row at seq {seq}")]
     EffectNotOpen { run_id: i64, seq: i64 },

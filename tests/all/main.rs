@@ -29,6 +29,7 @@ mod rolling_upgrade;
 mod openapi;
 mod orphans;
 mod replay;
+mod resolve;
 mod retention;
 mod conformance;
 mod interleaving;

@@ -11,7 +11,8 @@
 //! * `spin-then-put`: burns CPU for `spins` iterations, then `kv.put`.
 //! * `http`: burns `spin_before` iterations, POSTs to `url` with `http` (or
 //!   `http.unkeyed` when `keyed` is false), burns `spin_after`, and returns
-//!   the result, or `"in-doubt: …"` when the host reports it in doubt.
+//!   the result, or `"in-doubt: …"` when the host reports it in doubt
+//!   (with `fail_in_doubt`, the run fails instead).
 //! * `http-steps`: `steps` times, POSTs `{"step": i}` to `url` with `http`
 //!   then emits `"step <i> "`; returns `"did <n> http steps"`.
 //! * `chaos`: `steps` times: burns `spin` iterations, increments the
@@ -153,7 +154,7 @@ impl Guest for Testkit {
                 let request = serde_json::json!({ "method": "POST", "url": v["url"], "body": { "from": "testkit" } });
                 let out = match effect(name, &request.to_string()) {
                     Ok(result) => result,
-                    Err(EffectError::InDoubt(m)) => format!("in-doubt: {m}"),
+                    Err(EffectError::InDoubt(m)) if !v["fail_in_doubt"].as_bool().unwrap_or(false) => format!("in-doubt: {m}"),
                     Err(e) => return Err(describe(e)),
                 };
                 spin(v["spin_after"].as_u64().unwrap_or(0));
