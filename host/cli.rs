@@ -5,6 +5,7 @@
 
 pub mod limits;
 pub mod resolve;
+mod submit_batch;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -169,8 +170,14 @@ pub enum RunsCommand {
     /// Write the outcome of a call in doubt or failed (the run's last
     /// row); the run goes on from it.
     Resolve(resolve::ResolveArgs),
-    /// Show the token budget of a run's tree (what it spent and holds), or
-    /// set it with --tokens, which lets its runs waiting for budget go on.
+    /// Pause a run: it is not claimed until resumed (a running one stops
+    /// at its next slice point).
+    Pause { id: i64 },
+    /// Resume a paused run.
+    Resume { id: i64 },
+    /// Show the budget of a run's tree (what it spent and holds), or set
+    /// it with --tokens and/or --usd, which lets its runs waiting for
+    /// budget go on.
     Budget {
         id: i64,
         #[arg(long)]
@@ -358,57 +365,19 @@ fn run_line(r: &Value) -> String {
     )
 }
 
-/// Runs per `POST /v1/runs:batch` of `runs submit-batch`: the API's limit.
-const SUBMIT_BATCH: usize = 1000;
-
-async fn submit_batch(api: &Api, file: &std::path::Path) -> Result<()> {
-    let text = if file.as_os_str() == "-" {
-        std::io::read_to_string(std::io::stdin()).context("reading stdin")?
-    } else {
-        std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?
-    };
-    let mut runs = Vec::new();
-    for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
-        let v: Value = serde_json::from_str(line).with_context(|| format!("line {}: not JSON", i + 1))?;
-        if !v.is_object() {
-            bail!("line {}: expected a JSON object, as the body of POST /v1/runs", i + 1);
-        }
-        runs.push(v);
-    }
-    if runs.is_empty() {
-        bail!("{}: no runs (one JSON object per line)", file.display());
-    }
-    let (mut created, mut existing, mut refused) = (0, 0, 0);
-    for chunk in runs.chunks(SUBMIT_BATCH) {
-        let v = api.send(api.client().post(api.url("/v1/runs:batch")).json(&json!({ "runs": chunk }))).await?;
-        for r in v["results"].as_array().into_iter().flatten() {
-            if r["created"] == true {
-                created += 1;
-            } else if r["created"] == false {
-                existing += 1;
-            } else {
-                refused += 1;
-                eprintln!("{}", r["error"]["message"].as_str().unwrap_or("refused"));
-            }
-            if api.json {
-                println!("{r}");
-            }
-        }
-    }
-    if !api.json {
-        println!("{created} runs queued, {existing} already submitted, {refused} refused");
-    }
-    if refused > 0 {
-        bail!("{refused} runs were refused (above)");
-    }
-    Ok(())
-}
-
 pub async fn runs(api: &Api, command: RunsCommand) -> Result<()> {
     let c = api.client();
     match command {
-        RunsCommand::SubmitBatch { file } => submit_batch(api, &file).await?,
+        RunsCommand::SubmitBatch { file } => submit_batch::submit_batch(api, &file).await?,
         RunsCommand::Resolve(args) => resolve::resolve(api, args).await?,
+        RunsCommand::Pause { id } | RunsCommand::Resume { id } => {
+            let (verb, url) = match command {
+                RunsCommand::Pause { .. } => ("paused", api.url(&format!("/v1/runs/{id}/pause"))),
+                _ => ("resumed", api.url(&format!("/v1/runs/{id}/resume"))),
+            };
+            let v = api.send(c.post(url).json(&json!({}))).await?;
+            api.print(&v, |r| println!("run {} {verb}: {}{}", r["id"], r["status"].as_str().unwrap_or(""), if r["paused_at"].is_null() { "" } else { ", paused" }));
+        }
         RunsCommand::List { status, plugin, parent, limit, cursor } => {
             let mut q = vec![("limit", limit.to_string())];
             q.extend(status.map(|s| ("status", s)));

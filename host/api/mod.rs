@@ -25,6 +25,7 @@ pub mod listener;
 mod metrics;
 mod openapi;
 mod overview;
+mod pause;
 mod plugins;
 mod resolve;
 mod runs;
@@ -163,6 +164,8 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/runs/{id}/children", get(children::children))
         .route("/v1/runs/{id}/budget", json_post(budget::set).get(budget::show))
         .route("/v1/runs/{id}/effects/{seq}/resolve", json_post(resolve::resolve))
+        .route("/v1/runs/{id}/pause", json_post(pause::pause))
+        .route("/v1/runs/{id}/resume", json_post(pause::resume))
         .route("/v1/limits", get(limits::list))
         .route("/v1/limits/{key}", json_put(limits::put).get(limits::show).delete(limits::remove))
         .route("/v1/stats", get(overview::stats))

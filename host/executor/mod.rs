@@ -20,7 +20,7 @@ use crate::runtime::host::{Held, Interrupt, Phase, SegmentInit, SegmentState};
 use crate::runtime::replay::Recorded;
 pub use crate::runtime::GuestErrorKind;
 use crate::runtime::{EPOCH_TICK, Plugin, Runtime};
-use crate::store::{Claimed, EffectClass, EffectState, Outcome, RunStatus, Store, StoreError};
+use crate::store::{Claimed, EffectClass, EffectState, Outcome, RunStatus, Store, StoreError, Suspend};
 
 mod renewer;
 mod settle;
@@ -231,6 +231,15 @@ impl Executor {
 
     async fn segment(&self, claimed: Claimed, next: &mut Handoff) -> Result<SegmentOutcome, StoreError> {
         let Claimed { run, lease, charged } = claimed;
+        if run.paused_at.is_some() {
+            // Paused (store::pause): a lease taken over, or a run claimed
+            // before its pause, is given back before its guest starts.
+            return match self.store.suspend(&lease, &Suspend::Takeover).await {
+                Ok(status) => Ok(SegmentOutcome::Suspended(status)),
+                Err(StoreError::LeaseLost(_)) => Ok(SegmentOutcome::LeaseLost),
+                Err(e) => Err(e),
+            };
+        }
         // The lease is renewed from here, measured from the claim (a run
         // that waited in the local queue has less left), until the
         // segment's last write returns.
@@ -384,7 +393,7 @@ impl Executor {
 
         let mut store = self.runtime.store(plugin, init);
         let phase = store.data().phase.clone();
-        let (lost_cb, deadline_cb, stop_cb) = (lost.clone(), lease_deadline.clone(), self.stop.clone());
+        let (lost_cb, deadline_cb, stop_cb, paused_cb) = (lost.clone(), lease_deadline.clone(), self.stop.clone(), watch.paused.clone());
         // Wakes the segment's timer when the epoch callback sees the lease
         // deadline pass (after a pause both notice at once anyway).
         let past_deadline = Arc::new(tokio::sync::Notify::new());
@@ -420,6 +429,10 @@ impl Executor {
             }
             if stop_cb.stopped.load(Ordering::Relaxed) {
                 ctx.data_mut().interrupt = Some(Interrupt::Shutdown);
+                return Ok(UpdateDeadline::Interrupt);
+            }
+            if paused_cb.load(Ordering::Relaxed) {
+                ctx.data_mut().interrupt = Some(Interrupt::Pause);
                 return Ok(UpdateDeadline::Interrupt);
             }
             if running >= budget {

@@ -39,6 +39,9 @@ pub(super) struct LeaseWatch {
     /// Set once the segment's last write is on its way: a renewal it beats
     /// is refused, which is no news.
     pub(super) closing: Arc<AtomicBool>,
+    /// Set when a renewal finds the run paused (`store::pause`); read by
+    /// the epoch callback, which stops the guest at its next slice point.
+    pub(super) paused: Arc<AtomicBool>,
 }
 
 impl LeaseWatch {
@@ -90,6 +93,7 @@ impl Cover {
             start,
             until_ms: Arc::new(AtomicI64::new(PREPARE_COVER.as_millis() as i64)),
             closing: Arc::default(),
+            paused: Arc::default(),
         };
         // As if renewed every `every` since the claim.
         let first = (lease_left + every).saturating_sub(ttl);
@@ -118,12 +122,13 @@ pub(super) async fn renew_once(store: &Store, lease: &Lease, ttl: Duration, watc
     // Its own task: aborting the renewer (the segment ended) never drops
     // a renewal half-way, and a refused one is always counted.
     let (db, held) = (store.clone(), lease.clone());
-    let renewed = match tokio::spawn(async move { db.renew(&held, ttl).await }).await {
+    let renewed = match tokio::spawn(async move { db.renew_seeing_pause(&held, ttl, false).await }).await {
         Ok(r) => r,
         Err(e) => Err(StoreError::Config(format!("renewal task failed: {e}"))),
     };
     match renewed {
-        Ok(_) => {
+        Ok((_, paused)) => {
+            watch.paused.store(paused, Ordering::Relaxed);
             // The new expiry is ttl after the database's now, which is
             // no earlier than when we asked.
             watch.deadline_ms.store(asked_at + ttl.as_millis() as i64, Ordering::Relaxed);
@@ -151,13 +156,14 @@ pub(super) async fn renew_once(store: &Store, lease: &Lease, ttl: Duration, watc
 /// a local queue), in a renewal sent at once in a task of its own: on
 /// success the lease deadline moves on as after any renewal; refused, the
 /// lease is lost and the guest stops.
-pub(super) fn charge(store: &Store, lease: &Lease, ttl: Duration, watch: &LeaseWatch) -> tokio::task::JoinHandle<Result<i64, StoreError>> {
+pub(super) fn charge(store: &Store, lease: &Lease, ttl: Duration, watch: &LeaseWatch) -> tokio::task::JoinHandle<Result<(i64, bool), StoreError>> {
     let (db, held, watch) = (store.clone(), lease.clone(), watch.clone());
     let asked_at = watch.clock.since(watch.start).as_millis() as i64;
     tokio::spawn(async move {
-        let charged = db.renew_charging(&held, ttl).await;
+        let charged = db.renew_seeing_pause(&held, ttl, true).await;
         match &charged {
-            Ok(_) => {
+            Ok((_, paused)) => {
+                watch.paused.store(*paused, Ordering::Relaxed);
                 watch.deadline_ms.fetch_max(asked_at + ttl.as_millis() as i64, Ordering::Relaxed);
             }
             Err(StoreError::LeaseLost(_)) => {

@@ -75,7 +75,7 @@ impl Executor {
                     self.finish(lease, Outcome::Failed { error }, GuestErrorKind::Timeout, &tail, next).await
                 }
             }
-            (Err(_), Some(Interrupt::Shutdown)) => self.suspend(lease, Suspend::Takeover, &tail).await,
+            (Err(_), Some(Interrupt::Shutdown | Interrupt::Pause)) => self.suspend(lease, Suspend::Takeover, &tail).await,
             (Err(_), Some(Interrupt::LeaseLost)) => Ok(SegmentOutcome::LeaseLost),
             (Err(_), Some(Interrupt::Store(e))) => Ok(SegmentOutcome::Abandoned(e)),
             // Only offline replay stops at the frontier; a live segment

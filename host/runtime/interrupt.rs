@@ -29,6 +29,9 @@ pub enum Interrupt {
     Slice,
     /// The host is shutting down: suspend as `waiting_takeover`.
     Shutdown,
+    /// An operator paused the run (`store::pause`): suspend as
+    /// `waiting_takeover`, which the pause holds until resumed.
+    Pause,
     /// A guarded write failed: stop, write nothing else.
     LeaseLost,
     /// A recorded call differs from the one the turn now makes.

@@ -17,7 +17,7 @@ const RUNS: &[&str] = &[
     "id", "thread_id", "plugin", "plugin_digest", "input", "idempotency_key", "status", "lease_owner", "fence",
     "lease_expires_at", "attempt", "max_attempts", "heartbeat_at", "partial", "emit_pos", "pending_input", "output", "error",
     "not_before", "created_at", "updated_at", "finished_at", "started_at", "secret", "upgrade_checked", "upgrade_note",
-    "partial_pos", "partial_seq", "priority", "concurrency_key", "parent_id", "root_id", "waiting_for",
+    "partial_pos", "partial_seq", "priority", "concurrency_key", "parent_id", "root_id", "waiting_for", "paused_at",
 ];
 
 const EFFECTS: &[&str] = &[

@@ -26,6 +26,10 @@ pub mod kind {
     /// An operator resolved an effect by hand; payload `{seq, outcome, by,
     /// status}` (`store::resolve`).
     pub const RESOLVED: &str = "resolved";
+    /// An operator paused the run; payload `{status}` (`store::pause`).
+    pub const PAUSED: &str = "paused";
+    /// An operator resumed the paused run; payload `{status}`.
+    pub const RESUMED: &str = "resumed";
 }
 
 /// Applies a run's `delta` and `retract` events, in log order, as a reader

@@ -6,9 +6,8 @@
 //! SQLite and PostgreSQL live in [`sqlite`] and [`postgres`]: the database
 //! clock expression, the claim statement and the bench loader.
 //!
-//! Every timestamp is milliseconds since the Unix epoch computed *by the
-//! database* (`{now}` in a statement template). No statement takes a time
-//! from the worker.
+//! Every timestamp is epoch milliseconds computed *by the database* (`{now}`
+//! in a statement template); no statement takes a time from the worker.
 
 mod budgets;
 mod children;
@@ -29,6 +28,7 @@ mod local;
 pub mod log;
 mod notify;
 mod orphans;
+mod pause;
 mod plugins;
 pub mod postgres;
 pub mod priority;

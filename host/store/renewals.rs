@@ -41,11 +41,13 @@ pub(crate) struct Renewal {
 }
 
 /// Renewals waiting to be group-committed. Each gets the lease's new
-/// expiry (epoch ms on the database clock).
-pub(crate) type Queue = group::Queue<Renewal, i64>;
+/// expiry (epoch ms on the database clock) and whether its run is paused
+/// (`store::pause`).
+pub(crate) type Queue = group::Queue<Renewal, (i64, bool)>;
 
-/// Queues `renewal` and returns the new expiry once its batch is written.
-pub(crate) async fn renew(store: &Store, renewal: Renewal) -> Result<i64, StoreError> {
+/// Queues `renewal` and returns the new expiry, and whether the run is
+/// paused, once its batch is written.
+pub(crate) async fn renew(store: &Store, renewal: Renewal) -> Result<(i64, bool), StoreError> {
     store
         .renewals
         .push(renewal, WRITERS, || {
@@ -55,18 +57,18 @@ pub(crate) async fn renew(store: &Store, renewal: Renewal) -> Result<i64, StoreE
 }
 
 impl group::Batched for Renewal {
-    type Out = i64;
+    type Out = (i64, bool);
     const WHAT: &'static str = "renewals";
 
     fn queue(store: &Store) -> &std::sync::Arc<Queue> {
         &store.renewals
     }
 
-    fn take(store: &Store) -> Vec<(Renewal, group::Reply<i64>)> {
+    fn take(store: &Store) -> Vec<(Renewal, group::Reply<(i64, bool)>)> {
         store.renewals.take(MAX_BATCH, |_| true)
     }
 
-    async fn write(store: &Store, renewals: &[Renewal]) -> Result<Vec<Result<i64, StoreError>>, StoreError> {
+    async fn write(store: &Store, renewals: &[Renewal]) -> Result<Vec<Result<(i64, bool), StoreError>>, StoreError> {
         store.renew_batch(renewals).await
     }
 
@@ -78,9 +80,10 @@ impl group::Batched for Renewal {
 impl Store {
     /// Statement 2 for many leases in one statement: extends each to its
     /// `ttl` from the database's now. Each renewal's result, in order: the
-    /// new expiry, or [`StoreError::LeaseLost`] for a lease its guard
-    /// refused (that lease is left as it was).
-    pub(crate) async fn renew_batch(&self, renewals: &[Renewal]) -> Result<Vec<Result<i64, StoreError>>, StoreError> {
+    /// new expiry and whether the run is paused, or
+    /// [`StoreError::LeaseLost`] for a lease its guard refused (that lease
+    /// is left as it was).
+    pub(crate) async fn renew_batch(&self, renewals: &[Renewal]) -> Result<Vec<Result<(i64, bool), StoreError>>, StoreError> {
         // In run order: PostgreSQL locks the rows as it meets them, so
         // batches that share runs lock them in one order.
         let mut sorted: Vec<&Renewal> = renewals.iter().collect();
@@ -101,7 +104,7 @@ impl Store {
                  AS l(id bigint, owner text, fence bigint, ttl bigint, charge bigint)) AS r \
                  WHERE runs.id = r.id AND runs.lease_owner = r.owner AND runs.fence = r.fence \
                  AND runs.status = 'running' \
-                 RETURNING runs.id, runs.lease_owner, runs.fence, runs.lease_expires_at"
+                 RETURNING runs.id, runs.lease_owner, runs.fence, runs.lease_expires_at, runs.paused_at"
             ),
             crate::store::Backend::Sqlite => sql!(
                 self,
@@ -112,15 +115,16 @@ impl Store {
                  json_extract(value, '$.charge') AS charge FROM jsonb_each($1)) AS r \
                  WHERE runs.id = r.id AND runs.lease_owner = r.owner AND runs.fence = r.fence \
                  AND runs.status = 'running' \
-                 RETURNING runs.id, runs.lease_owner, runs.fence, runs.lease_expires_at"
+                 RETURNING runs.id, runs.lease_owner, runs.fence, runs.lease_expires_at, runs.paused_at"
             ),
         };
         let list = list.as_str();
         let rows = self.retry(|| async move { Ok(sqlx::query(statement).bind(list).fetch_all(self.maint()).await?) }).await?;
-        let mut renewed: HashMap<(i64, String, i64), i64> = HashMap::with_capacity(rows.len());
+        let mut renewed: HashMap<(i64, String, i64), (i64, bool)> = HashMap::with_capacity(rows.len());
         for row in &rows {
             let key = (row.try_get("id")?, row.try_get("lease_owner")?, row.try_get("fence")?);
-            renewed.insert(key, row.try_get("lease_expires_at")?);
+            let paused: Option<i64> = row.try_get("paused_at")?;
+            renewed.insert(key, (row.try_get("lease_expires_at")?, paused.is_some()));
         }
         Ok(renewals
             .iter()

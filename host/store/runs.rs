@@ -524,14 +524,14 @@ impl Store {
     /// a row another (frozen) session holds: the caller retries, and its
     /// lease deadline stops the guest if no renewal lands.
     pub async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<i64, StoreError> {
-        crate::store::renewals::renew(self, crate::store::renewals::Renewal { lease: lease.clone(), ttl, charge: false }).await
+        Ok(crate::store::renewals::renew(self, crate::store::renewals::Renewal { lease: lease.clone(), ttl, charge: false }).await?.0)
     }
 
     /// [`Store::renew`] that also counts the attempt of a segment whose
     /// claim did not (a run claimed for a local queue, starting its guest:
     /// see [`crate::store::Claimed::charged`]).
     pub async fn renew_charging(&self, lease: &Lease, ttl: Duration) -> Result<i64, StoreError> {
-        crate::store::renewals::renew(self, crate::store::renewals::Renewal { lease: lease.clone(), ttl, charge: true }).await
+        Ok(crate::store::renewals::renew(self, crate::store::renewals::Renewal { lease: lease.clone(), ttl, charge: true }).await?.0)
     }
 }
 

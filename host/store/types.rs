@@ -131,6 +131,9 @@ pub struct Run {
     /// What a `queued` run waits for before it is due: `children` (its
     /// turn awaits runs it spawned). `None` otherwise.
     pub waiting_for: Option<String>,
+    /// When an operator paused the run (`store::pause`); `None`: not
+    /// paused. A paused run is not claimed until it is resumed.
+    pub paused_at: Option<i64>,
 }
 
 impl Run {
@@ -170,6 +173,7 @@ impl Run {
             parent_id: row.try_get("parent_id")?,
             root_id: row.try_get::<Option<i64>, _>("root_id")?.unwrap_or(id),
             waiting_for: row.try_get::<Option<String>, _>("waiting_for")?.filter(|_| status == "queued"),
+            paused_at: row.try_get("paused_at")?,
         })
     }
 }

@@ -23,6 +23,7 @@ mod hosts;
 mod model;
 mod netns;
 mod partial;
+mod pause;
 mod priority;
 mod rate_limits;
 mod rolling_upgrade;

@@ -420,6 +420,9 @@ async function runPage(ctx, id) {
   // Why a queued run is not running: its key paused or at its limit, or
   // its last suspension waiting for a rate limit's room.
   async function whyWaiting(r) {
+    if (r.paused_at != null && !['completed', 'failed', 'aborted', 'cancelled'].includes(r.status)) {
+      return r.status === 'running' ? 'paused: it stops at its next slice point' : `paused since ${fmtTime(r.paused_at)}: it waits to be resumed`;
+    }
     if (r.status !== 'queued' && r.status !== 'waiting_takeover') return null;
     if (r.waiting_for === 'budget') return 'for its tree\'s budget to be raised';
     if (r.waiting_for?.startsWith('input:')) return `for input to ${r.waiting_for.slice(6)}${r.not_before < FOREVER ? ` (until ${fmtTime(r.not_before)})` : ''}`;

@@ -1,0 +1,106 @@
+//! Paused runs (docs/operations.md, "Pausing a run"): a paused run is not
+//! claimed, a running one stops at its next slice point, whatever would
+//! have woken a paused run waits for its resume, and the pause survives a
+//! host's restart. Both backends.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::ensure;
+use leasehold::executor::{Executor, ExecutorConfig, SegmentOutcome};
+use leasehold::store::{FOREVER, NewRun, RunStatus, StoreError};
+use serde_json::json;
+
+use crate::harness::{TTL, TestDb, both};
+use crate::plugins;
+use crate::sink::Sink;
+
+/// A host whose lease is renewed every 50 ms, so it hears of a pause soon.
+fn host(db: &TestDb, rt: &Arc<leasehold::runtime::Runtime>, owner: &str) -> Executor {
+    let config = ExecutorConfig {
+        owner: owner.into(),
+        lease_ttl: Duration::from_secs(30),
+        renew_every: Some(Duration::from_millis(50)),
+        model: None,
+        reserved: vec![],
+        ..ExecutorConfig::default()
+    };
+    Executor::new(db.store.clone(), rt.clone(), config)
+}
+
+both! {
+    async fn a_run_paused_mid_turn_stops_at_a_slice_point_stays_paused_across_a_restart_and_completes_once_resumed(db) {
+        let sink = Sink::start_with_delay(Duration::from_millis(150)).await?;
+        let rt = plugins::runtime()?;
+        let mut limits = plugins::test_limits();
+        limits.http_allow = vec![sink.allow()];
+        rt.add_plugin("testkit", &plugins::rust_plugin("testkit")?, limits)?;
+        let input = json!({ "mode": "http-steps", "steps": 8, "url": sink.url });
+        let id = db.store.create_run(&NewRun::new("testkit", input.to_string())).await?.0.id;
+        let a = host(db, &rt, "host-a");
+        let task = tokio::spawn(async move { a.run_once().await });
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while sink.hits().len() < 2 {
+            ensure!(std::time::Instant::now() < deadline && !task.is_finished(), "the turn never got going");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let paused = db.store.pause_run(id).await?;
+        ensure!(paused.paused_at.is_some() && paused.status == RunStatus::Running, "{paused:?}");
+        let outcome = tokio::time::timeout(Duration::from_secs(20), task).await???;
+        ensure!(outcome == Some((id, SegmentOutcome::Suspended(RunStatus::WaitingTakeover))), "host A: {outcome:?}");
+        let hits = sink.hits().len();
+        ensure!(hits < 8, "the turn ran to its end: {hits} steps");
+        let run = db.store.get_run(id).await?;
+        ensure!(run.paused_at.is_some() && run.not_before == FOREVER && run.lease_owner.is_none(), "{run:?}");
+        // A host started afresh claims nothing while the run is paused.
+        let b = host(db, &rt, "host-b");
+        ensure!(b.run_once().await?.is_none(), "a paused run was claimed");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        ensure!(sink.hits().len() == hits, "the sink was called while the run was paused");
+        let resumed = db.store.resume_run(id).await?;
+        ensure!(resumed.paused_at.is_none(), "{resumed:?}");
+        b.drain().await?;
+        let run = db.store.get_run(id).await?;
+        ensure!(run.status == RunStatus::Completed && run.output.as_deref() == Some("did 8 http steps"), "{:?} {:?} {:?}", run.status, run.output, run.error);
+        let mut steps: Vec<String> = sink.hits().into_iter().map(|h| h.body).collect();
+        steps.sort();
+        steps.dedup();
+        ensure!(sink.hits().len() == 8 && steps.len() == 8, "each step reached the sink once: {:?}", sink.hits());
+        Ok(())
+    }
+
+    async fn what_would_wake_a_paused_run_waits_for_its_resume(db) {
+        let rt = plugins::runtime()?;
+        rt.add_plugin("testkit", &plugins::rust_plugin("testkit")?, plugins::test_limits())?;
+        let h = host(db, &rt, "host-a");
+        // Waiting for input: input delivered while paused is kept, not run.
+        let waits = db.store.create_run(&NewRun::new("testkit", json!({ "mode": "wait" }).to_string())).await?.0.id;
+        ensure!(h.run_once().await? == Some((waits, SegmentOutcome::Suspended(RunStatus::WaitingInput))), "no wait");
+        db.store.pause_run(waits).await?;
+        db.store.deliver_input(waits, "ada").await?;
+        ensure!(h.run_once().await?.is_none(), "a paused run with its input was claimed");
+        db.store.resume_run(waits).await?;
+        ensure!(h.run_once().await? == Some((waits, SegmentOutcome::Completed)), "not resumed");
+        let output = db.store.get_run(waits).await?.output;
+        ensure!(output.as_deref() == Some("hello ada"), "output {output:?}");
+
+        // A lease taken over after its host died is given back unstarted.
+        let taken = db.store.create_run(&NewRun::new("testkit", json!({ "mode": "sleep", "ms": 1 }).to_string())).await?.0.id;
+        let dead = db.store.claim("dead-host", TTL).await?.ok_or_else(|| anyhow::anyhow!("nothing to claim"))?;
+        ensure!(dead.lease.run_id == taken, "claimed {}", dead.lease.run_id);
+        db.store.pause_run(taken).await?;
+        db.backdate_lease(taken, 60_000).await?;
+        ensure!(h.run_once().await? == Some((taken, SegmentOutcome::Suspended(RunStatus::WaitingTakeover))), "the taken-over run ran");
+        ensure!(h.run_once().await?.is_none(), "the given-back run was claimed again");
+        // Cancel still works on a paused run; a finished one is not paused.
+        let cancelled = db.store.cancel(taken).await?;
+        ensure!(cancelled.status == RunStatus::Cancelled, "{cancelled:?}");
+        match db.store.pause_run(waits).await {
+            Err(StoreError::Conflict { .. }) => {}
+            other => anyhow::bail!("pausing a completed run: {other:?}"),
+        }
+        let again = db.store.resume_run(waits).await?;
+        ensure!(again.status == RunStatus::Completed, "resuming a run not paused changed it: {again:?}");
+        Ok(())
+    }
+}
