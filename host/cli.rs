@@ -4,6 +4,7 @@
 //! printed with its code and the command exits non-zero.
 
 pub mod limits;
+pub mod rerun;
 pub mod resolve;
 mod submit_batch;
 
@@ -170,6 +171,9 @@ pub enum RunsCommand {
     /// Write the outcome of a call in doubt or failed (the run's last
     /// row); the run goes on from it.
     Resolve(resolve::ResolveArgs),
+    /// Start a new run from a point in a run's ledger: the rows below it
+    /// replay, the rest runs live.
+    Rerun(rerun::RerunArgs),
     /// Pause a run: it is not claimed until resumed (a running one stops
     /// at its next slice point).
     Pause { id: i64 },
@@ -370,6 +374,7 @@ pub async fn runs(api: &Api, command: RunsCommand) -> Result<()> {
     match command {
         RunsCommand::SubmitBatch { file } => submit_batch::submit_batch(api, &file).await?,
         RunsCommand::Resolve(args) => resolve::resolve(api, args).await?,
+        RunsCommand::Rerun(args) => rerun::rerun(api, args).await?,
         RunsCommand::Pause { id } | RunsCommand::Resume { id } => {
             let (verb, url) = match command {
                 RunsCommand::Pause { .. } => ("paused", api.url(&format!("/v1/runs/{id}/pause"))),

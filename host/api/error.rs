@@ -78,6 +78,7 @@ impl From<StoreError> for ApiError {
                 ApiError::new(StatusCode::CONFLICT, "conflict", e.to_string())
             }
             StoreError::Config(_) => ApiError::bad_request(e.to_string()),
+            StoreError::Refused(_) => ApiError::new(StatusCode::CONFLICT, "refused", e.to_string()),
             StoreError::Gone(_) => ApiError::new(StatusCode::GONE, "gone", e.to_string()),
             // The database is down or failing: the request may be retried.
             _ => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "database_unavailable", e.to_string()),

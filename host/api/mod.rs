@@ -27,6 +27,7 @@ mod openapi;
 mod overview;
 mod pause;
 mod plugins;
+mod rerun;
 mod resolve;
 mod runs;
 
@@ -164,6 +165,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/runs/{id}/children", get(children::children))
         .route("/v1/runs/{id}/budget", json_post(budget::set).get(budget::show))
         .route("/v1/runs/{id}/effects/{seq}/resolve", json_post(resolve::resolve))
+        .route("/v1/runs/{id}/rerun", json_post(rerun::rerun))
         .route("/v1/runs/{id}/pause", json_post(pause::pause))
         .route("/v1/runs/{id}/resume", json_post(pause::resume))
         .route("/v1/limits", get(limits::list))

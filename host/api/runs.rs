@@ -406,7 +406,9 @@ pub async fn list(State(s): State<AppState>, QueryParams(q): QueryParams<ListQue
         (status = 404, description = "No such run.", body = ErrorBody),
     ))]
 pub async fn show(State(s): State<AppState>, Params(id): Params<i64>) -> Result<Json<Run>, ApiError> {
-    Ok(Json(s.store.get_run(id).await?))
+    let mut run = s.store.get_run(id).await?;
+    run.reruns = s.store.reruns_of(id).await?;
+    Ok(Json(run))
 }
 
 /// Input for a run waiting for it.

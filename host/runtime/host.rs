@@ -364,11 +364,11 @@ impl SegmentState {
         match (row.state, row.class) {
             (EffectState::Committed, _) => {
                 // Its deltas are already in the stream: move past them.
-                self.stream.skip(row.deltas, row.delta_bytes);
+                self.stream.replayed(&row).await;
                 Ok(Ok(row.result.unwrap_or_default()))
             }
             (EffectState::Failed, _) => {
-                self.stream.skip(row.deltas, row.delta_bytes);
+                self.stream.replayed(&row).await;
                 Ok(Err(decode_error(row.result.as_deref().unwrap_or(""))))
             }
             // Re-issued with the same idempotency key: the remote side

@@ -103,6 +103,27 @@ impl Stream {
         self.pos += deltas;
         self.bytes += usize::try_from(bytes).unwrap_or(0);
     }
+
+    /// Moves past the deltas a replayed call made ([`Stream::skip`]). A
+    /// rerun's prefix (rows copied from the run it reruns, `store::rerun`)
+    /// was never streamed to this run: its deltas are written instead, a
+    /// chat's whole answer as the first and the others empty (the split is
+    /// not kept), so the stream holds the same text at the same positions.
+    /// A failed call's partial answer is not kept: its deltas are empty.
+    pub(super) async fn replayed(&mut self, row: &crate::store::EffectRow) {
+        if row.deltas == 0 || self.pos < self.recorded {
+            return self.skip(row.deltas, row.delta_bytes);
+        }
+        let content = match row.state {
+            crate::store::EffectState::Committed => row.result.as_deref().and_then(|r| serde_json::from_str::<serde_json::Value>(r).ok()),
+            _ => None,
+        };
+        let mut first = content.as_ref().and_then(|v| v["content"].as_str()).unwrap_or_default().to_string();
+        for _ in 0..row.deltas {
+            // Past a cap, `stopped` is set and the turn's next call stops it.
+            let _ = self.delta(std::mem::take(&mut first)).await;
+        }
+    }
 }
 
 impl DeltaSink for Stream {

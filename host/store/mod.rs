@@ -34,6 +34,7 @@ pub mod postgres;
 pub mod priority;
 pub mod rates;
 mod reap;
+mod rerun;
 mod resolve;
 mod retry;
 pub(crate) mod retention;
@@ -62,8 +63,7 @@ pub use ledger::{Completion, EffectCall, LedgerSummary, REQUEST_PREVIEW, Streame
 pub use kv_usage::{KvQuota, KvRoom, KvUsage};
 pub use local::{HeldPut, LocalOp};
 pub use plugins::{ModelGrant, PluginInfo, PluginSettings, UpgradePolicy};
-pub use reap::ReapReport;
-pub use {retention::Deleted, runs::{MAX_SUBMIT_BATCH, RunFilter}};
+pub use {reap::ReapReport, retention::Deleted, runs::{MAX_SUBMIT_BATCH, RunFilter}};
 pub use {overview::{FENCED_WINDOW, FencedRun, HeldRun, VersionInfo}, stats::Gauges};
 pub use types::*;
 

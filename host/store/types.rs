@@ -134,6 +134,14 @@ pub struct Run {
     /// When an operator paused the run (`store::pause`); `None`: not
     /// paused. A paused run is not claimed until it is resumed.
     pub paused_at: Option<i64>,
+    /// The run this one reruns (`store::rerun`), and the ledger position
+    /// it reran from; `None` for a run that is no rerun.
+    pub rerun_of: Option<i64>,
+    pub rerun_from: Option<i64>,
+    /// The reruns of this run, newest last (shown by `GET /v1/runs/{id}`;
+    /// empty elsewhere).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub reruns: Vec<i64>,
 }
 
 impl Run {
@@ -174,6 +182,9 @@ impl Run {
             root_id: row.try_get::<Option<i64>, _>("root_id")?.unwrap_or(id),
             waiting_for: row.try_get::<Option<String>, _>("waiting_for")?.filter(|_| status == "queued"),
             paused_at: row.try_get("paused_at")?,
+            rerun_of: row.try_get("rerun_of")?,
+            rerun_from: row.try_get("rerun_from")?,
+            reruns: Vec::new(),
         })
     }
 }
@@ -485,6 +496,10 @@ pub enum StoreError {
     Unknown(String),
     #[error("migration failed: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),
+    /// Refused for a reason the message gives (the request is sound, the
+    /// data does not allow it).
+    #[error("{0}")]
+    Refused(String),
     /// What was asked for existed once and is gone for good (a used
     /// answer link).
     #[error("{0}")]

@@ -30,6 +30,7 @@ mod rolling_upgrade;
 mod openapi;
 mod orphans;
 mod replay;
+mod rerun;
 mod resolve;
 mod retention;
 mod conformance;

@@ -219,6 +219,28 @@ async function steps() {
   await page.waitForSelector(`#run-root[href="#/runs/${S.tree_run}"]`, { state: 'attached' });
   log('9 tree ok');
 
+  // 10. Rerun a finished run from a ledger row; the new run names it, and
+  // it names its rerun. Pause the new run, then resume it.
+  step = '10 rerun and pause';
+  await open(`#/runs/${S.done_run}`, 'run');
+  await page.waitForSelector('#ledger .rerun-from[data-seq="0"]', { state: 'attached' });
+  page.once('dialog', (d) => d.accept());
+  await page.click('#ledger .rerun-from[data-seq="0"]');
+  await page.waitForFunction((done) => /^#\/runs\/\d+$/.test(location.hash) && location.hash !== `#/runs/${done}`
+    && document.querySelector(`#rerun-of[href="#/runs/${done}"]`), S.done_run);
+  const rerun = Number(new URL(page.url()).hash.split('/')[2]);
+  page.once('dialog', (d) => d.accept());
+  await page.click('#pause-run');
+  await waitText('#pause-run', (t) => t === 'Resume', 'the button offering to resume');
+  await waitText('#run-waiting', (t) => t.includes('paused'), 'the run page saying the run is paused');
+  await shot('rerun.png');
+  page.once('dialog', (d) => d.accept());
+  await page.click('#pause-run');
+  await waitText('#pause-run', (t) => t === 'Pause', 'the button offering to pause again');
+  await open(`#/runs/${S.done_run}`, 'run');
+  await page.waitForSelector(`dl.facts a.rerun[href="#/runs/${rerun}"]`, { state: 'attached' });
+  log('10 rerun and pause ok');
+
   await sync('done');
 }
 

@@ -396,11 +396,12 @@ async function runPage(ctx, id) {
     h('h3', { text: 'Deliver input' }), h('div', { class: 'prompt muted' }), inputText,
     h('div', {}, h('button', { type: 'button', id: 'deliver-input', text: 'Deliver input', onclick: () => act('input') })));
   const cancelBtn = h('button', { type: 'button', id: 'cancel-run', class: 'danger', text: 'Cancel run', onclick: () => act('cancel') });
+  const pauseBtn = h('button', { type: 'button', id: 'pause-run', text: 'Pause', onclick: () => act(run?.paused_at != null ? 'resume' : 'pause') });
   const tree = childrenSection({ h, api });
 
   ctx.main.append(
     h('h1', {}, `Run ${id} `, status),
-    h('div', { class: 'actions' }, cancelBtn), actionErrs, inputBox,
+    h('div', { class: 'actions' }, pauseBtn, ' ', cancelBtn), actionErrs, inputBox,
     facts, tree.el,
     h('div', { class: 'grid2' },
       h('section', {}, h('h2', { text: 'Stream' }), stream, streamNote),
@@ -410,7 +411,7 @@ async function runPage(ctx, id) {
     h('details', {}, h('summary', { text: 'Input' }), inputPre),
     h('h2', { text: 'Ledger' }),
     h('table', { id: 'ledger', class: 'timeline' },
-      h('thead', {}, h('tr', {}, ['seq', 'name', 'class', 'state', 'fence', 'duration', 'started', 'request', 'result'].map((t) => h('th', { text: t })))),
+      h('thead', {}, h('tr', {}, ['seq', 'name', 'class', 'state', 'fence', 'duration', 'started', 'request', 'result', ''].map((t) => h('th', { text: t })))),
       ledger));
 
   let run = null;
@@ -440,15 +441,27 @@ async function runPage(ctx, id) {
     return null;
   }
 
-  async function act(kind) {
+  async function act(kind, seq) {
     actionError(actionErrs, null);
-    if (kind === 'input') {
-      if (!confirm(`Deliver this input to run ${id}?`)) return;
-    } else if (!confirm(`Cancel run ${id}?`)) return;
+    const ask = {
+      input: `Deliver this input to run ${id}?`,
+      cancel: `Cancel run ${id}?`,
+      pause: `Pause run ${id}? It is not claimed until resumed.`,
+      resume: `Resume run ${id}?`,
+      rerun: `Start a new run from call ${seq} of run ${id}? The calls before it replay, none performed; the rest run live.`,
+    }[kind];
+    if (!confirm(ask)) return;
     try {
+      if (kind === 'rerun') {
+        const made = await api(`/v1/runs/${id}/rerun`, { method: 'POST', body: { from_seq: seq } });
+        location.hash = `#/runs/${made.id}`;
+        return;
+      }
       const body = kind === 'input' ? { input: inputText.value } : {};
       // Each path spelled out: tests/all/openapi.rs checks the paths this page calls.
-      const path = kind === 'input' ? `/v1/runs/${id}/input` : `/v1/runs/${id}/cancel`;
+      const path = {
+        input: `/v1/runs/${id}/input`, cancel: `/v1/runs/${id}/cancel`, pause: `/v1/runs/${id}/pause`, resume: `/v1/runs/${id}/resume`,
+      }[kind];
       showRun(await api(path, { method: 'POST', body }));
       if (kind === 'input') inputText.value = '';
       refresh();
@@ -463,6 +476,8 @@ async function runPage(ctx, id) {
     status.className = `badge status-${r.status}`;
     document.title = `run ${id} · ${r.status} · leasehold`;
     inputBox.hidden = r.status !== 'waiting_input';
+    pauseBtn.hidden = FINISHED.has(r.status);
+    pauseBtn.textContent = r.paused_at != null ? 'Resume' : 'Pause';
     const held = r.lease_owner && !FINISHED.has(r.status);
     facts.replaceChildren(
       ...fact('plugin', h('a', { href: `#/runs${query({ plugin: r.plugin })}`, text: r.plugin }), ' ',
@@ -482,7 +497,9 @@ async function runPage(ctx, id) {
       ...(r.not_before && r.not_before < FOREVER ? fact('not before', when(r.not_before, false)) : []),
       ...(r.idempotency_key ? fact('idempotency key', h('span', { class: 'mono', text: r.idempotency_key })) : []),
       ...(r.pending_input != null ? fact('pending input', h('span', { class: 'mono', text: r.pending_input })) : []),
-      ...(r.upgrade_note ? fact('upgrade', h('span', { class: 'note', text: r.upgrade_note })) : []));
+      ...(r.upgrade_note ? fact('upgrade', h('span', { class: 'note', text: r.upgrade_note })) : []),
+      ...(r.rerun_of != null ? fact('rerun of', h('a', { id: 'rerun-of', href: `#/runs/${r.rerun_of}`, text: `run ${r.rerun_of}` }), ` from call ${r.rerun_from}`) : []),
+      ...(r.reruns?.length ? fact('reruns', ...r.reruns.flatMap((n, i) => [i ? ', ' : '', h('a', { class: 'rerun', href: `#/runs/${n}`, text: `run ${n}` })])) : []));
     inputPre.textContent = prettyJson(r.input);
     outputPre.textContent = r.output ?? '';
     errorPre.textContent = r.error ?? '';
@@ -517,8 +534,9 @@ async function runPage(ctx, id) {
       h('td', { text: fmtSpan(e.updated_at - e.created_at) }),
       h('td', {}, when(e.created_at)),
       h('td', {}, detail(`${e.seq}:req`, 'request', e.request)),
-      h('td', {}, detail(`${e.seq}:res`, 'result', e.result)))));
-    if (!rows.length) ledger.append(h('tr', {}, h('td', { colspan: 9, class: 'muted', text: 'No effects yet.' })));
+      h('td', {}, detail(`${e.seq}:res`, 'result', e.result)),
+      h('td', {}, h('button', { type: 'button', class: 'small rerun-from', 'data-seq': e.seq, title: 'a new run: the calls before this one replay, the rest run live', text: 'rerun from here', onclick: () => act('rerun', e.seq) })))));
+    if (!rows.length) ledger.append(h('tr', {}, h('td', { colspan: 10, class: 'muted', text: 'No effects yet.' })));
   }
 
   // One refresh at a time; a request during one runs once after it.
