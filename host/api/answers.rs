@@ -15,13 +15,27 @@ use utoipa::ToSchema;
 use super::{ApiError, AppState, ErrorBody, JsonBody, Params};
 use crate::runtime::waits::token_hash;
 
-/// `GET /v1/answers/{token}`: the link's page, a form that POSTs the
-/// answer (opening a link, as a mail scanner does, uses nothing).
+/// `GET /v1/answers/{token}`: the link's page, with the wait's prompt and
+/// a form that POSTs the answer (opening a link, as a mail scanner does,
+/// uses nothing).
 #[utoipa::path(get, path = "/v1/answers/{token}", tag = "runs", security(()),
     params(("token" = String, Path, description = "The link's token.")),
-    responses((status = 200, description = "A page with a form that sends the answer.", content_type = "text/html", body = String)))]
-pub async fn page() -> axum::response::Response {
-    super::dashboard::answer_page()
+    responses((status = 200, description = "A page with the wait's prompt and a form that sends the answer.", content_type = "text/html", body = String)))]
+pub async fn page(State(s): State<AppState>, Params(token): Params<String>) -> axum::response::Response {
+    let prompt = if well_formed(&token) {
+        s.store.answer_prompt(&token_hash(&token)).await.unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "reading an answer link's prompt failed; the page shows none");
+            None
+        })
+    } else {
+        None
+    };
+    super::dashboard::answer_page(prompt.as_deref())
+}
+
+/// A token's form: 64 lowercase hex digits.
+fn well_formed(token: &str) -> bool {
+    token.len() == 64 && token.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }
 
 /// What an answer link delivers.
@@ -49,7 +63,7 @@ pub struct Answered {
         (status = 410, description = "The link was used, its wait has ended, or it never existed.", body = ErrorBody),
     ))]
 pub async fn answer(State(s): State<AppState>, Params(token): Params<String>, JsonBody(req): JsonBody<Answer>) -> Result<Json<Answered>, ApiError> {
-    if token.len() != 64 || !token.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
+    if !well_formed(&token) {
         return Err(ApiError::not_found("no answer link has this form: a token is 64 lowercase hex digits"));
     }
     let input = match req.input {

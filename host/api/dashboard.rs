@@ -38,11 +38,32 @@ pub(super) fn router<S: Clone + Send + Sync + 'static>() -> Router<S> {
 /// The page an answer link opens (`GET /v1/answers/{token}`): a form that
 /// POSTs the answer. The same for every token, so opening it tells
 /// nothing and uses nothing.
-pub(super) fn answer_page() -> Response {
-    asset("text/html; charset=utf-8", ANSWER_HTML)
+/// The answer page, with the wait's `prompt` (HTML-escaped) where it
+/// says so.
+pub(super) fn answer_page(prompt: Option<&str>) -> Response {
+    let shown = match prompt {
+        Some(p) => format!("<p id=\"answer-prompt\" class=\"prompt\">{}</p>", escape_html(p)),
+        None => String::new(),
+    };
+    asset("text/html; charset=utf-8", ANSWER_HTML.replace("<!-- prompt -->", &shown))
 }
 
-fn asset(content_type: &'static str, body: &'static str) -> Response {
+fn escape_html(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '"' => out.push_str("&quot;"),
+            '\'' => out.push_str("&#39;"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+fn asset(content_type: &'static str, body: impl Into<axum::body::Body>) -> Response {
     let headers: [(HeaderName, HeaderValue); 6] = [
         (header::CONTENT_TYPE, HeaderValue::from_static(content_type)),
         (header::CONTENT_SECURITY_POLICY, HeaderValue::from_static(CSP)),
@@ -52,5 +73,6 @@ fn asset(content_type: &'static str, body: &'static str) -> Response {
         // A new binary serves new files: never a stale page against a newer API.
         (header::CACHE_CONTROL, HeaderValue::from_static("no-cache")),
     ];
+    let body: axum::body::Body = body.into();
     (headers, body).into_response()
 }

@@ -193,6 +193,32 @@ impl Store {
         Ok((self.delivered(run).await?, name))
     }
 
+    /// The prompt of the open wait the answer link `token_hash` answers
+    /// (from the run's suspension that began it), if the link is unused
+    /// and its wait said one. Reads only: opening a link uses nothing.
+    pub async fn answer_prompt(&self, token_hash: &str) -> Result<Option<String>, StoreError> {
+        let link = sqlx::query(sql!(self, "SELECT run_id, name FROM answer_links WHERE token_hash = $1"))
+            .bind(token_hash)
+            .fetch_optional(self.pool())
+            .await?;
+        let Some(link) = link else { return Ok(None) };
+        let (run_id, name): (i64, String) = (link.try_get("run_id")?, link.try_get("name")?);
+        let payloads: Vec<String> = sqlx::query_scalar(sql!(
+            self,
+            "SELECT payload FROM events WHERE run_id = $1 AND kind = 'suspended' ORDER BY seq DESC LIMIT 20"
+        ))
+        .bind(run_id)
+        .fetch_all(self.pool())
+        .await?;
+        let waiting = waiting_for(&name);
+        Ok(payloads
+            .iter()
+            .filter_map(|p| serde_json::from_str::<serde_json::Value>(p).ok())
+            .find(|p| p["waiting_for"].as_str() == Some(waiting.as_str()))
+            .and_then(|p| p["prompt"].as_str().map(str::to_string))
+            .filter(|p| !p.is_empty()))
+    }
+
     /// After a delivery commits: wakes the run's readers and the workers.
     async fn delivered(&self, mut run: Run) -> Result<Run, StoreError> {
         self.hub().wake(&run.thread_id);

@@ -147,7 +147,7 @@ both! {
         let state = leasehold::api::AppState::new(db.store.clone(), rt, config, shutdown.clone());
         let base = crate::harness::serve_api(state, shutdown).await?;
         let host = hosts(db, vec![notify.allow()], Some(base.clone())).await?;
-        let id = submit(db, json!({ "notify_url": notify.url })).await?;
+        let id = submit(db, json!({ "notify_url": notify.url, "prompt": "Ship <v2> & tell \"ops\"?" })).await?;
         let first = host("host-a").run_once().await?;
         ensure!(first == Some((id, SegmentOutcome::Suspended(RunStatus::Queued))), "{first:?}: {:?}", db.store.get_run(id).await?.error);
         let hits = notify.hits();
@@ -162,7 +162,9 @@ both! {
         // Opening the link (as a mail scanner does) shows a form and uses nothing.
         let page = http.get(&link).send().await?;
         ensure!(page.status() == 200, "the link's page: {}", page.status());
-        ensure!(page.text().await?.contains("answer-form"), "the link's page has no form");
+        let html = page.text().await?;
+        ensure!(html.contains("answer-form"), "the link's page has no form");
+        ensure!(html.contains(r#"<p id="answer-prompt" class="prompt">Ship &lt;v2&gt; &amp; tell &quot;ops&quot;?</p>"#), "the page shows no escaped prompt: {html}");
         let answer = |input: &str| http.post(&link).json(&json!({ "input": input })).send();
         let r = answer("ok").await?;
         ensure!(r.status() == 200, "first use: {} {}", r.status(), r.text().await?);
