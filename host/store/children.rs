@@ -131,18 +131,7 @@ impl Store {
                 let Some(row) = row else { return Ok(None) };
                 let child = Run::from_row(&row)?;
                 if let Some(key) = &child.concurrency_key {
-                    sqlx::query(sql!(
-                        self,
-                        concat!(
-                            "INSERT INTO concurrency_keys (key, active, concurrency) \
-                             SELECT $1, true, p.key_concurrency FROM plugins p WHERE p.name = $2 ",
-                            crate::key_default!()
-                        )
-                    ))
-                    .bind(key)
-                    .bind(&child.plugin)
-                    .execute(&mut *tx)
-                    .await?;
+                    crate::store::concurrency::activate(self, &mut tx, key, &child.plugin).await?;
                 }
                 let payload = json!({ "input": child.input, "plugin": child.plugin, "parent_id": lease.run_id });
                 log::append(self, &mut tx, &child.thread_id, child.id, child.fence, kind::SUBMITTED, &payload).await?;

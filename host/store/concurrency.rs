@@ -340,6 +340,25 @@ async fn lane_ids(store: &Store, conn: &mut AnyConnection, lane: &str, n: i64, t
     Ok(rows.into_iter().filter(|id| !taken.contains(id)).take(n as usize).collect())
 }
 
+/// Makes `key` take turns again, after a run with it became claimable
+/// outside a submit (a spawn, a resolved run queued again, a rerun): as a
+/// submit's upsert does, with `plugin`'s default limit for a key no
+/// operator set.
+pub(crate) async fn activate(store: &Store, conn: &mut AnyConnection, key: &str, plugin: &str) -> Result<(), StoreError> {
+    sqlx::query(sql!(
+        store,
+        concat!(
+            "INSERT INTO concurrency_keys (key, active, concurrency) SELECT $1, true, p.key_concurrency FROM plugins p WHERE p.name = $2 ",
+            crate::key_default!()
+        )
+    ))
+    .bind(key)
+    .bind(plugin)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
 /// Whether `key` has a claimable run at all (leased, asleep or ready).
 async fn has_claimable(store: &Store, conn: &mut AnyConnection, key: &str) -> Result<bool, StoreError> {
     let found: Option<i64> = sqlx::query_scalar(sql!(

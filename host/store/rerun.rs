@@ -88,19 +88,7 @@ impl Store {
                 .execute(&mut *tx)
                 .await?;
                 if let Some(key) = &run.concurrency_key {
-                    // Its key takes turns (store::concurrency).
-                    sqlx::query(sql!(
-                        self,
-                        concat!(
-                            "INSERT INTO concurrency_keys (key, active, concurrency) \
-                             SELECT $1, true, p.key_concurrency FROM plugins p WHERE p.name = $2 ",
-                            crate::key_default!()
-                        )
-                    ))
-                    .bind(key)
-                    .bind(&run.plugin)
-                    .execute(&mut *tx)
-                    .await?;
+                    crate::store::concurrency::activate(self, &mut tx, key, &run.plugin).await?;
                 }
                 let payload = json!({ "plugin": run.plugin, "input": run.input, "rerun_of": old.id, "from_seq": from_seq });
                 log::append(self, &mut tx, &run.thread_id, run.id, run.fence, kind::SUBMITTED, &payload).await?;

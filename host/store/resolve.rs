@@ -118,19 +118,7 @@ impl Store {
                     .await?,
                 )?;
                 if reopen && let Some(key) = &run.concurrency_key {
-                    // Its key takes turns again (store::concurrency).
-                    sqlx::query(sql!(
-                        self,
-                        concat!(
-                            "INSERT INTO concurrency_keys (key, active, concurrency) \
-                             SELECT $1, true, p.key_concurrency FROM plugins p WHERE p.name = $2 ",
-                            crate::key_default!()
-                        )
-                    ))
-                    .bind(key)
-                    .bind(&run.plugin)
-                    .execute(&mut *tx)
-                    .await?;
+                    crate::store::concurrency::activate(self, &mut tx, key, &run.plugin).await?;
                 }
                 let payload = json!({ "seq": seq, "outcome": state, "by": by, "status": run.status });
                 log::append(self, &mut tx, &run.thread_id, run_id, run.fence, kind::RESOLVED, &payload).await?;
