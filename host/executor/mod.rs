@@ -249,6 +249,8 @@ impl Executor {
         // Dropped when the segment returns, after its last write.
         let cover = Cover::start(&self.store, &lease, self.config.lease_ttl, self.renew_every(), lease_left, self.config.clock.clone());
         let watch = &cover.watch;
+        // A pause made on this host reaches the guest at once (store::pause).
+        let _here = self.store.hub().running(run.id, watch.paused.clone());
         let plugin = match crate::plugins::resolve(&self.store, &self.runtime, &run.plugin, &run.plugin_digest).await {
             Ok(Some(plugin)) => plugin,
             Ok(None) => {

@@ -128,7 +128,12 @@ pub(super) async fn renew_once(store: &Store, lease: &Lease, ttl: Duration, watc
     };
     match renewed {
         Ok((_, paused)) => {
-            watch.paused.store(paused, Ordering::Relaxed);
+            // Only raised here: an answer read before a pause on this host
+            // committed must not lower the flag that pause set (a run
+            // resumed meanwhile is only suspended and claimed again).
+            if paused {
+                watch.paused.store(true, Ordering::Relaxed);
+            }
             // The new expiry is ttl after the database's now, which is
             // no earlier than when we asked.
             watch.deadline_ms.store(asked_at + ttl.as_millis() as i64, Ordering::Relaxed);
@@ -163,7 +168,9 @@ pub(super) fn charge(store: &Store, lease: &Lease, ttl: Duration, watch: &LeaseW
         let charged = db.renew_seeing_pause(&held, ttl, true).await;
         match &charged {
             Ok((_, paused)) => {
-                watch.paused.store(*paused, Ordering::Relaxed);
+                if *paused {
+                    watch.paused.store(true, Ordering::Relaxed);
+                }
                 watch.deadline_ms.fetch_max(asked_at + ttl.as_millis() as i64, Ordering::Relaxed);
             }
             Err(StoreError::LeaseLost(_)) => {

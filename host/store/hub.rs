@@ -2,11 +2,12 @@
 //! write that appends events wakes the streams watching its thread, so an
 //! open stream costs no database reads while nothing happens. Events other
 //! hosts write are found by one poll per host for all watched threads
-//! (`Store::thread_heads`), not by each stream.
+//! (`Store::thread_heads`), not by each stream. And a pause made on this
+//! host reaches a segment of its run running here at once (`store::pause`).
 
 use std::collections::HashMap;
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use tokio::sync::watch;
 
@@ -16,6 +17,20 @@ pub struct Hub {
     threads: Mutex<HashMap<String, Watched>>,
     /// Streams open: a write skips the lock while there are none.
     open: AtomicUsize,
+    /// The pause flags of the segments running on this host, by run.
+    segments: Mutex<HashMap<i64, Arc<AtomicBool>>>,
+}
+
+/// A segment registered with [`Hub::running`]; dropped, it is not.
+pub struct Running<'a> {
+    hub: &'a Hub,
+    run_id: i64,
+}
+
+impl Drop for Running<'_> {
+    fn drop(&mut self) {
+        self.hub.segments.lock().expect("hub lock").remove(&self.run_id);
+    }
 }
 
 #[derive(Debug)]
@@ -55,6 +70,23 @@ impl Hub {
         }
         if let Some(w) = self.threads.lock().expect("hub lock").get(thread) {
             w.version.send_modify(|v| *v += 1);
+        }
+    }
+
+    /// Registers a segment of run `run_id` running on this host, whose
+    /// guest stops at its next slice point once `paused` is set: a pause
+    /// made on this host sets it at once ([`Hub::paused`]); one made
+    /// elsewhere reaches it with the segment's next renewal.
+    pub fn running(&self, run_id: i64, paused: Arc<AtomicBool>) -> Running<'_> {
+        self.segments.lock().expect("hub lock").insert(run_id, paused);
+        Running { hub: self, run_id }
+    }
+
+    /// Run `run_id` was paused (`true`) or resumed on this host: tells its
+    /// segment running here, if one is.
+    pub(crate) fn paused(&self, run_id: i64, paused: bool) {
+        if let Some(flag) = self.segments.lock().expect("hub lock").get(&run_id) {
+            flag.store(paused, Ordering::Relaxed);
         }
     }
 

@@ -6,8 +6,9 @@
 //! that back. So no waker needs to know about pauses, and none is lost
 //! while a run is paused.
 //!
-//! A running run is marked only: its segment learns of the pause from its
-//! next lease renewal and stops at its next slice point (between host
+//! A running run is marked only: its segment learns of the pause at once
+//! when it runs on the host that paused it (`Hub::paused`), else from its
+//! next lease renewal, and stops at its next slice point (between host
 //! calls, never in one), suspending as any slice does, which the trigger
 //! then holds. A segment that starts on a paused run (a lease taken over
 //! after a death, a run claimed for a local queue) gives it back at once.
@@ -49,6 +50,7 @@ impl Store {
                 Ok(run)
             })
             .await?;
+        self.hub().paused(run_id, run.paused_at.is_some());
         self.hub().wake(&run.thread_id);
         Ok(run)
     }
@@ -78,6 +80,7 @@ impl Store {
             })
             .await?;
         if resumed {
+            self.hub().paused(run_id, false);
             self.hub().wake(&run.thread_id);
             if run.status != RunStatus::Running {
                 self.signal_work(true).await;

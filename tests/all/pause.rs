@@ -15,12 +15,12 @@ use crate::harness::{TTL, TestDb, both};
 use crate::plugins;
 use crate::sink::Sink;
 
-/// A host whose lease is renewed every 50 ms, so it hears of a pause soon.
-fn host(db: &TestDb, rt: &Arc<leasehold::runtime::Runtime>, owner: &str) -> Executor {
+/// A host whose lease (30 s) is renewed every `renew_every`.
+fn host_renewing(db: &TestDb, rt: &Arc<leasehold::runtime::Runtime>, owner: &str, renew_every: Duration) -> Executor {
     let config = ExecutorConfig {
         owner: owner.into(),
         lease_ttl: Duration::from_secs(30),
-        renew_every: Some(Duration::from_millis(50)),
+        renew_every: Some(renew_every),
         model: None,
         reserved: vec![],
         ..ExecutorConfig::default()
@@ -28,26 +28,41 @@ fn host(db: &TestDb, rt: &Arc<leasehold::runtime::Runtime>, owner: &str) -> Exec
     Executor::new(db.store.clone(), rt.clone(), config)
 }
 
+/// A host renewing every 10 s (a third of its lease, the default): it
+/// hears of a pause made elsewhere no sooner.
+fn host(db: &TestDb, rt: &Arc<leasehold::runtime::Runtime>, owner: &str) -> Executor {
+    host_renewing(db, rt, owner, Duration::from_secs(10))
+}
+
+/// Starts an 8-step HTTP run (150 ms a step) on `a` and waits until two
+/// steps reached the sink; returns the run, the segment's task and the sink.
+async fn running(db: &TestDb, a: Executor) -> anyhow::Result<(i64, tokio::task::JoinHandle<Result<Option<(i64, SegmentOutcome)>, StoreError>>, Sink, Arc<leasehold::runtime::Runtime>)> {
+    let sink = Sink::start_with_delay(Duration::from_millis(150)).await?;
+    let rt = a.runtime().clone();
+    let mut limits = plugins::test_limits();
+    limits.http_allow = vec![sink.allow()];
+    rt.add_plugin("testkit", &plugins::rust_plugin("testkit")?, limits)?;
+    let input = json!({ "mode": "http-steps", "steps": 8, "url": sink.url });
+    let id = db.store.create_run(&NewRun::new("testkit", input.to_string())).await?.0.id;
+    let task = tokio::spawn(async move { a.run_once().await });
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while sink.hits().len() < 2 {
+        ensure!(std::time::Instant::now() < deadline && !task.is_finished(), "the turn never got going");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    Ok((id, task, sink, rt))
+}
+
 both! {
     async fn a_run_paused_mid_turn_stops_at_a_slice_point_stays_paused_across_a_restart_and_completes_once_resumed(db) {
-        let sink = Sink::start_with_delay(Duration::from_millis(150)).await?;
         let rt = plugins::runtime()?;
-        let mut limits = plugins::test_limits();
-        limits.http_allow = vec![sink.allow()];
-        rt.add_plugin("testkit", &plugins::rust_plugin("testkit")?, limits)?;
-        let input = json!({ "mode": "http-steps", "steps": 8, "url": sink.url });
-        let id = db.store.create_run(&NewRun::new("testkit", input.to_string())).await?.0.id;
-        let a = host(db, &rt, "host-a");
-        let task = tokio::spawn(async move { a.run_once().await });
-        let deadline = std::time::Instant::now() + Duration::from_secs(20);
-        while sink.hits().len() < 2 {
-            ensure!(std::time::Instant::now() < deadline && !task.is_finished(), "the turn never got going");
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        // Its renewals come every 10 s: a pause made on its own host must
+        // reach it sooner than that.
+        let (id, task, sink, rt) = running(db, host(db, &rt, "host-a")).await?;
         let paused = db.store.pause_run(id).await?;
         ensure!(paused.paused_at.is_some() && paused.status == RunStatus::Running, "{paused:?}");
-        let outcome = tokio::time::timeout(Duration::from_secs(20), task).await???;
-        ensure!(outcome == Some((id, SegmentOutcome::Suspended(RunStatus::WaitingTakeover))), "host A: {outcome:?}");
+        let outcome = tokio::time::timeout(Duration::from_secs(5), task).await??;
+        ensure!(outcome? == Some((id, SegmentOutcome::Suspended(RunStatus::WaitingTakeover))), "host A did not stop");
         let hits = sink.hits().len();
         ensure!(hits < 8, "the turn ran to its end: {hits} steps");
         let run = db.store.get_run(id).await?;
@@ -66,6 +81,19 @@ both! {
         steps.sort();
         steps.dedup();
         ensure!(sink.hits().len() == 8 && steps.len() == 8, "each step reached the sink once: {:?}", sink.hits());
+        Ok(())
+    }
+
+    async fn a_pause_made_on_another_host_reaches_a_running_segment_with_its_next_renewal(db) {
+        let rt = plugins::runtime()?;
+        let (id, task, sink, _rt) = running(db, host_renewing(db, &rt, "host-a", Duration::from_millis(50))).await?;
+        // Another host's store: no in-process signal reaches host A.
+        let other = db.another_store(2).await?;
+        other.pause_run(id).await?;
+        let outcome = tokio::time::timeout(Duration::from_secs(5), task).await??;
+        ensure!(outcome? == Some((id, SegmentOutcome::Suspended(RunStatus::WaitingTakeover))), "host A did not stop");
+        ensure!(sink.hits().len() < 8, "the turn ran to its end");
+        ensure!(db.store.get_run(id).await?.paused_at.is_some(), "not paused");
         Ok(())
     }
 
