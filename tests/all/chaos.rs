@@ -154,6 +154,10 @@ enum Kind {
     Duplicate { steps: u64 },
     /// Cancelled `after_ms` after it is acknowledged.
     Cancel { steps: u64, after_ms: u64 },
+    /// Paused `after_ms` after it is acknowledged and resumed `for_ms`
+    /// later, through any host: it must still end completed, each effect
+    /// once.
+    Paused { steps: u64, after_ms: u64, for_ms: u64 },
     /// testkit `chaos` whose POSTs go to the rated sink, answered at once.
     Rated { steps: u64 },
     /// testkit `wait`; its input is delivered twice at once. Its waiting
@@ -172,7 +176,7 @@ impl Kind {
         match self {
             Kind::Chaos { max_attempts, .. } | Kind::Wait { max_attempts } => *max_attempts,
             Kind::Hostile(_) => 2,
-            Kind::Duplicate { .. } | Kind::Cancel { .. } | Kind::Rated { .. } | Kind::Parent { .. } => 100,
+            Kind::Duplicate { .. } | Kind::Cancel { .. } | Kind::Paused { .. } | Kind::Rated { .. } | Kind::Parent { .. } => 100,
         }
     }
 }
@@ -260,6 +264,7 @@ fn plan(s: &Settings, backend: Backend) -> (Vec<(u64, Fault)>, Vec<Kind>) {
                 12..15 => Kind::Cancel { steps, after_ms: rng.random_range(0..150) },
                 15..20 => Kind::Chaos { steps, spin: 0, delay_ms: rng.random_range(1000..1800), max_attempts },
                 20..25 => Kind::Parent { steps },
+                25..29 => Kind::Paused { steps, after_ms: rng.random_range(0..300), for_ms: rng.random_range(100..1500) },
                 // About a second a run: enough in flight that faults land
                 // on busy hosts, mid-effect.
                 _ => Kind::Chaos { steps, spin: rng.random_range(0..3_000_000), delay_ms: rng.random_range(50..400), max_attempts },
@@ -727,6 +732,8 @@ struct Counters {
     key_over_limit: Mutex<Vec<String>>,
     pending_recoveries: AtomicI64,
     faults_done: AtomicU64,
+    /// Runs paused while a segment ran them (the pause answered `running`).
+    paused_running: AtomicU64,
 }
 
 #[derive(Clone)]
@@ -896,6 +903,23 @@ async fn drive(
                         ensure!(status == 200 || status == 409, "cancel {id}: {status} {body}");
                         Ok::<_, anyhow::Error>(())
                     })),
+                    Some((id, Kind::Paused { after_ms, for_ms, .. })) => {
+                        let counters = &counters;
+                        running.push(Box::pin(async move {
+                            tokio::time::sleep(Duration::from_millis(after_ms)).await;
+                            let (status, body) =
+                                call(cluster, id as u64, |http, base| http.post(format!("{base}/v1/runs/{id}/pause")).json(&json!({}))).await?;
+                            ensure!(status == 200 || status == 409, "pause {id}: {status} {body}");
+                            if body["status"] == "running" {
+                                counters.paused_running.fetch_add(1, Relaxed);
+                            }
+                            tokio::time::sleep(Duration::from_millis(for_ms)).await;
+                            let (status, body) =
+                                call(cluster, id as u64, |http, base| http.post(format!("{base}/v1/runs/{id}/resume")).json(&json!({}))).await?;
+                            ensure!(status == 200, "resume {id}: {status} {body}");
+                            Ok::<_, anyhow::Error>(())
+                        }))
+                    }
                     Some((id, Kind::Wait { .. })) => running.push(Box::pin(deliver_twice(cluster, &counters, id))),
                     Some(_) => {}
                     None => open = false,
@@ -946,8 +970,8 @@ async fn drive(
                 }
                 Kind::Duplicate { steps } => json!({ "mode": "chaos", "steps": steps, "tag": tag, "url": sink.url }),
                 Kind::Rated { steps } => json!({ "mode": "chaos", "steps": steps, "tag": tag, "url": rated.url }),
-                // Slow enough that most cancels land mid-run.
-                Kind::Cancel { steps, .. } => {
+                // Slow enough that most cancels and pauses land mid-run.
+                Kind::Cancel { steps, .. } | Kind::Paused { steps, .. } => {
                     json!({ "mode": "chaos", "steps": steps, "spin": 30_000_000, "tag": tag, "url": sink.url })
                 }
                 Kind::Wait { .. } => json!({ "mode": "wait" }),
@@ -989,7 +1013,7 @@ async fn drive(
                 run["id"].as_i64().context("run id")?
             };
             acked.lock().unwrap().push(Acked { id, kind: kind.clone(), tag });
-            if matches!(kind, Kind::Cancel { .. } | Kind::Wait { .. }) {
+            if matches!(kind, Kind::Cancel { .. } | Kind::Paused { .. } | Kind::Wait { .. }) {
                 side_tx.send((id, kind))?;
             }
         }
@@ -1676,7 +1700,7 @@ async fn check(
     for a in acked {
         let Some((status, output, error)) = runs.get(&a.id) else { continue };
         match &a.kind {
-            Kind::Chaos { steps, .. } | Kind::Duplicate { steps } | Kind::Cancel { steps, .. } | Kind::Rated { steps } => {
+            Kind::Chaos { steps, .. } | Kind::Duplicate { steps } | Kind::Cancel { steps, .. } | Kind::Paused { steps, .. } | Kind::Rated { steps } => {
                 let cancelled = matches!(a.kind, Kind::Cancel { .. }) && status == "cancelled";
                 // Aborted on its attempts: what it did must not repeat, but
                 // it need not all have happened.
@@ -1943,6 +1967,7 @@ async fn check(
         "max_recovery_from_kill_ms": max_recovery,
         "p99_recovery_from_kill_ms": p99,
         "hostile_guests": hostile,
+        "paused_running": counters.paused_running.load(Relaxed),
         "host_crashes": host_crashes,
         "missing_effects": missing_effects,
         "steals": steals.len(),
