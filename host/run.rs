@@ -1,7 +1,8 @@
 //! `leasehold run`: one turn of a component, run to its end on a throwaway
 //! SQLite database, with the same worker code `serve` runs, printing what
 //! it streams and its output. For a plugin author's first test: no service,
-//! no token. Exit status 0 when the run completes, 1 when it fails (its
+//! no token. Child runs its turn spawns run here too, of the plugins given
+//! with `--plugin` (or itself), as `--spawn-allow` grants. Exit status 0 when the run completes, 1 when it fails (its
 //! error is printed) or an error stops the command.
 
 use std::path::PathBuf;
@@ -38,6 +39,14 @@ pub struct RunArgs {
     /// Input to deliver, in order, each time the turn waits for input.
     #[arg(long = "answer")]
     answers: Vec<String>,
+    /// Another plugin, NAME=FILE.wasm, registered beside it: runs its turn
+    /// spawns (--spawn-allow) run here too. Repeat it for more.
+    #[arg(long = "plugin", value_name = "NAME=FILE")]
+    plugins: Vec<String>,
+    /// Comma-separated plugins its turns (and the --plugin ones') may spawn
+    /// as child runs (`*`: any registered here). [default: none]
+    #[arg(long, default_value = "")]
+    spawn_allow: String,
     /// Give up after this long. Default: 60 s.
     #[arg(long, default_value_t = 60_000)]
     timeout_ms: u64,
@@ -75,9 +84,23 @@ async fn run_in(args: &RunArgs, dir: &std::path::Path, name: &str, bytes: Vec<u8
     }
     let runtime = Arc::new(Runtime::new(config)?);
     let http_allow = args.http_allow.split(',').map(str::trim).filter(|h| !h.is_empty()).map(str::to_string).collect();
-    let settings = PluginSettings { http_allow, model: leasehold::store::ModelGrant::listed(&args.model_allow), ..PluginSettings::default() };
+    let spawn_allow = args.spawn_allow.split(',').map(str::trim).filter(|h| !h.is_empty()).map(str::to_string).collect();
+    let settings =
+        PluginSettings { http_allow, spawn_allow, model: leasehold::store::ModelGrant::listed(&args.model_allow), ..PluginSettings::default() };
     if !leasehold::plugins::valid_name(name) {
         bail!("{name:?} is not a plugin name (1 to 64 of a-z, 0-9, '-', '_'): give --name");
+    }
+    for other in &args.plugins {
+        let Some((other_name, file)) = other.split_once('=') else {
+            bail!("--plugin {other:?}: expected NAME=FILE.wasm");
+        };
+        if !leasehold::plugins::valid_name(other_name) {
+            bail!("--plugin {other:?}: {other_name:?} is not a plugin name (1 to 64 of a-z, 0-9, '-', '_')");
+        }
+        let other_bytes = std::fs::read(file).with_context(|| format!("--plugin {other:?}: reading {file}"))?;
+        leasehold::plugins::register(&store, &runtime, other_name, other_bytes, settings.clone())
+            .await
+            .with_context(|| format!("--plugin {other:?}"))?;
     }
     leasehold::plugins::register(&store, &runtime, name, bytes, settings).await?;
     let (run, _) = store.create_run(&NewRun::new(name, input)).await?;

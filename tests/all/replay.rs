@@ -258,3 +258,31 @@ both! {
         Ok(())
     }
 }
+
+/// `leasehold run` runs the children a turn spawns, of the plugins given
+/// with `--plugin`, as `--spawn-allow` grants; without the grant, spawn is
+/// denied and the turn fails with it.
+#[test]
+fn leasehold_run_runs_a_turns_children_of_the_plugins_it_is_given() -> Result<()> {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let dir = root.join("target/plugins");
+    let run = |grant: &str| {
+        Command::new(env!("CARGO_BIN_EXE_leasehold"))
+            .arg("run")
+            .arg(dir.join("fanout.wasm"))
+            .args(["--input", r#"{"inputs": [{"steps": 1}, {"steps": 2}]}"#])
+            .arg(format!("--plugin=testkit={}", dir.join("testkit.wasm").display()))
+            .args(["--spawn-allow", grant])
+            .env("LEASEHOLD_CACHE_DIR", root.join("target/component-cache"))
+            .env("LEASEHOLD_LOG", "error")
+            .output()
+    };
+    let out = run("testkit")?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    ensure!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    ensure!(stdout.trim() == r#"["did 1 steps","did 2 steps"]"#, "output {stdout:?}");
+    let out = run("")?;
+    ensure!(!out.status.success(), "a spawn without a grant succeeded");
+    ensure!(String::from_utf8_lossy(&out.stderr).contains("spawn"), "{}", String::from_utf8_lossy(&out.stderr));
+    Ok(())
+}
