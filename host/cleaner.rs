@@ -39,6 +39,8 @@ pub async fn tick(store: &Store, config: &RetentionConfig) -> Result<Deleted, St
         return Ok(Deleted::default());
     }
     let keep_ms = i64::try_from(config.keep.as_millis()).unwrap_or(i64::MAX);
+    // Schedules' tick records past retention too (never a buffered one).
+    store.forget_old_ticks(keep_ms, config.batch).await?;
     let deleted = store.delete_finished(keep_ms, config.batch).await?;
     if deleted.runs > 0 {
         store.give_back_space().await?;

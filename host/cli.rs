@@ -6,6 +6,7 @@
 pub mod limits;
 pub mod rerun;
 pub mod resolve;
+pub mod schedules;
 mod submit_batch;
 
 use std::path::PathBuf;

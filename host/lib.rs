@@ -28,6 +28,7 @@ pub mod pool;
 pub mod reaper;
 pub mod redact;
 pub mod runtime;
+pub mod schedules;
 pub mod vacuum;
 pub mod versions;
 pub mod store;

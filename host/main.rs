@@ -78,6 +78,13 @@ enum Command {
         #[command(subcommand)]
         command: cli::limits::LimitsCommand,
     },
+    /// Make, list, change, pause, delete and backfill schedules (through the API).
+    Schedules {
+        #[command(flatten)]
+        api: cli::Api,
+        #[command(subcommand)]
+        command: cli::schedules::SchedulesCommand,
+    },
     /// Print a thread's events; --follow streams new ones.
     Events {
         #[command(flatten)]
@@ -177,6 +184,7 @@ async fn run(cli: Cli) -> Result<()> {
         Command::Runs { api, command } => cli::runs(&api, command).await,
         Command::Events { api, args } => cli::events(&api, args).await,
         Command::Limits { api, command } => cli::limits::limits(&api, command).await,
+        Command::Schedules { api, command } => cli::schedules::schedules(&api, command).await,
         Command::Dashboard { api } => cli::dashboard(&api).await,
         Command::New { args } => new::new(args),
         Command::Dev { args } => {

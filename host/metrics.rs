@@ -104,6 +104,10 @@ pub struct Metrics {
     /// Runs taken by a claim (or a close that claims) whose reply was lost,
     /// found by the statement's token and handed back (`store::orphans`).
     pub orphans_handed_back: AtomicU64,
+    /// Schedules' ticks this host recorded, by outcome (`schedules`).
+    pub ticks_started: AtomicU64,
+    pub ticks_skipped: AtomicU64,
+    pub ticks_buffered: AtomicU64,
 }
 
 
@@ -139,6 +143,15 @@ impl Metrics {
             "leasehold_fenced_writes_rejected_total",
             "Writes refused by the (owner, fence) guard: a segment wrote after losing its lease.",
             &self.fenced_writes_rejected,
+        );
+        let _ = writeln!(
+            out,
+            "# HELP leasehold_schedule_ticks_total Schedules' ticks this host recorded.\n# TYPE leasehold_schedule_ticks_total counter\n\
+             leasehold_schedule_ticks_total{{outcome=\"started\"}} {}\nleasehold_schedule_ticks_total{{outcome=\"skipped\"}} {}\n\
+             leasehold_schedule_ticks_total{{outcome=\"buffered\"}} {}",
+            self.ticks_started.load(Relaxed),
+            self.ticks_skipped.load(Relaxed),
+            self.ticks_buffered.load(Relaxed)
         );
         let _ = writeln!(
             out,

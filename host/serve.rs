@@ -13,6 +13,7 @@ use leasehold::executor::{Executor, ExecutorConfig};
 use leasehold::plugins::{self, PluginSettings};
 use leasehold::pool::{PoolConfig, WorkerPool};
 use leasehold::reaper::{self, ReaperConfig};
+use leasehold::schedules::ticker::TickerConfig;
 use leasehold::cleaner::RetentionConfig;
 use leasehold::vacuum::{self, VacuumConfig};
 
@@ -126,6 +127,7 @@ pub async fn serve_with(cfg: config::Serve, dev: Option<crate::dev::Project>) ->
     if cfg.retention.is_zero() {
         tracing::info!("--retention 0: finished runs are kept forever");
     }
+    let ticker = tokio::spawn(leasehold::schedules::ticker::run(store.clone(), TickerConfig::default(), stop_rx.clone()));
     let versions = tokio::spawn(leasehold::versions::run(store.clone(), runtime.clone(), VERSIONS_EVERY, stop_rx.clone()));
     let watcher = dev.map(|project| tokio::spawn(crate::dev::watch(store.clone(), runtime.clone(), project, stop_rx.clone())));
     let state = AppState::new(store.clone(), runtime, api_config, stop_rx.clone());
@@ -164,6 +166,7 @@ pub async fn serve_with(cfg: config::Serve, dev: Option<crate::dev::Project>) ->
     let _ = vacuum.await;
     let _ = versions.await;
     let _ = cleaner.await;
+    let _ = ticker.await;
     if let Some(watcher) = watcher {
         let _ = watcher.await;
     }

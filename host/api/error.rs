@@ -73,7 +73,7 @@ impl IntoResponse for ApiError {
 impl From<StoreError> for ApiError {
     fn from(e: StoreError) -> ApiError {
         match e {
-            StoreError::RunNotFound(_) | StoreError::EffectNotFound { .. } => ApiError::not_found(e.to_string()),
+            StoreError::RunNotFound(_) | StoreError::EffectNotFound { .. } | StoreError::NotFound(_) => ApiError::not_found(e.to_string()),
             StoreError::Conflict { .. } | StoreError::LeaseLost(_) => {
                 ApiError::new(StatusCode::CONFLICT, "conflict", e.to_string())
             }

@@ -30,6 +30,7 @@ mod plugins;
 mod rerun;
 mod resolve;
 mod runs;
+mod schedules;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -40,7 +41,7 @@ use axum::extract::{DefaultBodyLimit, FromRequest, Request, State};
 use axum::http::{StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post, put};
+use axum::routing::{get, patch, post, put};
 use serde::de::DeserializeOwned;
 use tokio::sync::watch;
 
@@ -168,6 +169,10 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/runs/{id}/rerun", json_post(rerun::rerun))
         .route("/v1/runs/{id}/pause", json_post(pause::pause))
         .route("/v1/runs/{id}/resume", json_post(pause::resume))
+        .route("/v1/schedules", json_post(schedules::create).get(schedules::list))
+        .route("/v1/schedules/{id}", json_patch(schedules::change).get(schedules::show).delete(schedules::remove))
+        .route("/v1/schedules/{id}/backfill", json_post(schedules::backfill))
+        .route("/v1/schedules/{id}/ticks", get(schedules::ticks))
         .route("/v1/limits", get(limits::list))
         .route("/v1/limits/{key}", json_put(limits::put).get(limits::show).delete(limits::remove))
         .route("/v1/stats", get(overview::stats))
@@ -239,6 +244,15 @@ where
     T: 'static,
 {
     post(handler).layer(middleware::from_fn(require_json))
+}
+
+/// [`json_post`] for `PATCH`.
+fn json_patch<H, T>(handler: H) -> axum::routing::MethodRouter<AppState>
+where
+    H: axum::handler::Handler<T, AppState>,
+    T: 'static,
+{
+    patch(handler).layer(middleware::from_fn(require_json))
 }
 
 /// [`json_post`] for `PUT`.

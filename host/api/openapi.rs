@@ -26,6 +26,8 @@ use super::{events, limits, overview, plugins, runs};
         super::resolve::resolve, super::pause::pause, super::pause::resume, super::rerun::rerun,
         plugins::list, plugins::show, plugins::put,
         limits::list, limits::show, limits::put, limits::remove,
+        super::schedules::create, super::schedules::list, super::schedules::show, super::schedules::change,
+        super::schedules::remove, super::schedules::backfill, super::schedules::ticks,
         events::events,
         overview::stats, overview::leases,
         super::metrics::metrics, super::healthz, openapi,
@@ -36,6 +38,7 @@ use super::{events, limits, overview, plugins, runs};
         (name = "runs", description = "Submit, list, show, deliver input, cancel; a run's ledger."),
         (name = "plugins", description = "Register components and list their versions."),
         (name = "limits", description = "Concurrency keys: their limits, pauses and runs."),
+        (name = "schedules", description = "Runs started by cron expressions or intervals, with their ticks and backfills."),
         (name = "events", description = "A thread's durable event log, as JSON or a live stream."),
         (name = "hosts", description = "Counts, leases and takeovers."),
         (name = "service", description = "Health and this description."),
@@ -69,6 +72,7 @@ impl Modify for Common {
                 (HttpMethod::Get, &mut item.get),
                 (HttpMethod::Post, &mut item.post),
                 (HttpMethod::Put, &mut item.put),
+                (HttpMethod::Patch, &mut item.patch),
                 (HttpMethod::Delete, &mut item.delete),
             ] {
                 let Some(op) = op.as_mut() else { continue };
@@ -80,11 +84,11 @@ impl Modify for Common {
                     add("401", "No bearer token, or a wrong one.");
                 }
                 add("405", "The path takes other methods.");
-                if method == HttpMethod::Post || method == HttpMethod::Put {
+                if [HttpMethod::Post, HttpMethod::Put, HttpMethod::Patch].contains(&method) {
                     add("413", "The body is over its cap (JSON: 1 MiB by default).");
                 }
-                if method == HttpMethod::Post {
-                    add("415", "A POST must say Content-Type: application/json.");
+                if method == HttpMethod::Post || method == HttpMethod::Patch {
+                    add("415", "A POST or PATCH must say Content-Type: application/json.");
                 }
                 add("421", "The Host header names neither an IP address, localhost nor a configured name.");
                 add("503", "The host is at a cap (with Retry-After), timed out, or cannot reach its database.");

@@ -93,7 +93,7 @@ impl BudgetRequest {
 
 /// A budget from a JSON object only (serde would take a struct from an
 /// array too, which the description does not allow).
-fn budget_object<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<BudgetRequest>, D::Error> {
+pub(super) fn budget_object<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<BudgetRequest>, D::Error> {
     let Some(map) = Option::<serde_json::Map<String, Value>>::deserialize(d)? else { return Ok(None) };
     serde_json::from_value(Value::Object(map)).map(Some).map_err(serde::de::Error::custom)
 }
@@ -116,11 +116,11 @@ pub(super) fn whole_number<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Opt
     }
 }
 
-fn check_concurrency_key(key: &Option<String>) -> Result<(), ApiError> {
+pub(super) fn check_concurrency_key(key: &Option<String>) -> Result<(), ApiError> {
     key.as_deref().map_or(Ok(()), |k| crate::store::concurrency::check_key(k).map_err(ApiError::bad_request))
 }
 
-fn check_priority(p: Option<i64>) -> Result<i64, ApiError> {
+pub(super) fn check_priority(p: Option<i64>) -> Result<i64, ApiError> {
     crate::store::priority::check(p.unwrap_or(0)).map_err(ApiError::bad_request)
 }
 

@@ -40,6 +40,7 @@ mod retry;
 pub(crate) mod retention;
 pub(crate) mod renewals;
 mod runs;
+pub mod schedules;
 pub mod search;
 pub mod sqlite;
 mod overview;
@@ -47,23 +48,22 @@ pub(crate) mod partial;
 mod stats;
 pub(crate) mod submits;
 mod suspend;
+pub mod ticks;
 mod types;
 mod upgrades;
 mod upkeep;
 
 use std::{str::FromStr, sync::OnceLock, time::Duration};
 
-use sqlx::any::{AnyConnectOptions, AnyPoolOptions};
-use sqlx::{AnyPool, Executor};
+use sqlx::{AnyPool, Executor, any::{AnyConnectOptions, AnyPoolOptions}};
 
 pub(crate) use closes::{max_batch as closes_max_batch, writers as close_writers};
 pub use {children::{ChildEnd, ChildState, ChildWait, FOREVER, Spawn}, claims::{baseline_sql, claim_sql}};
 pub use {budgets::{Budget, Hold, BudgetLimits, usd_to_nanos}, inbox::{NamedWait, wait_result}, resolve::Resolution, retry::is_lock_timeout};
 pub use ledger::{Completion, EffectCall, LedgerSummary, REQUEST_PREVIEW, Streamed, idempotency_key};
-pub use kv_usage::{KvQuota, KvRoom, KvUsage};
-pub use local::{HeldPut, LocalOp};
+pub use {kv_usage::{KvQuota, KvRoom, KvUsage}, local::{HeldPut, LocalOp}};
 pub use plugins::{ModelGrant, PluginInfo, PluginSettings, UpgradePolicy};
-pub use {reap::ReapReport, retention::Deleted, runs::{MAX_SUBMIT_BATCH, RunFilter}};
+pub use {reap::ReapReport, retention::Deleted, runs::{MAX_SUBMIT_BATCH, RunFilter}, schedules::{Overlap, Schedule}, ticks::Tick};
 pub use {overview::{FENCED_WINDOW, FencedRun, HeldRun, VersionInfo}, stats::Gauges};
 pub use types::*;
 

@@ -138,6 +138,10 @@ pub struct Run {
     /// it reran from; `None` for a run that is no rerun.
     pub rerun_of: Option<i64>,
     pub rerun_from: Option<i64>,
+    /// The schedule that started this run (`store::ticks`), and the time
+    /// it was scheduled for (epoch ms); `None` for a run it did not start.
+    pub schedule_id: Option<String>,
+    pub scheduled_at: Option<i64>,
     /// The reruns of this run, newest last (shown by `GET /v1/runs/{id}`;
     /// empty elsewhere).
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -184,6 +188,8 @@ impl Run {
             paused_at: row.try_get("paused_at")?,
             rerun_of: row.try_get("rerun_of")?,
             rerun_from: row.try_get("rerun_from")?,
+            schedule_id: row.try_get("schedule_id")?,
+            scheduled_at: row.try_get("scheduled_at")?,
             reruns: Vec::new(),
         })
     }
@@ -500,6 +506,9 @@ pub enum StoreError {
     /// data does not allow it).
     #[error("{0}")]
     Refused(String),
+    /// What was named does not exist (a schedule); the message says what.
+    #[error("{0}")]
+    NotFound(String),
     /// What was asked for existed once and is gone for good (a used
     /// answer link).
     #[error("{0}")]

@@ -41,6 +41,7 @@ mod layout;
 mod lockwatch;
 mod runtime;
 mod sandbox;
+mod schedules;
 mod search;
 mod service;
 mod submits;

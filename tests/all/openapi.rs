@@ -117,7 +117,7 @@ both! {
         }
         ensure!(doc["components"]["schemas"]["ErrorBody"].is_object() && doc["components"]["schemas"]["Run"].is_object());
         // Every path the CLI and the dashboard call is a described one.
-        let sources = ["host/cli.rs", "host/cli/limits.rs", "host/dev.rs", "host/replay.rs", "host/api/dashboard/app.js", "host/api/dashboard/queues.js", "host/api/dashboard/tree.js"];
+        let sources = ["host/cli.rs", "host/cli/limits.rs", "host/cli/schedules.rs", "host/api/dashboard/schedules.js", "host/dev.rs", "host/replay.rs", "host/api/dashboard/app.js", "host/api/dashboard/queues.js", "host/api/dashboard/tree.js"];
         let mut called = 0;
         for source in sources {
             for path in paths_named_in(&root().join(source))? {
@@ -136,11 +136,12 @@ both! {
                 let status = resp.status();
                 let body = resp.text().await?;
                 ensure!(!body.contains("no such endpoint"), "{method} {path}: {status} {body}");
-                // Every POST is JSON only: another web page's form cannot send it.
-                if method == "post" {
-                    let form = http.post(&url).header("content-type", "application/x-www-form-urlencoded").body("a=1");
+                // Every POST and PATCH is JSON only: another web page's
+                // form (or fetch without a preflight) cannot send it.
+                if method == "post" || method == "patch" {
+                    let form = http.request(method.to_uppercase().parse()?, &url).header("content-type", "application/x-www-form-urlencoded").body("a=1");
                     let status = form.send().await?.status();
-                    ensure!(status == 415, "POST {path} as a form: {status}, not 415");
+                    ensure!(status == 415, "{method} {path} as a form: {status}, not 415");
                 }
             }
         }
