@@ -106,6 +106,23 @@ both! {
         ensure!(db.store.get_run(done).await?.status == RunStatus::Completed);
         ensure!(db.store.get_run(asleep).await?.status == RunStatus::Queued);
 
+        // A schedule with two past nights backfilled under `skip`: the first
+        // started a run, the second was skipped (that run was open).
+        let mut nightly = leasehold::store::Schedule {
+            id: "nightly".into(), plugin: "testkit".into(), input: json!({ "steps": 1 }).to_string(), cron: Some("30 2 * * *".into()),
+            interval_ms: None, time_zone: "Europe/Berlin".into(), overlap: leasehold::store::Overlap::Skip, catchup_window_ms: 3_600_000,
+            jitter_ms: 0, priority: 0, concurrency_key: None, max_attempts: 3, budget_tokens: None, budget_usd_nanos: None, paused: false,
+            note: None, next_at: None, version: 0, created_at: 0, updated_at: 0,
+        };
+        let spec = leasehold::schedules::Spec::of(&nightly).map_err(anyhow::Error::msg)?;
+        let now = db.store.now_ms().await?;
+        nightly.next_at = spec.next_after(now);
+        let nightly = db.store.create_schedule(&nightly).await?;
+        let nights = spec.upcoming(now - 3 * 86_400_000, 2);
+        let filled = db.store.backfill(&nightly, &nights, leasehold::store::Overlap::Skip).await?;
+        let schedule_run = filled[0].run_id.context("the first night started a run")?;
+        ensure!(filled[1].reason.as_deref().is_some_and(|r| r.starts_with("overlap")), "{filled:?}");
+
         let (stop, shutdown) = watch::channel(false);
         let config = ApiConfig { token: Some(TOKEN.into()), stream_poll: Duration::from_millis(50), ..ApiConfig::default() };
         let state = AppState::new(db.store.clone(), rt.clone(), config, shutdown.clone());
@@ -116,7 +133,7 @@ both! {
         std::fs::create_dir_all(&shots)?;
         let scenario = json!({
             "wait_run": wait, "cancel_run": asleep, "done_run": done, "crash_run": crash, "keyed_run": keyed,
-            "tree_run": tree, "tree_child": tree_kids[0],
+            "tree_run": tree, "tree_child": tree_kids[0], "schedule_run": schedule_run,
             "submit": { "plugin": "testkit", "input": { "mode": "script", "ops": [
                 { "op": "emit", "text": "hello " }, { "op": "wasi-sleep", "ms": 1500 }, { "op": "emit", "text": "world" },
             ] } },

@@ -241,6 +241,29 @@ async function steps() {
   await page.waitForSelector(`dl.facts a.rerun[href="#/runs/${rerun}"]`, { state: 'attached' });
   log('10 rerun and pause ok');
 
+  // 11. Schedules: the list with its next tick; a schedule's page with the
+  // run it started and the tick it skipped, and why; pause and resume it;
+  // the run names its schedule.
+  step = '11 schedules';
+  await open('#/schedules', 'schedules');
+  await page.waitForSelector('#schedules-table tr[data-schedule="nightly"] .next time', { state: 'attached' });
+  check((await text('#schedules-table tr[data-schedule="nightly"]')).includes('30 2 * * * (Europe/Berlin)'), 'nightly\'s row shows its times');
+  await page.click('#schedules-table tr[data-schedule="nightly"] a');
+  await page.waitForFunction(() => location.hash === '#/schedules/nightly' && document.body.dataset.ready === '1');
+  await page.waitForSelector(`#ticks-table a[href="#/runs/${S.schedule_run}"]`, { state: 'attached' });
+  check((await text('#ticks-table tr.tick-skipped')).includes(`overlap: run ${S.schedule_run} is still open`), 'the skipped tick says why');
+  check((await page.locator('#upcoming li').count()) === 5, 'five next ticks');
+  await shot('schedule.png');
+  page.once('dialog', (d) => d.accept());
+  await page.click('.toggle-pause');
+  await waitText('#upcoming', (t) => t.includes('Paused'), 'the schedule paused');
+  page.once('dialog', (d) => d.accept());
+  await page.click('.toggle-pause');
+  await waitText('#upcoming', (t) => !t.includes('Paused'), 'the schedule resumed');
+  await open(`#/runs/${S.schedule_run}`, 'run');
+  await page.waitForSelector('#schedule[href="#/schedules/nightly"]', { state: 'attached' });
+  log('11 schedules ok');
+
   await sync('done');
 }
 

@@ -3,6 +3,7 @@
 // so every value reaches the DOM through textContent or attributes.
 
 import { queuesPage } from './queues.js';
+import { schedulesPage, schedulePage } from './schedules.js';
 import { childrenSection } from './tree.js';
 
 const TOKEN_KEY = 'leasehold-token';
@@ -252,10 +253,14 @@ function route() {
     page = 'hosts'; render = () => hostsPage(ctx);
   } else if (parts[0] === 'queues') {
     page = 'queues'; render = () => queuesPage(ctx, { h, api, table, when, fmtSpan, actionError });
+  } else if (parts[0] === 'schedules' && parts[1]) {
+    page = 'schedule'; render = () => schedulePage(ctx, { h, api, table, when, actionError }, decodeURIComponent(parts[1]));
+  } else if (parts[0] === 'schedules') {
+    page = 'schedules'; render = () => schedulesPage(ctx, { h, api, table, when, actionError });
   }
   document.body.dataset.page = page;
   for (const a of document.querySelectorAll('#nav a')) {
-    a.classList.toggle('active', a.dataset.nav === (page === 'run' ? 'runs' : page));
+    a.classList.toggle('active', a.dataset.nav === ({ run: 'runs', schedule: 'schedules' }[page] || page));
   }
   const main = $('#main');
   main.replaceChildren();
@@ -498,6 +503,7 @@ async function runPage(ctx, id) {
       ...(r.idempotency_key ? fact('idempotency key', h('span', { class: 'mono', text: r.idempotency_key })) : []),
       ...(r.pending_input != null ? fact('pending input', h('span', { class: 'mono', text: r.pending_input })) : []),
       ...(r.upgrade_note ? fact('upgrade', h('span', { class: 'note', text: r.upgrade_note })) : []),
+      ...(r.schedule_id != null ? fact('schedule', h('a', { id: 'schedule', class: 'mono', href: `#/schedules/${encodeURIComponent(r.schedule_id)}`, text: r.schedule_id }), ' for ', when(r.scheduled_at, false)) : []),
       ...(r.rerun_of != null ? fact('rerun of', h('a', { id: 'rerun-of', href: `#/runs/${r.rerun_of}`, text: `run ${r.rerun_of}` }), ` from call ${r.rerun_from}`) : []),
       ...(r.reruns?.length ? fact('reruns', ...r.reruns.flatMap((n, i) => [i ? ', ' : '', h('a', { class: 'rerun', href: `#/runs/${n}`, text: `run ${n}` })])) : []));
     inputPre.textContent = prettyJson(r.input);
