@@ -278,6 +278,9 @@ pub async fn create(State(s): State<AppState>, JsonBody(req): JsonBody<NewSchedu
     let spec = set_times(&mut sched, req.cron, req.interval, req.time_zone)?;
     check_plugin(&s, &sched.plugin).await?;
     sched.next_at = spec.next_after(s.store.now_ms().await?);
+    if sched.next_at.is_none() {
+        return Err(ApiError::bad_request("cron: the expression matches no time in the next 30 years"));
+    }
     let made = s.store.create_schedule(&sched).await?;
     tracing::info!(schedule = %made.id, plugin = %made.plugin, cron = ?made.cron, interval_ms = ?made.interval_ms, "schedule made");
     Ok((StatusCode::CREATED, Json(view(made, None))))
@@ -394,6 +397,9 @@ pub async fn change(
             // Times it had while paused or under its old expression are not
             // its to catch up.
             new.next_at = spec.next_after(s.store.now_ms().await?);
+            if new.next_at.is_none() {
+                return Err(ApiError::bad_request("cron: the expression matches no time in the next 30 years"));
+            }
         }
         if let Some(changed) = s.store.update_schedule(&new).await? {
             tracing::info!(schedule = %id, paused = changed.paused, retimed, "schedule changed");

@@ -43,6 +43,8 @@ pub struct Pass {
     pub buffered: usize,
     /// Schedules another host (or a change) moved on first.
     pub lost: usize,
+    /// Schedules whose tick failed (tried again next pass).
+    pub failed: usize,
     /// When the next known tick is due (epoch ms), if any.
     pub next_due: Option<i64>,
 }
@@ -51,7 +53,9 @@ pub struct Pass {
 /// time in a test.
 pub async fn tick_at(store: &Store, config: &TickerConfig, now: i64) -> Result<Pass, StoreError> {
     let (due, soonest) = store.due_schedules(now, config.batch).await?;
-    let mut pass = Pass { next_due: soonest, ..Pass::default() };
+    // A full batch leaves more due: the next pass comes at once.
+    let more = due.len() as i64 >= config.batch;
+    let mut pass = Pass { next_due: if more { Some(now) } else { soonest }, ..Pass::default() };
     for s in due {
         let (dues, next_at) = match Spec::of(&s) {
             Ok(spec) => due_times(&s, &spec, now),
@@ -63,9 +67,15 @@ pub async fn tick_at(store: &Store, config: &TickerConfig, now: i64) -> Result<P
                 (vec![Due { at, missed: Some(format!("the schedule does not read: {e}")), jitter_ms: 0 }], None)
             }
         };
-        match store.tick_schedule(&s, &dues, next_at).await? {
-            None => pass.lost += 1,
-            Some(ticks) => {
+        match store.tick_schedule(&s, &dues, next_at).await {
+            // One schedule's failure (a lock wait given up, say) must not
+            // hold up the others: it is due again next pass.
+            Err(e) => {
+                tracing::warn!(schedule = %s.id, error = %e, "schedules: a tick failed; it is tried again next pass");
+                pass.failed += 1;
+            }
+            Ok(None) => pass.lost += 1,
+            Ok(Some(ticks)) => {
                 for t in &ticks {
                     match t.outcome {
                         Outcome::Started => pass.started += 1,

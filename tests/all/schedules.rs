@@ -203,6 +203,23 @@ both! {
         Ok(())
     }
 
+    async fn a_schedule_whose_tick_fails_holds_up_no_other_and_is_tried_again(db) {
+        noop_plugin(&db.store).await?;
+        let t0 = 1_800_000_000_000;
+        db.store.create_schedule(&every("broken", 1000, Overlap::AllowAll, t0 - 1000)).await?;
+        db.store.create_schedule(&every("fine", 1000, Overlap::AllowAll, t0)).await?;
+        // A row the API would refuse (a hand edit): its run cannot be written.
+        sqlx::query("UPDATE schedules SET max_attempts = 0 WHERE id = 'broken'").execute(db.store.pool()).await?;
+        let pass = ticker::tick_at(&db.store, &TickerConfig::default(), t0 + 1000).await?;
+        ensure!(pass.failed == 1 && pass.started == 1, "{pass:?}");
+        ensure!(all_ticks(&db.store, "broken").await?.is_empty());
+        ensure!(db.store.schedule("broken").await?.unwrap().next_at == Some(t0), "the failed tick is still due");
+        sqlx::query("UPDATE schedules SET max_attempts = 3 WHERE id = 'broken'").execute(db.store.pool()).await?;
+        let pass = ticker::tick_at(&db.store, &TickerConfig::default(), t0 + 1000).await?;
+        ensure!(pass.failed == 0 && pass.started == 2, "{pass:?}");
+        Ok(())
+    }
+
     async fn after_a_ten_second_outage_ticks_older_than_the_five_second_window_are_recorded_as_missed(db) {
         noop_plugin(&db.store).await?;
         let t0 = 1_800_000_000_000;
@@ -279,6 +296,7 @@ both! {
         ensure!(made["input"] == json!({"n": 1}));
         for (body, status, says) in [
             (json!({ "plugin": "noop", "cron": "61 * * * *" }), 400, "out of range"),
+            (json!({ "plugin": "noop", "cron": "0 0 30 2 *" }), 400, "matches no time"),
             (json!({ "plugin": "noop", "cron": "* * * * *", "time_zone": "Mars/Base" }), 400, "unknown time zone"),
             (json!({ "plugin": "noop", "cron": "* * * * *", "interval": "5m" }), 400, "not both"),
             (json!({ "plugin": "noop" }), 400, "give cron"),
