@@ -11,36 +11,86 @@ use std::time::Duration;
 
 
 /// Upper bounds of the latency buckets, in seconds.
-const BUCKETS: [f64; 14] = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 60.0];
+const SECONDS: [f64; 14] = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 60.0];
+/// Upper bounds of the waiting buckets (a run's queue time), in seconds.
+const WAITS: [f64; 14] = [0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0, 3600.0];
+/// Upper bounds of the batch size buckets.
+const SIZES: [f64; 14] = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0];
 
-#[derive(Default)]
+/// A Prometheus histogram of seconds (by default) or of sizes.
 pub struct Histogram {
-    counts: [AtomicU64; BUCKETS.len()],
+    bounds: &'static [f64; 14],
+    counts: [AtomicU64; 14],
     count: AtomicU64,
+    /// The sum, in millionths.
     sum_micros: AtomicU64,
 }
 
+impl Default for Histogram {
+    fn default() -> Self {
+        Histogram::with(&SECONDS)
+    }
+}
+
 impl Histogram {
+    fn with(bounds: &'static [f64; 14]) -> Histogram {
+        Histogram { bounds, counts: Default::default(), count: AtomicU64::new(0), sum_micros: AtomicU64::new(0) }
+    }
+
     pub fn observe(&self, d: Duration) {
-        let secs = d.as_secs_f64();
-        for (i, le) in BUCKETS.iter().enumerate() {
-            if secs <= *le {
+        self.observe_value(d.as_secs_f64());
+    }
+
+    /// Observes `v` (seconds, or a size).
+    pub fn observe_value(&self, v: f64) {
+        for (i, le) in self.bounds.iter().enumerate() {
+            if v <= *le {
                 self.counts[i].fetch_add(1, Relaxed);
             }
         }
         self.count.fetch_add(1, Relaxed);
-        self.sum_micros.fetch_add(d.as_micros() as u64, Relaxed);
+        self.sum_micros.fetch_add((v.max(0.0) * 1e6) as u64, Relaxed);
+    }
+
+    /// Observations so far.
+    pub fn count(&self) -> u64 {
+        self.count.load(Relaxed)
     }
 
     fn render(&self, out: &mut String, name: &str, help: &str) {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
-        for (i, le) in BUCKETS.iter().enumerate() {
-            let _ = writeln!(out, "{name}_bucket{{le=\"{le}\"}} {}", self.counts[i].load(Relaxed));
+        self.render_series(out, name, "");
+    }
+
+    /// The series only, each with `labels` (`effect="http",`) first.
+    fn render_series(&self, out: &mut String, name: &str, labels: &str) {
+        for (i, le) in self.bounds.iter().enumerate() {
+            let _ = writeln!(out, "{name}_bucket{{{labels}le=\"{le}\"}} {}", self.counts[i].load(Relaxed));
         }
         let count = self.count.load(Relaxed);
-        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {count}");
-        let _ = writeln!(out, "{name}_sum {}", self.sum_micros.load(Relaxed) as f64 / 1e6);
-        let _ = writeln!(out, "{name}_count {count}");
+        let _ = writeln!(out, "{name}_bucket{{{labels}le=\"+Inf\"}} {count}");
+        let plain = labels.trim_end_matches(',');
+        let braces = if plain.is_empty() { String::new() } else { format!("{{{plain}}}") };
+        let _ = writeln!(out, "{name}_sum{braces} {}", self.sum_micros.load(Relaxed) as f64 / 1e6);
+        let _ = writeln!(out, "{name}_count{braces} {count}");
+    }
+}
+
+/// A histogram of waits: up to an hour.
+pub struct Waits(pub Histogram);
+
+impl Default for Waits {
+    fn default() -> Self {
+        Waits(Histogram::with(&WAITS))
+    }
+}
+
+/// A histogram of batch sizes.
+pub struct Sizes(pub Histogram);
+
+impl Default for Sizes {
+    fn default() -> Self {
+        Sizes(Histogram::with(&SIZES))
     }
 }
 
@@ -49,6 +99,18 @@ impl Histogram {
 pub struct Metrics {
     pub claims: AtomicU64,
     pub claim_latency: Histogram,
+    /// Runs one claim statement took (non-empty claims only).
+    pub claim_batch: Sizes,
+    /// Closes one commit wrote (`store::closes`).
+    pub close_batch: Sizes,
+    /// From a run's submit to its first segment's start, on the
+    /// database's clock.
+    pub submit_to_start: Waits,
+    /// How long a prefetched run waited in the pool's local queue.
+    pub local_queue_wait: Histogram,
+    /// Effects performed (not replayed), by name: from the call to its
+    /// recorded result.
+    effect_latency: std::sync::Mutex<std::collections::BTreeMap<String, std::sync::Arc<Histogram>>>,
     pub leases_lost: AtomicU64,
     /// Writes refused by the (owner, fence) guard: renewals, ledger rows,
     /// emits and closes from a segment that no longer holds its run.
@@ -119,6 +181,17 @@ pub fn global() -> &'static Metrics {
 }
 
 impl Metrics {
+    /// Observes an effect `name` performed in `d`.
+    pub fn effect(&self, name: &str, d: Duration) {
+        let h = self.effect_latency.lock().expect("metrics lock").entry(name.to_string()).or_default().clone();
+        h.observe(d);
+    }
+
+    /// Effects `name` observed so far.
+    pub fn effects_observed(&self, name: &str) -> u64 {
+        self.effect_latency.lock().expect("metrics lock").get(name).map_or(0, |h| h.count())
+    }
+
     /// Counts a run failed by a guest error of `kind`.
     pub fn guest_error(&self, kind: &'static str) {
         *self.guest_errors.lock().expect("metrics lock").entry(kind).or_default() += 1;
@@ -137,6 +210,14 @@ impl Metrics {
         };
         counter(&mut out, "leasehold_claims_total", "Runs claimed by this host.", &self.claims);
         self.claim_latency.render(&mut out, "leasehold_claim_seconds", "Time of one claim statement.");
+        self.claim_batch.0.render(&mut out, "leasehold_claim_batch_size", "Runs one claim statement took (claims that took any).");
+        self.close_batch.0.render(&mut out, "leasehold_close_batch_size", "Closes one commit wrote.");
+        self.submit_to_start.0.render(&mut out, "leasehold_submit_to_start_seconds", "From a run's submit to its first segment's start (the database's clock).");
+        self.local_queue_wait.render(&mut out, "leasehold_local_queue_wait_seconds", "How long a prefetched run waited in this host's local queue.");
+        let _ = writeln!(out, "# HELP leasehold_effect_seconds Effects performed (not replayed), by name.\n# TYPE leasehold_effect_seconds histogram");
+        for (name, h) in self.effect_latency.lock().expect("metrics lock").iter() {
+            h.render_series(&mut out, "leasehold_effect_seconds", &format!("effect=\"{name}\","));
+        }
         counter(&mut out, "leasehold_leases_lost_total", "Segments stopped because their lease was lost.", &self.leases_lost);
         counter(
             &mut out,

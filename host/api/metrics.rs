@@ -67,6 +67,14 @@ fn render_gauges(gauges: &Gauges) -> String {
     for (state, n) in &gauges.effects {
         let _ = writeln!(out, "leasehold_effects{{state=\"{}\"}} {n}", state.as_str());
     }
+    let _ = writeln!(
+        out,
+        "# HELP leasehold_queued_runs_by_key Queued runs of the concurrency keys with the most (at most 20 keys).\n\
+         # TYPE leasehold_queued_runs_by_key gauge"
+    );
+    for (key, n) in &gauges.queued_by_key {
+        let _ = writeln!(out, "leasehold_queued_runs_by_key{{key=\"{}\"}} {n}", label(key));
+    }
     let age = gauges.oldest_finished.map_or(0.0, |at| (gauges.now_ms - at).max(0) as f64 / 1000.0);
     let _ = writeln!(
         out,
@@ -74,4 +82,10 @@ fn render_gauges(gauges: &Gauges) -> String {
          # TYPE leasehold_oldest_finished_run_age_seconds gauge\nleasehold_oldest_finished_run_age_seconds {age}"
     );
     out
+}
+
+/// `v` as a Prometheus label value: backslash, quote and newline escaped
+/// (a key is operator or client text).
+fn label(v: &str) -> String {
+    v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
 }

@@ -158,6 +158,9 @@ impl Executor {
             .await?;
         metrics.claim_latency.observe(asked.elapsed());
         metrics.claims.fetch_add(claimed.len() as u64, Ordering::Relaxed);
+        if !claimed.is_empty() {
+            metrics.claim_batch.0.observe_value(claimed.len() as f64);
+        }
         Ok(claimed)
     }
 
@@ -195,6 +198,7 @@ impl Executor {
         let started = Instant::now();
         let mut next = Handoff { want: take_next, got: None, guest_done };
         let (run_id, fence) = (claimed.run.id, claimed.lease.fence);
+        observe_first_start(&claimed.run);
         let outcome = self.segment(claimed, &mut next).await;
         if let Ok(SegmentOutcome::LeaseLost) = &outcome {
             // An operator sees which runs a paused or partitioned host gave up.
@@ -532,4 +536,14 @@ struct Handoff {
     want: bool,
     got: Option<Claimed>,
     guest_done: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+/// Counts a run's wait from its submit to its first claim (`started_at`,
+/// both on the database's clock) when this segment is that claim's: fence
+/// 1, or 2 for a rerun, whose fence starts at 1.
+fn observe_first_start(run: &crate::store::Run) {
+    let first = if run.rerun_of.is_some() { 2 } else { 1 };
+    if let (true, Some(started)) = (run.fence == first, run.started_at) {
+        crate::metrics::global().submit_to_start.0.observe_value((started - run.created_at).max(0) as f64 / 1000.0);
+    }
 }

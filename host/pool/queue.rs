@@ -180,6 +180,7 @@ impl Local {
                 give_back(store, &claimed).await;
                 continue;
             }
+            crate::metrics::global().local_queue_wait.observe(waited);
             // A segment's lease budget runs from its claim (`heartbeat_at`):
             // it has what it waited here less.
             if let Some(h) = claimed.run.heartbeat_at.as_mut() {

@@ -98,9 +98,19 @@ impl SegmentState {
             return self.refuse(&call, error).await;
         }
         match effects::resolve(&name, &request, &self.grants()) {
-            Ok(effect) => self.perform(call, effect, false).await,
+            Ok(effect) => self.perform_timed(call, effect, false).await,
             Err(error) => self.refuse(&call, error).await,
         }
+    }
+
+    /// [`SegmentState::perform`], its time counted by effect name
+    /// (`leasehold_effect_seconds`): only effects performed, never one
+    /// replayed.
+    pub(super) async fn perform_timed(&mut self, call: crate::store::EffectCall, effect: effects::Effect, reissue: bool) -> wasmtime::Result<Result<String, EffectError>> {
+        let (name, started) = (call.name.clone(), std::time::Instant::now());
+        let result = self.perform(call, effect, reissue).await;
+        crate::metrics::global().effect(&name, started.elapsed());
+        result
     }
 
     async fn emit_call(&mut self, delta: String) -> wasmtime::Result<()> {

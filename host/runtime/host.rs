@@ -378,7 +378,7 @@ impl SegmentState {
             }
             (EffectState::InDoubt | EffectState::Started, EffectClass::Keyed) => {
                 match effects::resolve(&call.name, request, &self.grants()) {
-                    Ok(effect) => self.perform(call, effect, true).await,
+                    Ok(effect) => self.perform_timed(call, effect, true).await,
                     Err(error) => self.refuse_reissue(&call, error).await,
                 }
             }

@@ -146,6 +146,7 @@ impl group::Batched for Close {
 
     fn written(store: &Store, n: usize) {
         store.closes.count(n);
+        crate::metrics::global().close_batch.0.observe_value(n as f64);
     }
 
     fn answer(&self, store: &Store, reply: group::Reply<Option<Claimed>>, result: Result<Option<Claimed>, StoreError>) {

@@ -16,7 +16,14 @@ pub struct Gauges {
     /// database's clock now.
     pub oldest_finished: Option<i64>,
     pub now_ms: i64,
+    /// Queued runs of the concurrency keys with the most, at most
+    /// [`TOP_KEYS`] keys.
+    pub queued_by_key: Vec<(String, i64)>,
 }
+
+/// Keys `leasehold_queued_runs_by_key` shows: the busiest, so a scrape of a
+/// database with a million tenants stays small.
+pub const TOP_KEYS: i64 = 20;
 
 impl Store {
     /// See [`Gauges`].
@@ -37,6 +44,14 @@ impl Store {
             runs: RunStatus::ALL.iter().map(|s| (*s, count(&runs, "status", s.as_str()))).collect(),
             effects: EffectState::ALL.iter().map(|s| (*s, count(&effects, "state", s.as_str()))).collect(),
             oldest_finished: self.oldest_finished().await?,
+            queued_by_key: sqlx::query_as(sql!(
+                self,
+                "SELECT concurrency_key, CAST(COUNT(*) AS BIGINT) AS n FROM runs WHERE status = 'queued' AND concurrency_key <> '' \
+                 GROUP BY concurrency_key ORDER BY n DESC, concurrency_key LIMIT $1"
+            ))
+            .bind(TOP_KEYS)
+            .fetch_all(self.pool())
+            .await?,
             now_ms: self.now_ms().await?,
         })
     }

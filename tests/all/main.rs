@@ -20,6 +20,7 @@ mod dashboard;
 mod edges;
 mod fake_model;
 mod hosts;
+mod metrics;
 mod model;
 mod netns;
 mod partial;
