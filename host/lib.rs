@@ -26,6 +26,7 @@ pub mod metrics;
 pub mod plugins;
 pub mod pool;
 pub mod reaper;
+pub mod rollup;
 pub mod redact;
 pub mod runtime;
 pub mod schedules;

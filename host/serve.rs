@@ -127,6 +127,7 @@ pub async fn serve_with(cfg: config::Serve, dev: Option<crate::dev::Project>) ->
     if cfg.retention.is_zero() {
         tracing::info!("--retention 0: finished runs are kept forever");
     }
+    let rollup = tokio::spawn(leasehold::rollup::run(store.clone(), stop_rx.clone()));
     let ticker = tokio::spawn(leasehold::schedules::ticker::run(store.clone(), TickerConfig::default(), stop_rx.clone()));
     let versions = tokio::spawn(leasehold::versions::run(store.clone(), runtime.clone(), VERSIONS_EVERY, stop_rx.clone()));
     let watcher = dev.map(|project| tokio::spawn(crate::dev::watch(store.clone(), runtime.clone(), project, stop_rx.clone())));
@@ -167,6 +168,7 @@ pub async fn serve_with(cfg: config::Serve, dev: Option<crate::dev::Project>) ->
     let _ = versions.await;
     let _ = cleaner.await;
     let _ = ticker.await;
+    let _ = rollup.await;
     if let Some(watcher) = watcher {
         let _ = watcher.await;
     }

@@ -20,6 +20,7 @@ mod children;
 mod dashboard;
 mod error;
 mod events;
+mod history;
 mod limits;
 pub mod listener;
 mod metrics;
@@ -176,6 +177,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/limits", get(limits::list))
         .route("/v1/limits/{key}", json_put(limits::put).get(limits::show).delete(limits::remove))
         .route("/v1/stats", get(overview::stats))
+        .route("/v1/stats/history", get(history::history))
         .route("/v1/leases", get(overview::leases))
         .layer(middleware::from_fn_with_state(state.clone(), timeout));
     Router::new()

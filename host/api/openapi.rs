@@ -29,7 +29,7 @@ use super::{events, limits, overview, plugins, runs};
         super::schedules::create, super::schedules::list, super::schedules::show, super::schedules::change,
         super::schedules::remove, super::schedules::backfill, super::schedules::ticks,
         events::events,
-        overview::stats, overview::leases,
+        overview::stats, overview::leases, super::history::history,
         super::metrics::metrics, super::healthz, openapi,
     ),
     components(schemas(ErrorBody, ErrorDetail)),

@@ -198,7 +198,7 @@ impl Executor {
         let started = Instant::now();
         let mut next = Handoff { want: take_next, got: None, guest_done };
         let (run_id, fence) = (claimed.run.id, claimed.lease.fence);
-        observe_first_start(&claimed.run);
+        observe_first_start(&self.store, &claimed.run);
         let outcome = self.segment(claimed, &mut next).await;
         if let Ok(SegmentOutcome::LeaseLost) = &outcome {
             // An operator sees which runs a paused or partitioned host gave up.
@@ -541,9 +541,11 @@ struct Handoff {
 /// Counts a run's wait from its submit to its first claim (`started_at`,
 /// both on the database's clock) when this segment is that claim's: fence
 /// 1, or 2 for a rerun, whose fence starts at 1.
-fn observe_first_start(run: &crate::store::Run) {
+fn observe_first_start(store: &Store, run: &crate::store::Run) {
     let first = if run.rerun_of.is_some() { 2 } else { 1 };
     if let (true, Some(started)) = (run.fence == first, run.started_at) {
-        crate::metrics::global().submit_to_start.0.observe_value((started - run.created_at).max(0) as f64 / 1000.0);
+        let wait = (started - run.created_at).max(0);
+        crate::metrics::global().submit_to_start.0.observe_value(wait as f64 / 1000.0);
+        crate::rollup::observe_wait(store, started, wait);
     }
 }

@@ -37,6 +37,7 @@ mod reap;
 mod rerun;
 mod resolve;
 mod retry;
+pub mod rollup;
 pub(crate) mod retention;
 pub(crate) mod renewals;
 mod runs;
@@ -61,8 +62,7 @@ pub(crate) use closes::{max_batch as closes_max_batch, writers as close_writers}
 pub use {children::{ChildEnd, ChildState, ChildWait, FOREVER, Spawn}, claims::{baseline_sql, claim_sql}};
 pub use {budgets::{Budget, Hold, BudgetLimits, usd_to_nanos}, inbox::{NamedWait, wait_result}, resolve::Resolution, retry::is_lock_timeout};
 pub use ledger::{Completion, EffectCall, LedgerSummary, REQUEST_PREVIEW, Streamed, idempotency_key};
-pub use {kv_usage::{KvQuota, KvRoom, KvUsage}, local::{HeldPut, LocalOp}};
-pub use plugins::{ModelGrant, PluginInfo, PluginSettings, UpgradePolicy};
+pub use {kv_usage::{KvQuota, KvRoom, KvUsage}, local::{HeldPut, LocalOp}, plugins::{ModelGrant, PluginInfo, PluginSettings, UpgradePolicy}};
 pub use {reap::ReapReport, retention::Deleted, runs::{MAX_SUBMIT_BATCH, RunFilter}, schedules::{Overlap, Schedule}, ticks::Tick};
 pub use {overview::{FENCED_WINDOW, FencedRun, HeldRun, VersionInfo}, stats::Gauges};
 pub use types::*;

@@ -27,6 +27,7 @@ mod partial;
 mod pause;
 mod priority;
 mod rate_limits;
+mod rollup;
 mod rolling_upgrade;
 mod openapi;
 mod orphans;

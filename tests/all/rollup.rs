@@ -1,0 +1,86 @@
+//! The per-minute rollup the dashboard's charts draw (`rollup`,
+//! `store::rollup`, `GET /v1/stats/history`): each minute's finished runs
+//! counted once however many hosts count, queued and running sampled,
+//! first claims' waits added up from every host. Both backends.
+
+use anyhow::{Result, ensure};
+use leasehold::store::rollup::MINUTE_MS;
+use leasehold::store::{NewRun, Store};
+use serde_json::Value;
+
+use crate::harness::both;
+
+/// A run finished with `status` at `at` (epoch ms).
+async fn finished(store: &Store, status: &str, at: i64) -> Result<()> {
+    let id = store.create_run(&NewRun::new("p", "{}")).await?.0.id;
+    sqlx::query("UPDATE runs SET status = $1, finished_at = $2 WHERE id = $3").bind(status).bind(at).bind(id).execute(store.pool()).await?;
+    Ok(())
+}
+
+async fn rows(store: &Store, minute: i64) -> Result<Vec<(String, i64)>> {
+    Ok(sqlx::query_as("SELECT series, n FROM stats_minutes WHERE minute = $1 ORDER BY series").bind(minute).fetch_all(store.pool()).await?)
+}
+
+both! {
+    async fn each_minute_is_counted_once_however_many_hosts_count_it(db) {
+        let m = 1_800_000_000_000 / MINUTE_MS * MINUTE_MS;
+        for (status, at) in [("completed", m + 1), ("completed", m + 59_999), ("failed", m + 30_000), ("completed", m + 60_000), ("cancelled", m - 1)] {
+            finished(&db.store, status, at).await?;
+        }
+        db.store.create_run(&NewRun::new("p", "{}")).await?; // queued
+        // Too soon: minute m ended less than 10 s ago.
+        ensure!(db.store.count_minutes(m + 60_000 + 9_999).await? == 60, "the hour before m is counted, m is not yet");
+        ensure!(rows(&db.store, m).await?.is_empty());
+        // Two hosts count at once: each minute once.
+        let other = db.another_store(2).await?;
+        let now = m + 60_000 + 10_000;
+        let (a, b) = tokio::join!(db.store.count_minutes(now), other.count_minutes(now));
+        ensure!(a? + b? == 1, "minute m counted once");
+        let got = rows(&db.store, m).await?;
+        let want: Vec<(String, i64)> = [("counted", 1), ("finished:completed", 2), ("finished:failed", 1), ("queued", 1), ("sampled", 1)]
+            .iter()
+            .map(|(s, n)| (s.to_string(), *n))
+            .collect();
+        ensure!(got == want, "{got:?}");
+        // The newest minute of the first count was sampled too.
+        let before: Vec<(String, i64)> = [("counted", 1), ("finished:cancelled", 1), ("queued", 1), ("sampled", 1)].iter().map(|(s, n)| (s.to_string(), *n)).collect();
+        ensure!(rows(&db.store, m - MINUTE_MS).await? == before, "the minute before: {:?}", rows(&db.store, m - MINUTE_MS).await?);
+        ensure!(rows(&db.store, m - 2 * MINUTE_MS).await? == vec![("counted".to_string(), 1)], "an older minute: counted, not sampled");
+        ensure!(db.store.count_minutes(now).await? == 0, "counted again");
+        Ok(())
+    }
+
+    async fn first_claims_waits_are_added_up_and_the_history_shows_percentiles(db) {
+        let now = db.store.now_ms().await?;
+        let current = now / MINUTE_MS * MINUTE_MS;
+        // Two minutes ago: two runs finished, counted below.
+        finished(&db.store, "completed", current - 2 * MINUTE_MS + 5).await?;
+        finished(&db.store, "aborted", current - 2 * MINUTE_MS + 50_000).await?;
+        // Waits observed in the previous minute: 98 quick, one of 2 s, one
+        // over an hour.
+        let at = current - MINUTE_MS + 1;
+        for _ in 0..98 {
+            leasehold::rollup::observe_wait(&db.store, at, 7);
+        }
+        leasehold::rollup::observe_wait(&db.store, at, 2000);
+        leasehold::rollup::observe_wait(&db.store, at, 5_000_000);
+        // The previous minute is counted as if 10 s after it ended.
+        let pass = leasehold::rollup::tick_at(&db.store, current + 10_000).await?;
+        ensure!(pass.waits == 3 && pass.counted == 60, "{pass:?}");
+        // Another host's waits for the same minute add to them.
+        db.store.add_waits(&[(current - MINUTE_MS, 0, 2)]).await?;
+        let (base, http, _stop) = crate::schedules::api(db).await?;
+        let history: Value = http.get(format!("{base}/v1/stats/history?minutes=5")).send().await?.json().await?;
+        let points = history["minutes"].as_array().unwrap();
+        ensure!(points.len() == 5 && points[4]["minute"] == current, "{history}");
+        let before = &points[2];
+        ensure!(before["finished"] == serde_json::json!({"completed": 1, "failed": 0, "aborted": 1, "cancelled": 0}), "{before}");
+        let last = &points[3];
+        ensure!(last["started"] == 102 && last["start_wait_p50_ms"] == 10 && last["start_wait_p99_ms"] == 2500, "{last}");
+        ensure!(last["queued"] == 0 && last["running"] == 0, "sampled with none: {last}");
+        ensure!(points[4]["finished"].is_null(), "the current minute is not counted: {}", points[4]);
+        let r = http.get(format!("{base}/v1/stats/history?minutes=0")).send().await?;
+        ensure!(r.status() == 400, "{}", r.text().await?);
+        Ok(())
+    }
+}
