@@ -35,7 +35,13 @@ pub fn observe_wait(store: &Store, started_at: i64, wait_ms: i64) {
     let bucket = WAIT_BOUNDS_MS.iter().position(|le| wait_ms <= *le).unwrap_or(WAIT_BOUNDS_MS.len());
     let minute = started_at.div_euclid(MINUTE_MS) * MINUTE_MS;
     let mut waits = WAITS.lock().expect("rollup lock");
-    waits.get_or_insert_default().entry(store.node().to_string()).or_default().entry(minute).or_insert([0; 15])[bucket] += 1;
+    let by_node = waits.get_or_insert_default();
+    // No allocation but a store handle's first.
+    if !by_node.contains_key(store.node()) {
+        by_node.insert(store.node().to_string(), Pending::new());
+    }
+    let pending = by_node.get_mut(store.node()).expect("inserted above");
+    pending.entry(minute).or_insert([0; 15])[bucket] += 1;
 }
 
 /// What one pass did.

@@ -1,4 +1,4 @@
-//! The web dashboard: six files (and the answer links' page, two more) embedded in the binary and served at `/`
+//! The web dashboard: seven files (and the answer links' page, two more) embedded in the binary and served at `/`
 //! (nothing is fetched from elsewhere, so it works offline). The page holds
 //! no data and needs no token; it asks the API for everything with the
 //! token the operator gives it (`/#token=…`, kept in the tab's
@@ -17,6 +17,7 @@ use axum::routing::get;
 const INDEX: &str = include_str!("dashboard/index.html");
 const APP_JS: &str = include_str!("dashboard/app.js");
 const QUEUES_JS: &str = include_str!("dashboard/queues.js");
+const CHARTS_JS: &str = include_str!("dashboard/charts.js");
 const SCHEDULES_JS: &str = include_str!("dashboard/schedules.js");
 const TREE_JS: &str = include_str!("dashboard/tree.js");
 const ANSWER_HTML: &str = include_str!("dashboard/answer.html");
@@ -31,6 +32,7 @@ pub(super) fn router<S: Clone + Send + Sync + 'static>() -> Router<S> {
         .route("/", get(|| async { asset("text/html; charset=utf-8", INDEX) }))
         .route("/ui/app.js", get(|| async { asset("text/javascript; charset=utf-8", APP_JS) }))
         .route("/ui/queues.js", get(|| async { asset("text/javascript; charset=utf-8", QUEUES_JS) }))
+        .route("/ui/charts.js", get(|| async { asset("text/javascript; charset=utf-8", CHARTS_JS) }))
         .route("/ui/schedules.js", get(|| async { asset("text/javascript; charset=utf-8", SCHEDULES_JS) }))
         .route("/ui/tree.js", get(|| async { asset("text/javascript; charset=utf-8", TREE_JS) }))
         .route("/ui/answer.js", get(|| async { asset("text/javascript; charset=utf-8", ANSWER_JS) }))

@@ -106,6 +106,11 @@ both! {
         ensure!(db.store.get_run(done).await?.status == RunStatus::Completed);
         ensure!(db.store.get_run(asleep).await?.status == RunStatus::Queued);
 
+        // The charts' rollup: the finished run ended two minutes ago (so its
+        // minute is counted), and the first claims' waits are added.
+        sqlx::query("UPDATE runs SET finished_at = finished_at - 130000 WHERE id = $1").bind(done).execute(db.store.pool()).await?;
+        let rolled = leasehold::rollup::tick(&db.store).await?;
+        ensure!(rolled.waits > 0 && rolled.counted == 60, "{rolled:?}");
         // A schedule with two past nights backfilled under `skip`: the first
         // started a run, the second was skipped (that run was open).
         let mut nightly = leasehold::store::Schedule {

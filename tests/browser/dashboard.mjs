@@ -264,6 +264,16 @@ async function steps() {
   await page.waitForSelector('#schedule[href="#/schedules/nightly"]', { state: 'attached' });
   log('11 schedules ok');
 
+  // 12. The Runs page's charts of the last hour: a bar for the run that
+  // finished two minutes ago, and the waits of this test's first claims.
+  step = '12 charts';
+  await open('#/runs', 'runs');
+  await page.waitForSelector('#charts svg.chart-finished rect.bar-completed', { state: 'attached' });
+  await page.waitForSelector('#charts svg.chart-wait circle.dot-p50', { state: 'attached' });
+  await page.waitForSelector('#charts svg.chart-load', { state: 'attached' });
+  await shot('charts.png');
+  log('12 charts ok');
+
   await sync('done');
 }
 

@@ -2,6 +2,7 @@
 // No framework and no innerHTML: run inputs and outputs are hostile text,
 // so every value reaches the DOM through textContent or attributes.
 
+import { chartsSection } from './charts.js';
 import { queuesPage } from './queues.js';
 import { schedulesPage, schedulePage } from './schedules.js';
 import { childrenSection } from './tree.js';
@@ -315,7 +316,11 @@ async function runsPage(ctx, params) {
     h('thead', {}, h('tr', {}, ['id', 'status', 'plugin', 'thread', 'attempt', 'created', 'updated'].map((t) => h('th', { text: t })))),
     tbody);
 
+  // The last hour, drawn while the table loads (not waited for).
+  const charts = h('section', { id: 'charts', class: 'charts' });
+  chartsSection(ctx, api, charts).catch(ctx.fail);
   ctx.main.append(
+    charts,
     h('section', { class: 'filters' },
       fields.status, fields.plugin, fields.thread, fields.q,
       h('button', { type: 'button', id: 'filter-apply', onclick: () => apply(), text: 'Apply' }),
