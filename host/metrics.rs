@@ -110,7 +110,7 @@ pub struct Metrics {
     pub local_queue_wait: Histogram,
     /// Effects performed (not replayed), by name: from the call to its
     /// recorded result.
-    effect_latency: std::sync::Mutex<std::collections::BTreeMap<String, std::sync::Arc<Histogram>>>,
+    effect_latency: std::sync::Mutex<std::collections::BTreeMap<String, Histogram>>,
     pub leases_lost: AtomicU64,
     /// Writes refused by the (owner, fence) guard: renewals, ledger rows,
     /// emits and closes from a segment that no longer holds its run.
