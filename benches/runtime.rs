@@ -63,6 +63,7 @@ fn init(store: &Store, run_id: i64, recorded: Vec<EffectRow>, emit_pos: i64) -> 
         egress: Default::default(),
         answer_base: None,
         offline: false,
+        trace: None,
     }
 }
 

@@ -166,6 +166,15 @@ pub struct ServeOptions {
     /// wait to be accepted until one closes. [default: 512]
     #[arg(long, env = "LEASEHOLD_MAX_CONNECTIONS")]
     pub max_connections: Option<usize>,
+    /// An OpenTelemetry collector to export traces to over OTLP/HTTP
+    /// (`http://127.0.0.1:4318`; `/v1/traces` is added). The other
+    /// OTEL_* variables apply (docs/operations.md, "Tracing").
+    /// [default: none: no spans are exported]
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
+    /// The service name traces carry. [default: leasehold]
+    #[arg(long, env = "OTEL_SERVICE_NAME")]
+    pub otel_service_name: Option<String>,
     /// This host's lease owner id. [default: <hostname>-<pid>]
     #[arg(long, env = "LEASEHOLD_OWNER")]
     pub owner: Option<String>,
@@ -224,6 +233,8 @@ pub struct Serve {
     pub header_read_timeout: Duration,
     pub max_connections: usize,
     pub owner: Option<String>,
+    /// Where spans are exported; `None`: nowhere.
+    pub traces: Option<leasehold::traces::TraceConfig>,
     pub segment_budget: Duration,
     pub test_clock_skew_ms: i64,
     pub test_pause_spawns: Option<leasehold::store::faults::SpawnPause>,
@@ -294,6 +305,12 @@ impl ServeOptions {
             header_read_timeout: ms(self.header_read_timeout_ms.or(file.header_read_timeout_ms).unwrap_or(10_000).max(1)),
             max_connections: self.max_connections.or(file.max_connections).unwrap_or(512).max(1),
             owner: self.owner.or(file.owner),
+            traces: leasehold::traces::TraceConfig::from_env(
+                self.otlp_endpoint.or(file.otlp_endpoint).as_deref(),
+                self.otel_service_name.or(file.otel_service_name).as_deref(),
+                |k| std::env::var(k).ok(),
+            )
+            .map_err(anyhow::Error::msg)?,
             segment_budget: ms(self.segment_budget_ms.or(file.segment_budget_ms).unwrap_or(30_000)),
             test_clock_skew_ms: self.test_clock_skew_ms.or(file.test_clock_skew_ms).unwrap_or(0),
             test_pause_spawns: self.test_pause_spawns,

@@ -7,7 +7,8 @@
 //!   suspensions and input, the effect ledger, local effects and `kv`, the
 //!   thread log, the reaper's statements, group commit, and the few
 //!   dialect differences. Leaves beside it: [`metrics`] (counters),
-//!   [`redact`] (secrets), [`clock`] (log timestamps).
+//!   [`traces`] (OpenTelemetry), [`redact`] (secrets), [`clock`] (log
+//!   timestamps).
 //! - [`effects`] and [`runtime`]: the guest's side. The providers and
 //!   `EffectError` are the effects'; the runtime (Wasmtime, the host
 //!   functions, replay, the sandbox's limits) uses them. [`plugins`] is the
@@ -33,5 +34,6 @@ pub mod schedules;
 pub mod vacuum;
 pub mod versions;
 pub mod store;
+pub mod traces;
 
 pub use store::{Backend, Store, StoreError, StoreOptions};

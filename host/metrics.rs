@@ -170,6 +170,11 @@ pub struct Metrics {
     pub ticks_started: AtomicU64,
     pub ticks_skipped: AtomicU64,
     pub ticks_buffered: AtomicU64,
+    /// Spans the OTLP collector accepted, and spans dropped: the export
+    /// queue was full, or the collector refused or missed a batch (`traces`).
+    pub trace_spans_exported: AtomicU64,
+    pub trace_spans_dropped_full: AtomicU64,
+    pub trace_spans_dropped_export: AtomicU64,
 }
 
 
@@ -319,6 +324,16 @@ impl Metrics {
             "leasehold_orphaned_claims_handed_back_total",
             "Runs claimed by a statement whose reply was lost, found and handed back unstarted (PostgreSQL).",
             &self.orphans_handed_back,
+        );
+        counter(&mut out, "leasehold_trace_spans_exported_total", "Spans the OTLP collector accepted.", &self.trace_spans_exported);
+        let _ = writeln!(
+            out,
+            "# HELP leasehold_trace_spans_dropped_total Spans dropped: the export queue was full, or the collector refused or missed their batch.\n\
+             # TYPE leasehold_trace_spans_dropped_total counter\n\
+             leasehold_trace_spans_dropped_total{{reason=\"queue_full\"}} {}\n\
+             leasehold_trace_spans_dropped_total{{reason=\"export_failed\"}} {}",
+            self.trace_spans_dropped_full.load(Relaxed),
+            self.trace_spans_dropped_export.load(Relaxed)
         );
         counter(&mut out, "leasehold_submits_total", "Submits written by this host.", &self.submits);
         counter(

@@ -91,6 +91,11 @@ pub async fn serve_with(cfg: config::Serve, dev: Option<crate::dev::Project>) ->
     if let Some(owner) = &cfg.owner {
         exec_config.owner = owner.clone();
     }
+    if let Some(traces) = &cfg.traces {
+        tracing::info!(endpoint = %traces.endpoint, "exporting traces over OTLP/HTTP");
+        exec_config.tracer = Some(leasehold::traces::Tracer::start(traces.clone()).map_err(anyhow::Error::msg)?);
+    }
+    let tracer = exec_config.tracer.clone();
     if let Some(proxy) = &cfg.guest_http_proxy {
         exec_config.egress = leasehold::effects::http::Egress::through_proxy(proxy).map_err(anyhow::Error::msg)?;
         tracing::warn!(
@@ -174,6 +179,10 @@ pub async fn serve_with(cfg: config::Serve, dev: Option<crate::dev::Project>) ->
     }
     if let Err(e) = server.await {
         tracing::error!(error = %e, "HTTP server task failed");
+    }
+    if let Some(tracer) = tracer {
+        // The last segments' spans, within the request timeout.
+        tracer.shutdown().await;
     }
     store.shutdown().await;
     tracing::info!("stopped");

@@ -17,6 +17,7 @@
 mod answers;
 mod budget;
 mod children;
+mod segments;
 mod dashboard;
 mod error;
 mod events;
@@ -165,6 +166,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/runs/{id}/cancel", json_post(runs::cancel))
         .route("/v1/runs/{id}/effects", get(runs::effects))
         .route("/v1/runs/{id}/children", get(children::children))
+        .route("/v1/runs/{id}/segments", get(segments::segments))
         .route("/v1/runs/{id}/budget", json_post(budget::set).get(budget::show))
         .route("/v1/runs/{id}/effects/{seq}/resolve", json_post(resolve::resolve))
         .route("/v1/runs/{id}/rerun", json_post(rerun::rerun))

@@ -22,7 +22,7 @@ use super::{events, limits, overview, plugins, runs};
     ),
     paths(
         runs::submit, runs::submit_batch, runs::list, runs::show, runs::input, runs::cancel, runs::effects,
-        super::children::children, super::answers::answer, super::answers::page, super::budget::show, super::budget::set,
+        super::children::children, super::segments::segments, super::answers::answer, super::answers::page, super::budget::show, super::budget::set,
         super::resolve::resolve, super::pause::pause, super::pause::resume, super::rerun::rerun,
         plugins::list, plugins::show, plugins::put,
         limits::list, limits::show, limits::put, limits::remove,

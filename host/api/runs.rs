@@ -2,7 +2,7 @@
 
 use axum::Json;
 use axum::extract::State;
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -135,16 +135,28 @@ fn check_key(what: &str, v: &Option<String>) -> Result<(), ApiError> {
     Ok(())
 }
 
+const TRACEPARENT: &str = "A W3C trace context: the run's trace goes on from this span (docs/operations.md, \"Tracing\"). \
+    A malformed one is ignored, as the W3C specification asks: the run starts a trace of its own.";
+
+/// The submit's W3C `traceparent`, written as version 00; `None` when it
+/// has none or a malformed one (the specification says to start a new
+/// trace then, not to refuse the request).
+fn trace_parent(headers: &HeaderMap) -> Option<String> {
+    let value = headers.get("traceparent")?.to_str().ok()?;
+    crate::traces::Parent::parse(value).map(|p| p.header())
+}
+
 /// `POST /v1/runs`: 201 with the new run; 200 with the existing run when the
 /// `idempotency_key` was seen before with the same request (409 if not).
 #[utoipa::path(post, path = "/v1/runs", tag = "runs", request_body = Submit,
+    params(("traceparent" = Option<String>, Header, description = TRACEPARENT)),
     responses(
         (status = 201, description = "The new run.", body = Run),
         (status = 200, description = "The run this idempotency key made before.", body = Run),
         (status = 404, description = "No plugin of that name.", body = ErrorBody),
         (status = 409, description = "The idempotency key was used with another request.", body = ErrorBody),
     ))]
-pub async fn submit(State(s): State<AppState>, JsonBody(req): JsonBody<Submit>) -> Result<Response, ApiError> {
+pub async fn submit(State(s): State<AppState>, headers: HeaderMap, JsonBody(req): JsonBody<Submit>) -> Result<Response, ApiError> {
     check_key("thread_id", &req.thread_id)?;
     check_key("idempotency_key", &req.idempotency_key)?;
     if let Some(n) = req.max_attempts
@@ -176,6 +188,7 @@ pub async fn submit(State(s): State<AppState>, JsonBody(req): JsonBody<Submit>) 
         concurrency_key: req.concurrency_key.clone(),
         budget_tokens: budget.tokens,
         budget_usd_nanos: budget.usd_nanos,
+        trace_parent: trace_parent(&headers),
     };
     let (run, created) = s.store.create_run(&new).await?;
     if !created {
@@ -253,11 +266,12 @@ pub enum BatchResult {
 /// whose key was used before with a different request (it writes nothing).
 /// A batch with any invalid run writes nothing and gets 4xx naming the run.
 #[utoipa::path(post, path = "/v1/runs:batch", tag = "runs", request_body = Batch,
+    params(("traceparent" = Option<String>, Header, description = TRACEPARENT)),
     responses(
         (status = 200, description = "One result per run, in order.", body = BatchResults),
         (status = 404, description = "A run names no registered plugin.", body = ErrorBody),
     ))]
-pub async fn submit_batch(State(s): State<AppState>, JsonBody(req): JsonBody<Batch>) -> Result<Json<BatchResults>, ApiError> {
+pub async fn submit_batch(State(s): State<AppState>, headers: HeaderMap, JsonBody(req): JsonBody<Batch>) -> Result<Json<BatchResults>, ApiError> {
     if req.runs.is_empty() || req.runs.len() > MAX_SUBMIT_BATCH {
         return Err(ApiError::bad_request(format!(
             "runs must hold 1 to {MAX_SUBMIT_BATCH} runs, not {}",
@@ -265,6 +279,7 @@ pub async fn submit_batch(State(s): State<AppState>, JsonBody(req): JsonBody<Bat
         )));
     }
     let mut news = Vec::with_capacity(req.runs.len());
+    let trace = trace_parent(&headers);
     for (i, r) in req.runs.iter().enumerate() {
         let at = |e: ApiError| e.prefixed(&format!("runs[{i}]: "));
         if r.idempotency_key.is_none() {
@@ -297,6 +312,7 @@ pub async fn submit_batch(State(s): State<AppState>, JsonBody(req): JsonBody<Bat
             concurrency_key: r.concurrency_key.clone(),
             budget_tokens: budget.tokens,
             budget_usd_nanos: budget.usd_nanos,
+            trace_parent: trace.clone(),
         });
     }
     let written = s.store.create_runs(&news).await?;

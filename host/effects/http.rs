@@ -9,7 +9,9 @@
 //!
 //! Every request carries `Idempotency-Key: <database>:<run_id>:<seq>`
 //! (stable across attempts) and `Leasehold-Fence: <fence>` (so the remote
-//! side can reject a stale segment). `http` is *keyed*: when a segment dies
+//! side can reject a stale segment), and `traceparent` naming the call's
+//! span (docs/operations.md, "Tracing") unless the guest sent its own.
+//! `http` is *keyed*: when a segment dies
 //! with the request in flight, the next segment re-issues it with the same
 //! key; a re-issue answered `409` or `425` (the first request is still in
 //! progress) is tried again, not recorded. `http.unkeyed` is for endpoints
@@ -71,6 +73,11 @@ impl HttpRequest {
     /// The URL, as the guest wrote it (checked by [`check`]).
     pub fn url(&self) -> &str {
         &self.url
+    }
+
+    /// The method, upper case (default `GET`).
+    pub fn method(&self) -> String {
+        self.method.as_deref().unwrap_or("GET").to_ascii_uppercase()
     }
 }
 
@@ -349,6 +356,11 @@ pub async fn perform(name: &str, req: HttpRequest, ctx: &RemoteCtx, egress: &Egr
         .header("Leasehold-Fence", ctx.fence.to_string());
     for (k, v) in &req.headers {
         builder = builder.header(k.as_str(), v.as_str());
+    }
+    if let Some(tp) = &ctx.traceparent
+        && !req.headers.keys().any(|k| k.eq_ignore_ascii_case("traceparent"))
+    {
+        builder = builder.header("traceparent", tp.as_str());
     }
     builder = match req.body {
         None => builder,

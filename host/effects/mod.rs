@@ -99,6 +99,9 @@ pub struct RemoteCtx {
     /// This call re-issues one a dead segment started: an "in progress"
     /// answer (409, 425) means that one may still be running.
     pub reissue: bool,
+    /// The W3C `traceparent` of the call's span (`traces`): `http` sends
+    /// it unless the guest set its own.
+    pub traceparent: Option<String>,
 }
 
 impl RemoteCtx {

@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use tracing::Instrument;
 use wasmtime::UpdateDeadline;
 
 use crate::clock::Monotonic;
@@ -21,9 +22,13 @@ use crate::runtime::replay::Recorded;
 pub use crate::runtime::GuestErrorKind;
 use crate::runtime::{EPOCH_TICK, Plugin, Runtime};
 use crate::store::{Claimed, EffectClass, EffectState, Outcome, RunStatus, Store, StoreError, Suspend};
+use crate::store::segments::SegmentRecord;
+use crate::traces::SegmentTrace;
 
 mod renewer;
+pub mod segment_log;
 mod settle;
+mod traced;
 mod upgrade;
 
 use renewer::{Cover, LAST_CHANCE, LeaseWatch};
@@ -58,6 +63,10 @@ pub struct ExecutorConfig {
     /// e.g. `https://leasehold.example.com`). Default: none, so
     /// `answer-link` is denied.
     pub answer_base: Option<Arc<str>>,
+    /// Where segments' spans go (`serve`: `OTEL_EXPORTER_OTLP_ENDPOINT`).
+    /// Default: none, so none are exported; trace ids are still derived,
+    /// logged and passed on.
+    pub tracer: Option<crate::traces::Tracer>,
 }
 
 impl Default for ExecutorConfig {
@@ -72,6 +81,7 @@ impl Default for ExecutorConfig {
             egress: Default::default(),
             clock: Monotonic::default(),
             answer_base: None,
+            tracer: None,
         }
     }
 }
@@ -96,6 +106,8 @@ pub struct Executor {
     /// `config.reserved`, shared with each segment.
     reserved: Arc<[std::net::SocketAddr]>,
     stop: Arc<StopSignal>,
+    /// Each segment's record, written behind it (`store::segments`).
+    segment_log: segment_log::SegmentLog,
 }
 
 /// Tells running guests to stop at once (shutdown after the grace period).
@@ -108,7 +120,8 @@ struct StopSignal {
 impl Executor {
     pub fn new(store: Store, runtime: Arc<Runtime>, config: ExecutorConfig) -> Executor {
         let reserved = config.reserved.clone().into();
-        Executor { store, runtime, config, reserved, stop: Arc::default() }
+        let segment_log = segment_log::SegmentLog::new(store.clone());
+        Executor { store, runtime, config, reserved, stop: Arc::default(), segment_log }
     }
 
     /// Stops every running segment of this executor at once: each suspends
@@ -199,7 +212,18 @@ impl Executor {
         let mut next = Handoff { want: take_next, got: None, guest_done };
         let (run_id, fence) = (claimed.run.id, claimed.lease.fence);
         observe_first_start(&self.store, &claimed.run);
-        let outcome = self.segment(claimed, &mut next).await;
+        let database = self.store.database_id().await?;
+        let trace = Arc::new(SegmentTrace::new(self.config.tracer.clone(), database, run_id, fence, claimed.run.trace_parent.as_deref()));
+        let described = traced::describe(&claimed, &self.config.owner);
+        let claimed_at = claimed.run.heartbeat_at.unwrap_or_default();
+        // The segment's log lines carry its trace id. At error level, so a
+        // host logging only warnings still names the segment in them.
+        let span = tracing::error_span!("segment", run_id, fence, trace_id = %trace.trace);
+        let outcome = self.segment(claimed, &mut next, &trace).instrument(span).await;
+        traced::finish(&trace, described, &outcome);
+        let (owner, ended_at) = (self.config.owner.clone(), claimed_at + started.elapsed().as_millis() as i64);
+        let outcome_said = traced::said(&outcome).0;
+        self.segment_log.record(SegmentRecord { run_id, fence, owner, started_at: claimed_at, ended_at, outcome: outcome_said });
         if let Ok(SegmentOutcome::LeaseLost) = &outcome {
             // An operator sees which runs a paused or partitioned host gave up.
             tracing::info!(run_id, fence, "segment stopped: its lease was lost, and it wrote nothing more");
@@ -219,6 +243,11 @@ impl Executor {
         outcome.map(|o| (o, next.got))
     }
 
+    /// Writes the segment log's held records now (else within `segment_log::EVERY`).
+    pub async fn flush_segment_log(&self) {
+        self.segment_log.flush().await;
+    }
+
     /// Runs segments until nothing is claimable; returns what each did.
     pub async fn drain(&self) -> Result<Vec<(i64, SegmentOutcome)>, StoreError> {
         let mut done = Vec::new();
@@ -230,10 +259,13 @@ impl Executor {
 
     /// Runs one segment of a run this worker has claimed.
     pub async fn run_segment(&self, claimed: Claimed) -> Result<SegmentOutcome, StoreError> {
-        self.segment(claimed, &mut Handoff { want: false, got: None, guest_done: None }).await
+        let database = self.store.database_id().await?;
+        let (run, fence) = (claimed.run.id, claimed.lease.fence);
+        let trace = Arc::new(SegmentTrace::new(None, database, run, fence, claimed.run.trace_parent.as_deref()));
+        self.segment(claimed, &mut Handoff { want: false, got: None, guest_done: None }, &trace).await
     }
 
-    async fn segment(&self, claimed: Claimed, next: &mut Handoff) -> Result<SegmentOutcome, StoreError> {
+    async fn segment(&self, claimed: Claimed, next: &mut Handoff, trace: &Arc<SegmentTrace>) -> Result<SegmentOutcome, StoreError> {
         let Claimed { run, lease, charged } = claimed;
         if run.paused_at.is_some() {
             // Paused (store::pause): a lease taken over, or a run claimed
@@ -285,6 +317,10 @@ impl Executor {
                 Err(e) => return Err(e),
             }
             let summary = self.store.ledger_summary(run.id).await?;
+            // The segment whose call the ledger ends with: the one this resumes.
+            if let Some(last) = summary.last.as_ref().filter(|r| r.fence_started < lease.fence) {
+                trace.resumes(last.fence_started);
+            }
             // After a death, the stream is cut back to where the dead
             // segment's own unsettled call began: past it the re-issued
             // call streams another answer. That call is the ledger's last
@@ -327,6 +363,7 @@ impl Executor {
             egress: self.config.egress.clone(),
             answer_base: self.config.answer_base.clone(),
             offline: false,
+            trace: Some(trace.clone()),
         };
         self.store.faults().before_guest().await;
         // Claimed for a local queue: the segment counts its attempt as its
@@ -340,6 +377,7 @@ impl Executor {
         // busy host) held the close back wrote them in a statement of their
         // own, one more commit a run.
         let tail = result.1.take_stream_tail().await;
+        trace.guest_returned();
         if let Some(done) = next.guest_done.take() {
             let _ = done.send(());
         }
@@ -352,7 +390,15 @@ impl Executor {
         // write waits (a lock timeout, the batch's own retries).
         watch.renew_for(Duration::MAX);
         watch.closing.store(true, Ordering::Relaxed);
+        // The puts the last write holds: reported once it is written.
+        let tail_puts: Vec<i64> = match &tail {
+            Ok(held) if trace.exporting() => held.puts.iter().map(|p| p.call.seq).collect(),
+            _ => Vec::new(),
+        };
         let settled = self.settle(&plugin, &lease, result, tail, next).await;
+        if matches!(settled, Ok(SegmentOutcome::Completed | SegmentOutcome::Failed(_) | SegmentOutcome::Suspended(_))) {
+            trace.puts_written(trace.guest_returned_at(), tail_puts);
+        }
         if run.parent_id.is_some() && matches!(settled, Ok(SegmentOutcome::Completed | SegmentOutcome::Failed(_))) {
             // Its end may have woken its parent (store::children): any
             // host's idle worker takes the parent now, not at its poll.

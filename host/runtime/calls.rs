@@ -17,6 +17,27 @@ use crate::effects::{self, EffectError};
 use crate::runtime::GuestErrorKind;
 use crate::store::LocalOp;
 
+impl From<EffectError> for WitEffectError {
+    fn from(e: EffectError) -> WitEffectError {
+        match e {
+            EffectError::Failed(m) => WitEffectError::Failed(m),
+            EffectError::InDoubt(m) => WitEffectError::InDoubt(m),
+            EffectError::Denied(m) => WitEffectError::Denied(m),
+        }
+    }
+}
+
+impl From<EffectError> for super::host::v0_1::leasehold::turn::host::EffectError {
+    fn from(e: EffectError) -> Self {
+        use super::host::v0_1::leasehold::turn::host::EffectError as E;
+        match e {
+            EffectError::Failed(m) => E::Failed(m),
+            EffectError::InDoubt(m) => E::InDoubt(m),
+            EffectError::Denied(m) => E::Denied(m),
+        }
+    }
+}
+
 impl Host for SegmentState {
     async fn effect(&mut self, name: String, request: String) -> wasmtime::Result<Result<String, WitEffectError>> {
         Ok(self.effect_call(name, request).await?.map_err(WitEffectError::from))
@@ -104,12 +125,18 @@ impl SegmentState {
     }
 
     /// [`SegmentState::perform`], its time counted by effect name
-    /// (`leasehold_effect_seconds`): only effects performed, never one
-    /// replayed.
+    /// (`leasehold_effect_seconds`) and its span reported (`traces`): only
+    /// effects performed, never one replayed.
     pub(super) async fn perform_timed(&mut self, call: crate::store::EffectCall, effect: effects::Effect, reissue: bool) -> wasmtime::Result<Result<String, EffectError>> {
-        let (name, started) = (call.name.clone(), std::time::Instant::now());
+        let (name, seq, started) = (call.name.clone(), call.seq, std::time::Instant::now());
+        let span = self.trace.as_ref().filter(|t| t.exporting()).and_then(|_| super::traced::Begun::of(&effect, reissue));
         let result = self.perform(call, effect, reissue).await;
         crate::metrics::global().effect(&name, started.elapsed());
+        // A call stopped mid-way (a lost lease, a suspension) reports
+        // nothing: the segment that finishes it does.
+        if let (Some(span), Some(trace), Ok(outcome)) = (span, &self.trace, &result) {
+            span.report(trace, seq, &name, outcome);
+        }
         result
     }
 

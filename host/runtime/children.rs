@@ -130,6 +130,7 @@ impl SegmentState {
             detached: o.detached,
             budget_tokens,
             budget_usd_nanos,
+            trace_parent: None,
         })
     }
 
@@ -162,7 +163,8 @@ impl SegmentState {
             return Ok(self.refuse(&call, error).await?.map(|_| 0));
         }
         let spawn = match self.checked_spawn(&plugin, &input, &options) {
-            Ok(spawn) => spawn,
+            // The child's trace goes on from this call's span.
+            Ok(spawn) => Spawn { trace_parent: self.trace.as_ref().map(|t| t.call_header(call.seq)), ..spawn },
             Err(error) => return Ok(self.refuse(&call, error).await?.map(|_| 0)),
         };
         let depth = {
@@ -181,12 +183,16 @@ impl SegmentState {
         }
         self.room(20)?;
         let _db = self.phase.enter(Phase::DATABASE);
+        let started_ns = crate::traces::now_ns();
         self.flush_stream().await?;
         let (db, lease, c) = (self.db.clone(), self.lease.clone(), call.clone());
         match detached(async move { db.spawn_child(&lease, &c, &spawn).await }).await {
             Ok(Some((_, child))) => {
                 self.settled += 1;
                 self.wrote(&call, 20);
+                if let Some(trace) = &self.trace {
+                    trace.call(call.seq, "spawn", crate::traces::Kind::Internal, started_ns, vec![("leasehold.child", child.id.into())], None);
+                }
                 tracing::debug!(run_id = self.lease.run_id, child = child.id, plugin = %child.plugin, "spawned a child run");
                 Ok(Ok(u64::try_from(child.id).unwrap_or_default()))
             }

@@ -62,28 +62,6 @@ pub(crate) mod v0_1 {
 pub(super) use self::leasehold::turn::host::EffectError as WitEffectError;
 pub use crate::effects::EffectError;
 
-impl From<EffectError> for WitEffectError {
-    fn from(e: EffectError) -> WitEffectError {
-        match e {
-            EffectError::Failed(m) => WitEffectError::Failed(m),
-            EffectError::InDoubt(m) => WitEffectError::InDoubt(m),
-            EffectError::Denied(m) => WitEffectError::Denied(m),
-        }
-    }
-}
-
-impl From<EffectError> for v0_1::leasehold::turn::host::EffectError {
-    fn from(e: EffectError) -> Self {
-        use v0_1::leasehold::turn::host::EffectError as E;
-        match e {
-            EffectError::Failed(m) => E::Failed(m),
-            EffectError::InDoubt(m) => E::InDoubt(m),
-            EffectError::Denied(m) => E::Denied(m),
-        }
-    }
-}
-
-
 /// What a segment needs to know about the run it holds.
 pub struct SegmentInit {
     pub db: Store,
@@ -113,6 +91,8 @@ pub struct SegmentInit {
     /// ([`Interrupt::Frontier`]); nothing is performed or written and
     /// timers do not wait. `false` for live segments.
     pub offline: bool,
+    /// The segment's place in its run's trace (`traces`); `None` offline.
+    pub trace: Option<Arc<crate::traces::SegmentTrace>>,
 }
 
 /// The store data of one segment.
@@ -162,6 +142,8 @@ pub struct SegmentState {
     pub(super) answer_base: Option<Arc<str>>,
     /// The guest's stdout and stderr, the tail kept for a failed run's error.
     pub(crate) output: GuestOutput,
+    /// See [`SegmentInit::trace`].
+    pub(super) trace: Option<Arc<crate::traces::SegmentTrace>>,
 }
 
 impl SegmentState {
@@ -197,6 +179,7 @@ impl SegmentState {
                 stopped: None,
                 buffer: Arc::new(tokio::sync::Mutex::new(Buffer::default())),
                 offline: init.offline,
+                trace: init.trace.clone(),
             },
             db: init.db,
             lease: init.lease,
@@ -223,6 +206,7 @@ impl SegmentState {
             secret: init.secret,
             answer_base: init.answer_base,
             output,
+            trace: init.trace,
         }
     }
 
@@ -478,6 +462,7 @@ impl SegmentState {
             max_result_bytes: self.limits.max_effect_bytes,
             idempotency_key: crate::store::idempotency_key(&self.database_id().await?, self.lease.run_id, call.seq),
             reissue,
+            traceparent: self.trace.as_ref().map(|t| t.call_header(call.seq)),
         };
         self.in_flight = Some((call.seq, call.name.clone(), None));
         let bytes_before = self.stream.bytes;

@@ -23,6 +23,7 @@ mod rates;
 mod remote;
 mod text;
 mod timers;
+mod traced;
 mod wasi;
 
 pub use limits::{GuestErrorKind, Limits};

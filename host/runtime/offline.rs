@@ -128,6 +128,7 @@ pub async fn replay(rt: &Runtime, plugin: &Plugin, recording: Recording, budget:
         egress: Default::default(),
         answer_base: None,
         offline: true,
+        trace: None,
     };
     let mut store = rt.store(plugin, init);
     let start = Instant::now();

@@ -9,6 +9,7 @@ use super::text::storable;
 use crate::effects::model::DeltaSink;
 use crate::runtime::GuestErrorKind;
 use crate::store::{HeldPut, Lease, Store};
+use crate::traces::SegmentTrace;
 
 /// How long a delta or a `kv.put` may wait in a segment's buffer before it
 /// is written. Either is written with the segment's next write (another
@@ -42,6 +43,8 @@ pub(super) struct Stream {
     pub(super) buffer: Arc<tokio::sync::Mutex<Buffer>>,
     /// Offline replay: new deltas stay in the buffer, never written.
     pub(super) offline: bool,
+    /// Where the puts it writes are reported (`traces`).
+    pub(super) trace: Option<Arc<SegmentTrace>>,
 }
 
 /// Deltas emitted and not yet written. The lock is held across each write,
@@ -59,8 +62,9 @@ pub(super) struct Buffer {
     pub(super) failed: Option<Interrupt>,
 }
 
-/// Writes the buffered deltas, if any, under the caller's lock.
-async fn write_buffered(db: &Store, lease: &Lease, buf: &mut Buffer) -> Result<(), Interrupt> {
+/// Writes the buffered deltas, if any, under the caller's lock, and
+/// reports the puts it wrote to the segment's trace.
+async fn write_buffered(db: &Store, lease: &Lease, buf: &mut Buffer, trace: Option<&SegmentTrace>) -> Result<(), Interrupt> {
     if let Some(why) = buf.failed.take() {
         return Err(why);
     }
@@ -69,7 +73,12 @@ async fn write_buffered(db: &Store, lease: &Lease, buf: &mut Buffer) -> Result<(
     }
     let (deltas, puts) = (std::mem::take(&mut buf.deltas), std::mem::take(&mut buf.puts));
     let refs: Vec<&str> = deltas.iter().map(String::as_str).collect();
-    db.write_held(lease, &refs, &puts).await.map_err(interrupt_for)
+    let start = crate::traces::now_ns();
+    db.write_held(lease, &refs, &puts).await.map_err(interrupt_for)?;
+    if let Some(trace) = trace.filter(|t| t.exporting()) {
+        trace.puts_written(start, puts.iter().map(|p| p.call.seq));
+    }
+    Ok(())
 }
 
 /// What a segment still holds when it ends: its last deltas and puts, for
@@ -87,9 +96,9 @@ impl Stream {
         if self.offline {
             return Ok(());
         }
-        let (db, lease, buffer) = (self.db.clone(), self.lease.clone(), self.buffer.clone());
+        let (db, lease, buffer, trace) = (self.db.clone(), self.lease.clone(), self.buffer.clone(), self.trace.clone());
         // Detached: a lost lease may drop the guest call, never a write.
-        match tokio::spawn(async move { write_buffered(&db, &lease, &mut *buffer.lock().await).await }).await {
+        match tokio::spawn(async move { write_buffered(&db, &lease, &mut *buffer.lock().await, trace.as_deref()).await }).await {
             Ok(r) => r,
             Err(e) => Err(Interrupt::Store(format!("store task failed: {e}"))),
         }
@@ -177,7 +186,7 @@ impl Stream {
             return;
         }
         buf.armed = true;
-        let (db, lease, buffer) = (self.db.clone(), self.lease.clone(), self.buffer.clone());
+        let (db, lease, buffer, trace) = (self.db.clone(), self.lease.clone(), self.buffer.clone(), self.trace.clone());
         tokio::spawn(async move {
             tokio::time::sleep(EMIT_FLUSH).await;
             let mut buf = buffer.lock().await;
@@ -185,7 +194,7 @@ impl Stream {
             if buf.closed {
                 return;
             }
-            if let Err(why) = write_buffered(&db, &lease, &mut buf).await {
+            if let Err(why) = write_buffered(&db, &lease, &mut buf, trace.as_deref()).await {
                 buf.failed = Some(why);
             }
         });

@@ -42,6 +42,9 @@ pub struct Spawn {
     /// A share of the tree's budget in dollars (whole nano-dollars), as
     /// `budget_tokens`. Default: none.
     pub budget_usd_nanos: Option<i64>,
+    /// The `traceparent` the child starts under: its spawn call's span
+    /// (`traces`). Default: none.
+    pub trace_parent: Option<String>,
 }
 
 /// How one child stands, as a waiting parent is told.
@@ -109,9 +112,9 @@ impl Store {
                 let row = sqlx::query(sql!(
                     self,
                     "INSERT INTO runs (thread_id, plugin, plugin_digest, input, status, max_attempts, not_before, \
-                     created_at, updated_at, secret, priority, concurrency_key, parent_id, root_id, spawn_seq, detached, budget_tokens, budget_usd_nanos) \
+                     created_at, updated_at, secret, priority, concurrency_key, parent_id, root_id, spawn_seq, detached, budget_tokens, budget_usd_nanos, trace_parent) \
                      SELECT $1, p.name, p.digest, $2, 'queued', $3, {now}, {now}, {now}, $4, $5, $6, $7, \
-                     (SELECT COALESCE(r.root_id, r.id) FROM runs r WHERE r.id = $7), $8, $9, $11, $12 \
+                     (SELECT COALESCE(r.root_id, r.id) FROM runs r WHERE r.id = $7), $8, $9, $11, $12, $13 \
                      FROM plugins p WHERE p.name = $10 RETURNING {runs}"
                 ))
                 .bind(&thread_id)
@@ -126,6 +129,7 @@ impl Store {
                 .bind(&spawn.plugin)
                 .bind(spawn.budget_tokens)
                 .bind(spawn.budget_usd_nanos)
+                .bind(spawn.trace_parent.as_deref())
                 .fetch_optional(&mut *tx)
                 .await?;
                 let Some(row) = row else { return Ok(None) };

@@ -18,7 +18,7 @@ const RUNS: &[&str] = &[
     "lease_expires_at", "attempt", "max_attempts", "heartbeat_at", "partial", "emit_pos", "pending_input", "output", "error",
     "not_before", "created_at", "updated_at", "finished_at", "started_at", "secret", "upgrade_checked", "upgrade_note",
     "partial_pos", "partial_seq", "priority", "concurrency_key", "parent_id", "root_id", "waiting_for", "paused_at",
-    "rerun_of", "rerun_from", "schedule_id", "scheduled_at",
+    "rerun_of", "rerun_from", "schedule_id", "scheduled_at", "trace_parent",
 ];
 
 const EFFECTS: &[&str] = &[

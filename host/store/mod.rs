@@ -41,7 +41,7 @@ pub mod rollup;
 pub(crate) mod retention;
 pub(crate) mod renewals;
 mod runs;
-pub mod schedules;
+pub mod schedules; pub mod segments;
 pub mod search;
 pub mod sqlite;
 mod overview;

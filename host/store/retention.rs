@@ -101,12 +101,14 @@ impl Store {
                 counts[i] = sqlx::query(statement).bind(list.as_str()).execute(&mut *tx).await?.rows_affected();
             }
             // Deliveries and answer links no wait took: they go with their run.
-            let leftovers: [&'static str; 2] = match self.backend() {
+            let leftovers: [&'static str; 3] = match self.backend() {
                 Backend::Sqlite => [
                     "DELETE FROM inbox WHERE run_id IN (SELECT value FROM json_each($1))",
                     "DELETE FROM answer_links WHERE run_id IN (SELECT value FROM json_each($1))",
+                    "DELETE FROM segments WHERE run_id IN (SELECT value FROM json_each($1))",
                 ],
                 Backend::Postgres => [
+                    "DELETE FROM segments WHERE run_id IN (SELECT value::bigint FROM jsonb_array_elements_text($1::jsonb))",
                     "DELETE FROM inbox WHERE run_id IN (SELECT value::bigint FROM jsonb_array_elements_text($1::jsonb))",
                     "DELETE FROM answer_links WHERE run_id IN (SELECT value::bigint FROM jsonb_array_elements_text($1::jsonb))",
                 ],

@@ -45,6 +45,7 @@ struct PgSubmit<'a> {
     secret: &'a str,
     budget: Option<i64>,
     budget_usd: Option<i64>,
+    trace: Option<&'a str>,
 }
 
 /// SQLite: writes a batch of submits inside the caller's transaction, in
@@ -70,18 +71,19 @@ async fn insert_runs_sqlite(store: &Store, conn: &mut AnyConnection, submits: &[
                 s.new.priority,
                 s.new.concurrency_key.as_deref().unwrap_or(""),
                 s.new.budget_tokens,
-                s.new.budget_usd_nanos
+                s.new.budget_usd_nanos,
+                s.new.trace_parent
             ])
         })
         .collect();
     let rows = sqlx::query(sql!(
         store,
         "INSERT INTO runs (thread_id, plugin, plugin_digest, input, idempotency_key, status, \
-         max_attempts, not_before, created_at, updated_at, secret, priority, concurrency_key, budget_tokens, budget_usd_nanos) \
-         SELECT value ->> 0, value ->> 1, \
+         max_attempts, not_before, created_at, updated_at, secret, priority, concurrency_key, budget_tokens, budget_usd_nanos, \
+         trace_parent) SELECT value ->> 0, value ->> 1, \
          CASE WHEN value ->> 2 = 'current' THEN (SELECT p.digest FROM plugins p WHERE p.name = value ->> 1) \
          ELSE value ->> 2 END, value ->> 3, value ->> 4, 'queued', value ->> 5, \
-         {now}, {now}, {now}, value ->> 6, value ->> 7, value ->> 8, value ->> 9, value ->> 10 FROM jsonb_each($1) WHERE true ORDER BY key \
+         {now}, {now}, {now}, value ->> 6, value ->> 7, value ->> 8, value ->> 9, value ->> 10, value ->> 11 FROM jsonb_each($1) WHERE true ORDER BY key \
          ON CONFLICT (idempotency_key) DO NOTHING RETURNING {runs}"
     ))
     .bind(serde_json::Value::Array(list).to_string())
@@ -283,6 +285,7 @@ impl Store {
                 secret: &s.secret,
                 budget: s.new.budget_tokens,
                 budget_usd: s.new.budget_usd_nanos,
+                trace: s.new.trace_parent.as_deref(),
             })
             .collect();
         let list = serde_json::to_string(&list).map_err(|e| StoreError::Corrupt(format!("a submit batch: {e}")))?;
@@ -294,14 +297,14 @@ impl Store {
                     self,
                     concat!("WITH l AS (SELECT * FROM jsonb_to_recordset($1::text::jsonb) AS l(i bigint, thread_id text, \
                      plugin text, digest text, input text, key text, max_attempts bigint, priority bigint, ckey text, payload text, \
-                     secret text, budget bigint, budget_usd bigint)), \
+                     secret text, budget bigint, budget_usd bigint, trace text)), \
                      k AS (INSERT INTO concurrency_keys (key, active, concurrency) SELECT ckey, true, MIN(p.key_concurrency) \
                      FROM l LEFT JOIN plugins p ON p.name = l.plugin WHERE ckey <> '' GROUP BY ckey ORDER BY 1 ", crate::key_default!(), "), \
                      r AS (INSERT INTO runs (thread_id, plugin, plugin_digest, input, idempotency_key, \
-                     status, max_attempts, not_before, created_at, updated_at, secret, priority, concurrency_key, budget_tokens, budget_usd_nanos) \
-                     SELECT thread_id, plugin, \
+                     status, max_attempts, not_before, created_at, updated_at, secret, priority, concurrency_key, budget_tokens, budget_usd_nanos, \
+                     trace_parent) SELECT thread_id, plugin, \
                      CASE WHEN digest = 'current' THEN (SELECT p.digest FROM plugins p WHERE p.name = l.plugin) ELSE digest END, \
-                     input, key, 'queued', max_attempts, {now}, {now}, {now}, secret, priority, ckey, budget, budget_usd \
+                     input, key, 'queued', max_attempts, {now}, {now}, {now}, secret, priority, ckey, budget, budget_usd, trace \
                      FROM l ORDER BY i ON CONFLICT (idempotency_key) DO NOTHING RETURNING {runs}), \
                      t AS (INSERT INTO threads (id, last_seq) SELECT thread_id, 1 FROM r ORDER BY thread_id \
                      ON CONFLICT (id) DO UPDATE SET last_seq = threads.last_seq + 1 RETURNING id, last_seq), \

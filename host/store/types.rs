@@ -142,6 +142,10 @@ pub struct Run {
     /// it was scheduled for (epoch ms); `None` for a run it did not start.
     pub schedule_id: Option<String>,
     pub scheduled_at: Option<i64>,
+    /// The W3C `traceparent` the run was started under: its submitter's,
+    /// or its parent run's segment's (`traces`). `None`: its own trace.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub trace_parent: Option<String>,
     /// The reruns of this run, newest last (shown by `GET /v1/runs/{id}`;
     /// empty elsewhere).
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -190,6 +194,7 @@ impl Run {
             rerun_from: row.try_get("rerun_from")?,
             schedule_id: row.try_get("schedule_id")?,
             scheduled_at: row.try_get("scheduled_at")?,
+            trace_parent: row.try_get("trace_parent")?,
             reruns: Vec::new(),
         })
     }
@@ -224,6 +229,9 @@ pub struct NewRun {
     /// US dollars (whole nano-dollars) its tree's priced `model.chat`
     /// calls may cost (`store::budgets`). Default: none.
     pub budget_usd_nanos: Option<i64>,
+    /// A W3C `traceparent` to start the run's trace under (`traces`),
+    /// checked by the caller. Default: none.
+    pub trace_parent: Option<String>,
 }
 
 impl NewRun {
@@ -247,6 +255,7 @@ impl NewRun {
             concurrency_key: None,
             budget_tokens: None,
             budget_usd_nanos: None,
+            trace_parent: None,
         }
     }
 }

@@ -28,6 +28,8 @@ pub struct ServeArgs<'a> {
     /// `--http-allow` entries, e.g. a sink's `127.0.0.1:<port>`.
     pub http_allow: Vec<String>,
     pub extra: Vec<String>,
+    /// Environment variables set for the host (after the harness's own).
+    pub env: Vec<(String, String)>,
     /// Another `leasehold` binary to run (a previous release's); default:
     /// this build's.
     pub binary: Option<PathBuf>,
@@ -49,6 +51,7 @@ impl ServeArgs<'_> {
             poll_ms: 200,
             http_allow: Vec::new(),
             extra: Vec::new(),
+            env: Vec::new(),
             binary: None,
         })
     }
@@ -86,6 +89,7 @@ impl ServeProc {
             // `LEASEHOLD_TEST_HOST_LOG` (default `warn`) sets the hosts' log
             // filter, e.g. `warn,leasehold::pool=debug` to follow a queue.
             .env("LEASEHOLD_LOG", std::env::var("LEASEHOLD_TEST_HOST_LOG").unwrap_or_else(|_| "warn".into()))
+            .envs(a.env.iter().map(|(k, v)| (k, v)))
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()

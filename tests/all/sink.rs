@@ -20,6 +20,8 @@ pub struct Hit {
     pub body: String,
     /// When it arrived.
     pub at: std::time::Instant,
+    /// Its W3C `traceparent` header (`""`: none).
+    pub traceparent: String,
 }
 
 #[derive(Clone)]
@@ -111,7 +113,7 @@ async fn hit(State(s): State<Shared>, headers: HeaderMap, body: axum::body::Byte
     // A body may ask for a slow answer: {"delay_ms": N}.
     let asked = serde_json::from_str::<serde_json::Value>(&body).ok().and_then(|b| b["delay_ms"].as_u64());
     let reissue = get("leasehold-fence").parse::<i64>().is_ok_and(|f| f > 1);
-    s.hits.lock().unwrap().push(Hit { key: get("idempotency-key"), fence: get("leasehold-fence"), body, at: std::time::Instant::now() });
+    s.hits.lock().unwrap().push(Hit { key: get("idempotency-key"), fence: get("leasehold-fence"), body, at: std::time::Instant::now(), traceparent: get("traceparent") });
     if reissue
         && s.conflicts.fetch_update(std::sync::atomic::Ordering::SeqCst, std::sync::atomic::Ordering::SeqCst, |n| n.checked_sub(1)).is_ok()
     {

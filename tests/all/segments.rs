@@ -1,0 +1,50 @@
+//! The segment log (`store::segments`): each segment's host, fence, times
+//! and outcome, written behind it, served by `GET /v1/runs/{id}/segments`
+//! for the run page's time line, and deleted with its run.
+
+use anyhow::ensure;
+use leasehold::executor::{Executor, ExecutorConfig, SegmentOutcome};
+use leasehold::store::{NewRun, RunStatus};
+use serde_json::json;
+
+use crate::harness::both;
+use crate::plugins;
+
+both! {
+    async fn each_segment_is_recorded_with_its_host_fence_times_and_outcome(db) {
+        let rt = plugins::runtime()?;
+        rt.add_plugin("testkit", &plugins::rust_plugin("testkit")?, plugins::test_limits())?;
+        let exec = Executor::new(db.store.clone(), rt.clone(), ExecutorConfig { owner: "host-w".into(), ..ExecutorConfig::default() });
+        let input = json!({ "mode": "script", "ops": [{ "op": "wait", "prompt": "more?" }] });
+        let run = db.store.create_run(&NewRun::new("testkit", input.to_string())).await?.0;
+        ensure!(exec.drain().await? == vec![(run.id, SegmentOutcome::Suspended(RunStatus::WaitingInput))]);
+        db.store.deliver_input(run.id, "\"yes\"").await?;
+        ensure!(exec.drain().await? == vec![(run.id, SegmentOutcome::Completed)]);
+        // Written behind the segments: nothing yet until the log is flushed
+        // (or its second is up).
+        exec.flush_segment_log().await;
+        let segments = db.store.segments(run.id).await?;
+        let said: Vec<(i64, &str, &str)> = segments.iter().map(|s| (s.fence, s.owner.as_str(), s.outcome.as_str())).collect();
+        ensure!(said == vec![(1, "host-w", "suspended: waiting_input"), (2, "host-w", "completed")], "{segments:?}");
+        let finished = db.store.get_run(run.id).await?.finished_at.unwrap_or_default();
+        for s in &segments {
+            ensure!(run.created_at <= s.started_at && s.started_at <= s.ended_at && s.ended_at <= finished + 1000, "{s:?} of {run:?}");
+        }
+        ensure!(segments[0].ended_at <= segments[1].started_at, "{segments:?}");
+        // The API serves them; an unknown run is a 404.
+        let (stop_tx, stop) = tokio::sync::watch::channel(false);
+        let state = leasehold::api::AppState::new(db.store.clone(), rt, leasehold::api::ApiConfig::default(), stop.clone());
+        let base = crate::harness::serve_api(state, stop).await?;
+        let http = reqwest::Client::new();
+        let got: serde_json::Value = http.get(format!("{base}/v1/runs/{}/segments", run.id)).send().await?.json().await?;
+        ensure!(got["segments"][1]["outcome"] == "completed" && got["segments"][1]["owner"] == "host-w", "{got}");
+        let missing = http.get(format!("{base}/v1/runs/999999/segments")).send().await?;
+        ensure!(missing.status() == 404, "{}", missing.status());
+        let _ = stop_tx.send(true);
+        // Deleted with the run.
+        let deleted = db.store.delete_finished(-60_000, 100).await?;
+        ensure!(deleted.runs == 1, "{deleted:?}");
+        ensure!(db.store.segments(run.id).await?.is_empty(), "the run's segments outlived it");
+        Ok(())
+    }
+}
