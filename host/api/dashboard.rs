@@ -20,6 +20,7 @@ const QUEUES_JS: &str = include_str!("dashboard/queues.js");
 const CHARTS_JS: &str = include_str!("dashboard/charts.js");
 const SCHEDULES_JS: &str = include_str!("dashboard/schedules.js");
 const TREE_JS: &str = include_str!("dashboard/tree.js");
+const TIMELINE_JS: &str = include_str!("dashboard/timeline.js");
 const ANSWER_HTML: &str = include_str!("dashboard/answer.html");
 const ANSWER_JS: &str = include_str!("dashboard/answer.js");
 const STYLE_CSS: &str = include_str!("dashboard/style.css");
@@ -35,6 +36,7 @@ pub(super) fn router<S: Clone + Send + Sync + 'static>() -> Router<S> {
         .route("/ui/charts.js", get(|| async { asset("text/javascript; charset=utf-8", CHARTS_JS) }))
         .route("/ui/schedules.js", get(|| async { asset("text/javascript; charset=utf-8", SCHEDULES_JS) }))
         .route("/ui/tree.js", get(|| async { asset("text/javascript; charset=utf-8", TREE_JS) }))
+        .route("/ui/timeline.js", get(|| async { asset("text/javascript; charset=utf-8", TIMELINE_JS) }))
         .route("/ui/answer.js", get(|| async { asset("text/javascript; charset=utf-8", ANSWER_JS) }))
         .route("/ui/style.css", get(|| async { asset("text/css; charset=utf-8", STYLE_CSS) }))
 }

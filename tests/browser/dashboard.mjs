@@ -274,6 +274,19 @@ async function steps() {
   await shot('charts.png');
   log('12 charts ok');
 
+  // 13. The run page's time line: host-a's segment died with its model
+  // call in flight (no record; the call's bar under its fence), host-b's
+  // finished the run.
+  step = '13 time line';
+  await open(`#/runs/${S.crash_run}`, 'run');
+  await page.waitForSelector('#segment-timeline .segment-unrecorded[data-fence="1"]', { state: 'attached', timeout: 30_000 });
+  await page.waitForSelector('#segment-timeline rect.segment-completed[data-fence="2"]', { state: 'attached', timeout: 30_000 });
+  await page.waitForSelector('#segment-timeline rect.effect', { state: 'attached' });
+  const labels = await text('#segment-timeline');
+  if (!labels.includes('host-b')) throw new Error(`the time line names no host-b: ${labels}`);
+  await page.locator('#segment-timeline').screenshot({ path: join(SHOTS, 'timeline.png') });
+  log('13 time line ok');
+
   await sync('done');
 }
 

@@ -3,6 +3,7 @@
 // so every value reaches the DOM through textContent or attributes.
 
 import { chartsSection } from './charts.js';
+import { timeline } from './timeline.js';
 import { queuesPage } from './queues.js';
 import { schedulesPage, schedulePage } from './schedules.js';
 import { childrenSection } from './tree.js';
@@ -395,6 +396,7 @@ async function runPage(ctx, id) {
   const outputPre = h('pre', { id: 'run-output' });
   const errorPre = h('pre', { id: 'run-error' });
   const ledger = h('tbody');
+  const timelineBox = h('div', { id: 'timeline-box' });
   const stream = h('div', { id: 'stream', class: 'stream' });
   const events = h('ol', { id: 'events', class: 'events' });
   const streamNote = h('div', { class: 'muted small' });
@@ -419,6 +421,7 @@ async function runPage(ctx, id) {
     h('h2', { text: 'Output' }), outputPre,
     h('h2', { text: 'Error' }), errorPre,
     h('details', {}, h('summary', { text: 'Input' }), inputPre),
+    h('h2', { text: 'Time line' }), timelineBox,
     h('h2', { text: 'Ledger' }),
     h('table', { id: 'ledger', class: 'timeline' },
       h('thead', {}, h('tr', {}, ['seq', 'name', 'class', 'state', 'fence', 'duration', 'started', 'request', 'result', ''].map((t) => h('th', { text: t })))),
@@ -548,6 +551,8 @@ async function runPage(ctx, id) {
       h('td', {}, detail(`${e.seq}:res`, 'result', e.result)),
       h('td', {}, h('button', { type: 'button', class: 'small rerun-from', 'data-seq': e.seq, title: 'a new run: the calls before this one replay, the rest run live', text: 'rerun from here', onclick: () => act('rerun', e.seq) })))));
     if (!rows.length) ledger.append(h('tr', {}, h('td', { colspan: 10, class: 'muted', text: 'No effects yet.' })));
+    const segs = await api(`/v1/runs/${id}/segments`, { signal: ctx.signal });
+    timelineBox.replaceChildren(timeline(run ?? { id }, segs.segments, rows, dbNow()));
   }
 
   // One refresh at a time; a request during one runs once after it.
