@@ -214,13 +214,15 @@ impl Executor {
         observe_first_start(&self.store, &claimed.run);
         let database = self.store.database_id().await?;
         let trace = Arc::new(SegmentTrace::new(self.config.tracer.clone(), database, run_id, fence, claimed.run.trace_parent.as_deref()));
-        let described = traced::describe(&claimed, &self.config.owner);
+        let described = trace.exporting().then(|| traced::describe(&claimed, &self.config.owner));
         let claimed_at = claimed.run.heartbeat_at.unwrap_or_default();
         // The segment's log lines carry its trace id. At error level, so a
         // host logging only warnings still names the segment in them.
         let span = tracing::error_span!("segment", run_id, fence, trace_id = %trace.trace);
         let outcome = self.segment(claimed, &mut next, &trace).instrument(span).await;
-        traced::finish(&trace, described, &outcome);
+        if let Some(described) = described {
+            traced::finish(&trace, described, &outcome);
+        }
         let (owner, ended_at) = (self.config.owner.clone(), claimed_at + started.elapsed().as_millis() as i64);
         let outcome_said = traced::said(&outcome).0;
         self.segment_log.record(SegmentRecord { run_id, fence, owner, started_at: claimed_at, ended_at, outcome: outcome_said });

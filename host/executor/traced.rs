@@ -31,9 +31,6 @@ pub(super) fn describe(claimed: &Claimed, owner: &str) -> Described {
 
 /// Reports the segment's span (and its suspension's) with its outcome.
 pub(super) fn finish(trace: &SegmentTrace, described: Described, outcome: &Result<SegmentOutcome, StoreError>) {
-    if !trace.exporting() {
-        return;
-    }
     let Described { name, mut attributes } = described;
     if let Ok(SegmentOutcome::Suspended(status)) = outcome {
         trace.suspension(status.as_str(), trace.guest_returned_at());

@@ -141,6 +141,8 @@ impl WorkerPool {
             self.executor.stop_guests();
             while self.tasks.join_next().await.is_some() {}
         }
+        // Its last segments' records, before the store is closed.
+        self.executor.flush_segment_log().await;
     }
 }
 
