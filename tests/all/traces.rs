@@ -312,6 +312,33 @@ both! {
         Ok(())
     }
 
+    async fn a_model_call_span_names_the_model_and_the_tokens_it_used(db) {
+        use crate::fake_model::{FakeModel, USAGE_TOKENS, echo};
+        use leasehold::plugins::PluginSettings;
+        let (receiver, model) = (Receiver::start().await?, FakeModel::start(echo()).await?);
+        let tracer = Tracer::start(TraceConfig { delay: Duration::from_millis(20), ..TraceConfig::new(format!("{}/v1/traces", receiver.base)) })
+            .map_err(anyhow::Error::msg)?;
+        let rt = plugins::runtime()?;
+        let grant = leasehold::store::ModelGrant { models: vec!["*".into()], max_tokens: 20 };
+        leasehold::plugins::register(&db.store, &rt, "testkit", plugins::rust_plugin("testkit")?, PluginSettings { model: grant, ..PluginSettings::default() }).await?;
+        let mut chat = leasehold::effects::model::ModelConfig::new(&model.base_url);
+        chat.api_key = Some("sk-test".into());
+        chat.default_model = "fake-1".into();
+        let config = ExecutorConfig { owner: "w".into(), model: Some(Arc::new(chat)), tracer: Some(tracer.clone()), ..ExecutorConfig::default() };
+        let exec = Executor::new(db.store.clone(), rt, config);
+        // A budget has the call ask for its usage.
+        let input = json!({ "mode": "script", "ops": [{ "op": "chat", "prompt": "hi" }] });
+        let run = db.store.create_run(&NewRun { budget_tokens: Some(1_000_000), ..NewRun::new("testkit", input.to_string()) }).await?.0.id;
+        ensure!(exec.drain().await? == vec![(run, SegmentOutcome::Completed)]);
+        tracer.shutdown().await;
+        let spans = receiver.wait("the model call", |s| s.iter().any(|g| g.name == "model.chat")).await?;
+        let call = spans.iter().find(|g| g.name == "model.chat").context("model.chat")?;
+        ensure!(call.kind == 3 && call.attr("gen_ai.request.model") == "fake-1", "{call:?}");
+        let half = (USAGE_TOKENS / 2).to_string();
+        ensure!(call.attr("gen_ai.usage.input_tokens") == half && call.attr("gen_ai.usage.output_tokens") == half, "{call:?}");
+        Ok(())
+    }
+
     async fn a_collector_that_is_down_costs_spans_never_runs(db) {
         // A port nothing listens on, and a queue of one span.
         let port = crate::serve_proc::free_port()?;
@@ -357,6 +384,15 @@ async fn children_and_submitters_pass_their_trace_on() -> Result<()> {
         };
         let bad = submit("00-0af7651916cd43dd8448eb211c80319c-0000000000000000-01").await?;
         ensure!(bad.get("trace_parent").is_none(), "a malformed traceparent was kept: {bad}");
+        // A batch's runs all go on from the header's span.
+        let batch = json!({ "runs": [
+            { "plugin": "testkit", "input": { "steps": 1 }, "idempotency_key": "b1" },
+            { "plugin": "testkit", "input": { "steps": 1 }, "idempotency_key": "b2" },
+        ] });
+        let header = format!("00-{PARENT_TRACE}-{PARENT_SPAN}-01");
+        let got: serde_json::Value = http.post(format!("{base}/v1/runs:batch")).header("traceparent", &header).json(&batch).send().await?.json().await?;
+        let results = got["results"].as_array().context("results")?;
+        ensure!(results.len() == 2 && results.iter().all(|r| r["run"]["trace_parent"] == header.as_str()), "{got}");
         let good = submit(&format!("00-{PARENT_TRACE}-{PARENT_SPAN}-00")).await?;
         let parent = good["id"].as_i64().context("the run")?;
         let exec = Executor::new(db.store.clone(), rt, ExecutorConfig::default());
