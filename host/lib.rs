@@ -13,7 +13,8 @@
 //!   `EffectError` are the effects'; the runtime (Wasmtime, the host
 //!   functions, replay, the sandbox's limits) uses them. [`plugins`] is the
 //!   registry over both.
-//! - The worker: [`executor`] (one segment of a run), [`pool`], [`reaper`].
+//! - The worker: [`executor`] (one segment of a run), [`pool`], [`reaper`],
+//!   [`segment_log`] (each segment's record, written behind it).
 //! - The edges: [`api`] (HTTP), and the binary's CLI and `serve`.
 //! - [`bench`](mod@bench), apart.
 
@@ -31,6 +32,7 @@ pub mod rollup;
 pub mod redact;
 pub mod runtime;
 pub mod schedules;
+pub mod segment_log;
 pub mod vacuum;
 pub mod versions;
 pub mod store;

@@ -26,7 +26,6 @@ use crate::store::segments::SegmentRecord;
 use crate::traces::SegmentTrace;
 
 mod renewer;
-pub mod segment_log;
 mod settle;
 mod traced;
 mod upgrade;
@@ -107,7 +106,7 @@ pub struct Executor {
     reserved: Arc<[std::net::SocketAddr]>,
     stop: Arc<StopSignal>,
     /// Each segment's record, written behind it (`store::segments`).
-    segment_log: segment_log::SegmentLog,
+    segment_log: crate::segment_log::SegmentLog,
 }
 
 /// Tells running guests to stop at once (shutdown after the grace period).
@@ -120,7 +119,7 @@ struct StopSignal {
 impl Executor {
     pub fn new(store: Store, runtime: Arc<Runtime>, config: ExecutorConfig) -> Executor {
         let reserved = config.reserved.clone().into();
-        let segment_log = segment_log::SegmentLog::new(store.clone());
+        let segment_log = crate::segment_log::SegmentLog::new(store.clone());
         Executor { store, runtime, config, reserved, stop: Arc::default(), segment_log }
     }
 

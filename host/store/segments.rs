@@ -1,7 +1,7 @@
 //! The segment log: a row per segment a host ran, with its host, fence,
 //! times and outcome, for the run page's time line (`GET
 //! /v1/runs/{id}/segments`). Written behind the segments, a batch a
-//! second at most per host (`executor::segment_log`), so it costs the
+//! second at most per host (`segment_log`), so it costs the
 //! claim and close path nothing; a host that dies loses its last second of
 //! rows, and a segment it was running has none (its ledger rows still show
 //! its fence). It guards nothing and nothing reads it to decide anything,

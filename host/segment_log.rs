@@ -7,8 +7,8 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::store::segments::SegmentRecord;
 use crate::store::Store;
+use crate::store::segments::SegmentRecord;
 
 /// How long a record waits for others to share its write: 1 s.
 pub const EVERY: Duration = Duration::from_secs(1);
