@@ -48,3 +48,25 @@ both! {
         Ok(())
     }
 }
+
+both! {
+    async fn a_pool_shut_down_writes_the_records_it_still_held(db) {
+        use leasehold::pool::{PoolConfig, WorkerPool};
+        let rt = plugins::runtime()?;
+        rt.add_plugin("testkit", &plugins::rust_plugin("testkit")?, plugins::test_limits())?;
+        let exec = std::sync::Arc::new(Executor::new(db.store.clone(), rt, ExecutorConfig { owner: "host-s".into(), ..ExecutorConfig::default() }));
+        let pool = WorkerPool::start(db.store.clone(), exec, PoolConfig { workers: 1, poll: std::time::Duration::from_millis(20), claim_batch: 1, prefetch: 0 });
+        let run = db.store.create_run(&NewRun::new("testkit", json!({ "steps": 1 }).to_string())).await?.0.id;
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while db.store.get_run(run).await?.status != RunStatus::Completed {
+            ensure!(std::time::Instant::now() < deadline, "the run never completed");
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        // Well inside the log's second: only the shutdown can have written it.
+        pool.shutdown(std::time::Duration::from_secs(5)).await;
+        let segments = db.store.segments(run).await?;
+        ensure!(segments.len() == 1 && segments[0].owner == "host-s", "{segments:?}");
+        Ok(())
+    }
+}
+
