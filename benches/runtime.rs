@@ -64,6 +64,7 @@ fn init(store: &Store, run_id: i64, recorded: Vec<EffectRow>, emit_pos: i64) -> 
         answer_base: None,
         offline: false,
         trace: None,
+        lease_live: None,
     }
 }
 

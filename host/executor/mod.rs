@@ -21,7 +21,7 @@ use crate::runtime::host::{Held, Interrupt, Phase, SegmentInit, SegmentState};
 use crate::runtime::replay::Recorded;
 pub use crate::runtime::GuestErrorKind;
 use crate::runtime::{EPOCH_TICK, Plugin, Runtime};
-use crate::store::{Claimed, EffectClass, EffectState, Outcome, RunStatus, Store, StoreError, Suspend};
+use crate::store::{Claimed, EffectClass, EffectState, Outcome, RunStatus, Store, StoreError};
 use crate::store::segments::SegmentRecord;
 use crate::traces::SegmentTrace;
 
@@ -365,6 +365,7 @@ impl Executor {
             answer_base: self.config.answer_base.clone(),
             offline: false,
             trace: Some(trace.clone()),
+            lease_live: Some(watch.live()),
         };
         self.store.faults().before_guest().await;
         // Claimed for a local queue: the segment counts its attempt as its
@@ -526,10 +527,11 @@ impl Executor {
                 tokio::time::sleep(EPOCH_TICK).await;
             }
         };
-        // The lease deadline, as renewals move it.
+        // A quarter lease before the deadline (renewals move it): one that ran out is gone.
+        let early = self.config.lease_ttl.as_millis() as i64 / 4;
         let expired = || async {
             loop {
-                let left = lease_deadline.load(Ordering::Relaxed) - clock.since(start).as_millis() as i64;
+                let left = lease_deadline.load(Ordering::Relaxed) - early - clock.since(start).as_millis() as i64;
                 if left <= 0 {
                     return;
                 }
@@ -553,8 +555,8 @@ impl Executor {
                     _ = expired() => {
                         // No renewal landed in time (the database was slow, or
                         // this host was paused). One last renewal decides, with
-                        // the guest held: a lease nobody took is kept; one that
-                        // was taken is refused by its fence, and the guest stops.
+                        // the guest held: a lease still live is kept; one that
+                        // ran out, or was taken, is refused, and the guest stops.
                         let asked_at = clock.since(start).as_millis() as i64;
                         let (db, lease, ttl) = (self.store.clone(), init_lease.clone(), self.config.lease_ttl);
                         // Its own task: a renewal is never dropped half-way.

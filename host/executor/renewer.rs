@@ -45,6 +45,15 @@ pub(super) struct LeaseWatch {
 }
 
 impl LeaseWatch {
+    /// Whether the lease is still live by this worker's clock: not lost,
+    /// and its deadline not passed (a host frozen past it sees it passed
+    /// as it wakes).
+    pub(super) fn live(&self) -> crate::runtime::host::LeaseLive {
+        let (lost, deadline, clock, start) = (self.lost.clone(), self.deadline_ms.clone(), self.clock.clone(), self.start);
+        Arc::new(move || !lost.load(Ordering::Relaxed) && (clock.since(start).as_millis() as i64) < deadline.load(Ordering::Relaxed))
+    }
+
+
     /// Renewals stop `more` from now (on this watch's clock);
     /// `Duration::MAX`: not before the segment ends.
     pub(super) fn renew_for(&self, more: Duration) {

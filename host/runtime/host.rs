@@ -93,7 +93,14 @@ pub struct SegmentInit {
     pub offline: bool,
     /// The segment's place in its run's trace (`traces`); `None` offline.
     pub trace: Option<Arc<crate::traces::SegmentTrace>>,
+    /// Whether the lease is still live by this worker's clock; asked just
+    /// before a remote call goes out, so a host that was frozen past its
+    /// lease sends nothing it had begun. `None`: no lease to watch.
+    pub lease_live: Option<LeaseLive>,
 }
+
+/// See [`SegmentInit::lease_live`].
+pub type LeaseLive = Arc<dyn Fn() -> bool + Send + Sync>;
 
 /// The store data of one segment.
 pub struct SegmentState {
@@ -144,6 +151,8 @@ pub struct SegmentState {
     pub(crate) output: GuestOutput,
     /// See [`SegmentInit::trace`].
     pub(super) trace: Option<Arc<crate::traces::SegmentTrace>>,
+    /// See [`SegmentInit::lease_live`].
+    pub(super) lease_live: Option<LeaseLive>,
 }
 
 impl SegmentState {
@@ -207,6 +216,7 @@ impl SegmentState {
             answer_base: init.answer_base,
             output,
             trace: init.trace,
+            lease_live: init.lease_live,
         }
     }
 

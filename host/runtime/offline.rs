@@ -129,6 +129,7 @@ pub async fn replay(rt: &Runtime, plugin: &Plugin, recording: Recording, budget:
         answer_base: None,
         offline: true,
         trace: None,
+        lease_live: None,
     };
     let mut store = rt.store(plugin, init);
     let start = Instant::now();

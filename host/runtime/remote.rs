@@ -22,6 +22,13 @@ impl SegmentState {
         let mut remote = Some(remote);
         loop {
             let Some(this) = remote.take() else { unreachable!("a remote effect is performed once per round") };
+            // Its started row was written under the lease; a host frozen
+            // since (past the lease, by its own clock) sends nothing: the
+            // run may be another's now, and a key's slot with it.
+            if self.lease_live.as_ref().is_some_and(|live| !live()) {
+                tracing::info!(run_id = ctx.run_id, seq = ctx.seq, "the lease ran out before the call went out; not sending it");
+                return self.stop(Interrupt::LeaseLost);
+            }
             let again = this.again();
             let answer = effects::perform_remote(this, ctx, self.model.as_deref(), &self.egress, &mut self.stream).await;
             match answer {

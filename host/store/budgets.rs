@@ -21,7 +21,7 @@
 use serde::Serialize;
 use sqlx::Row;
 
-use crate::store::guard::{guard, rejected};
+use crate::store::guard::{guard, guarded, rejected};
 use crate::store::log::{self, kind};
 use crate::store::{Backend, FOREVER, Lease, RunStatus, Store, StoreError, sql};
 

@@ -298,6 +298,7 @@ impl Store {
                      FROM jsonb_each($1) AS b \
                      WHERE runs.id = b.value ->> 'id' AND runs.lease_owner = b.value ->> 'owner' \
                      AND runs.fence = b.value ->> 'fence' AND runs.status = 'running' \
+                     AND runs.lease_expires_at >= {clock} \
                      RETURNING runs.id, runs.fence, runs.thread_id, runs.emit_pos"
                 ))
                 .bind(list)
@@ -452,7 +453,7 @@ impl Store {
                          partial = runs.partial || {unfolded} || COALESCE((SELECT string_agg(d.delta, '' ORDER BY d.ord) \
                          FROM d WHERE d.i = b.i), ''), emit_pos = runs.emit_pos + b.n, partial_pos = runs.emit_pos + b.n \
                          FROM b WHERE runs.id = b.id AND runs.lease_owner = b.owner AND runs.fence = b.fence \
-                         AND runs.status = 'running' \
+                         AND runs.status = 'running' AND runs.lease_expires_at >= {clock} \
                          RETURNING runs.id, runs.fence, runs.thread_id, runs.emit_pos - b.n AS first, b.i, b.n, \
                          b.payload, b.want), ",
                         // Each thread's counter moves on once, by all its

@@ -246,7 +246,7 @@ impl Store {
             sqlx::query(sql!(
                 self,
                 "UPDATE runs SET partial = $4, emit_pos = $5, partial_pos = $5, partial_seq = $6, updated_at = {now} \
-                 WHERE id = $1 AND lease_owner = $2 AND fence = $3 AND status = 'running'"
+                 WHERE id = $1 AND lease_owner = $2 AND fence = $3 AND status = 'running' AND lease_expires_at >= {clock}"
             ))
             .bind(lease.run_id)
             .bind(&lease.owner)

@@ -1,8 +1,11 @@
 //! The guard of every write that can corrupt a run: `(owner, fence)`.
 //!
 //! Every write except create and claim matches
-//! `id = $run AND lease_owner = $owner AND fence = $fence AND status = 'running'`
-//! and returns [`StoreError::LeaseLost`] when that matches no row.
+//! `id = $run AND lease_owner = $owner AND fence = $fence AND status = 'running'
+//! AND lease_expires_at >= now` and returns [`StoreError::LeaseLost`] when
+//! that matches no row. A lease that ran out is gone even if nobody has
+//! taken the run yet: a key's slot is derived from live leases, so a claim
+//! may already have given it away, and a late write must not take it back.
 //! Multi-statement writes start with the guard, inside one transaction: on
 //! PostgreSQL it row-locks the run (a racing claim waits, then sees the new
 //! state), on SQLite it takes the write lock first.
@@ -17,7 +20,7 @@ use crate::store::{Lease, Store, StoreError, sql};
 /// run id, owner and fence are `$1`, `$2`, `$3`.
 macro_rules! guarded {
     () => {
-        "id = $1 AND lease_owner = $2 AND fence = $3 AND status = 'running'"
+        "id = $1 AND lease_owner = $2 AND fence = $3 AND status = 'running' AND lease_expires_at >= {clock}"
     };
 }
 pub(crate) use guarded;
@@ -31,9 +34,7 @@ pub(crate) async fn guard(
 ) -> Result<(), StoreError> {
     let row = sqlx::query(sql!(
         store,
-        "UPDATE runs SET heartbeat_at = {now} \
-         WHERE id = $1 AND lease_owner = $2 AND fence = $3 AND status = 'running' \
-         RETURNING id"
+        concat!("UPDATE runs SET heartbeat_at = {now} WHERE ", guarded!(), " RETURNING id")
     ))
     .bind(lease.run_id)
     .bind(&lease.owner)

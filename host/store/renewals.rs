@@ -8,7 +8,14 @@
 //!
 //! Each lease keeps its own (owner, fence) guard in the join: one that
 //! fails it matches no row, is renewed by nothing and gets
-//! [`StoreError::LeaseLost`], and the others are renewed. On PostgreSQL
+//! [`StoreError::LeaseLost`], and the others are renewed. A lease that ran
+//! out is never renewed, taken or not: a claim counts a key's slots from
+//! live leases and may have given its slot away. Nor is one with less
+//! than an eighth of its length left (at most 1 s): on PostgreSQL a claim
+//! reads the runs as they were when its statement began, so a renewal
+//! that lands in that instant must not have been of a lease the claim
+//! already counted as gone. Renewals come every third of a lease, so a
+//! live segment always has that much left. On PostgreSQL
 //! the statement runs with the lock timeout of the maintenance pool: one
 //! row a frozen session holds fails the batch, which is then written
 //! lease by lease, so only that lease waits (see [`group::write_batches`]).
@@ -103,7 +110,7 @@ impl Store {
                  FROM (SELECT l.*, {clock} AS t FROM jsonb_to_recordset($1::text::jsonb) \
                  AS l(id bigint, owner text, fence bigint, ttl bigint, charge bigint)) AS r \
                  WHERE runs.id = r.id AND runs.lease_owner = r.owner AND runs.fence = r.fence \
-                 AND runs.status = 'running' \
+                 AND runs.status = 'running' AND runs.lease_expires_at >= r.t + LEAST(r.ttl / 8, 1000) \
                  RETURNING runs.id, runs.lease_owner, runs.fence, runs.lease_expires_at, runs.paused_at"
             ),
             crate::store::Backend::Sqlite => sql!(
@@ -114,7 +121,7 @@ impl Store {
                  json_extract(value, '$.fence') AS fence, json_extract(value, '$.ttl') AS ttl, \
                  json_extract(value, '$.charge') AS charge FROM jsonb_each($1)) AS r \
                  WHERE runs.id = r.id AND runs.lease_owner = r.owner AND runs.fence = r.fence \
-                 AND runs.status = 'running' \
+                 AND runs.status = 'running' AND runs.lease_expires_at >= {clock} + MIN(r.ttl / 8, 1000) \
                  RETURNING runs.id, runs.lease_owner, runs.fence, runs.lease_expires_at, runs.paused_at"
             ),
         };

@@ -145,6 +145,86 @@ both! {
         Ok(())
     }
 
+    async fn a_lease_that_ran_out_is_never_renewed_nor_written_once_its_slot_is_given_away(db) {
+        let s = &db.store;
+        s.set_limit("k", Some(1), false).await?;
+        let (first, _) = s.create_run(&NewRun { concurrency_key: Some("k".into()), ..NewRun::new("p", "{}") }).await?;
+        let a = s.claim_batch("frozen", TTL, 1).await?.pop().expect("the key's first run");
+        ensure!(a.run.id == first.id);
+        // The next run outranks the dead lease's takeover, so the slot goes to it.
+        let (next, _) = s.create_run(&NewRun { priority: 5, concurrency_key: Some("k".into()), ..NewRun::new("p", "{}") }).await?;
+        ensure!(claim_ids(s, 5).await?.is_empty(), "a second run took the key's one live slot");
+        // The host of the first run freezes past its lease: the slot is free.
+        db.backdate_lease(first.id, TTL.as_millis() as i64 + 1_000).await?;
+        let b = s.claim_batch("other", TTL, 1).await?.pop().expect("the key's slot, free again");
+        ensure!(b.run.id == next.id, "claimed {}, want {}", b.run.id, next.id);
+        // The frozen host wakes: neither its renewal nor its close may take the slot back.
+        let renewed = s.renew(&a.lease, TTL).await;
+        ensure!(matches!(renewed, Err(StoreError::LeaseLost(_))), "a lease that ran out was renewed: {renewed:?}");
+        let closed = s.close(&a.lease, &Outcome::Completed { output: "late".into() }).await;
+        ensure!(matches!(closed, Err(StoreError::LeaseLost(_))), "a lease that ran out closed its run: {closed:?}");
+        let view = s.limit("k").await?.expect("the key");
+        ensure!(view.running == 1, "{view:?}");
+        Ok(())
+    }
+
+    async fn a_lease_that_ran_out_writes_nothing_even_if_nobody_took_the_run(db) {
+        let s = &db.store;
+        let (run, _) = s.create_run(&NewRun::new("p", "{}")).await?;
+        let a = s.claim_batch("frozen", TTL, 1).await?.pop().expect("the run");
+        ensure!(a.run.id == run.id);
+        db.backdate_lease(run.id, TTL.as_millis() as i64 + 1_000).await?;
+        let suspended = s.suspend(&a.lease, &Suspend::Sleep { delay_ms: 10 }).await;
+        ensure!(matches!(suspended, Err(StoreError::LeaseLost(_))), "an expired lease suspended its run: {suspended:?}");
+        let renewed = s.renew(&a.lease, TTL).await;
+        ensure!(matches!(renewed, Err(StoreError::LeaseLost(_))), "an expired lease was renewed: {renewed:?}");
+        let closed = s.close(&a.lease, &Outcome::Completed { output: "late".into() }).await;
+        ensure!(matches!(closed, Err(StoreError::LeaseLost(_))), "an expired lease closed its run: {closed:?}");
+        // The next claim takes it over under a new fence.
+        let b = s.claim_batch("other", TTL, 1).await?.pop().expect("the run, taken over");
+        ensure!(b.run.id == run.id && b.lease.fence == a.lease.fence + 1);
+        s.close(&b.lease, &Outcome::Completed { output: "ok".into() }).await?;
+        Ok(())
+    }
+
+    async fn a_removed_limit_on_a_key_without_runs_leaves_nothing_to_show(db) {
+        let s = &db.store;
+        s.set_limit("solo", Some(3), false).await?;
+        keyed(s, "solo", 1).await?;
+        let c = s.claim_batch("w", TTL, 1).await?.pop().expect("the key's run");
+        s.close(&c.lease, &Outcome::Completed { output: String::new() }).await?;
+        ensure!(s.remove_limit("solo").await?);
+        ensure!(s.limit("solo").await?.is_none(), "{:?}", s.limit("solo").await?);
+        // Through the API: a key never used, limited then cleared, is a 404.
+        let (base, http, stop) = crate::schedules::api(db).await?;
+        let url = format!("{base}/v1/limits/x");
+        let put = http.put(&url).json(&serde_json::json!({ "concurrency": 2 })).send().await?;
+        ensure!(put.status() == 200, "{}", put.status());
+        ensure!(http.delete(&url).send().await?.status() == 204);
+        let got = http.get(&url).send().await?.status();
+        ensure!(got == 404, "GET after DELETE: {got}");
+        let _ = stop.send(true);
+        Ok(())
+    }
+
+    async fn pausing_a_key_keeps_its_plugins_default_limit(db) {
+        let s = &db.store;
+        let settings = leasehold::store::PluginSettings { key_concurrency: Some(2), ..Default::default() };
+        s.put_plugin("capped", "sha256:capped", b"not run", &settings).await?;
+        s.create_run(&NewRun { concurrency_key: Some("fresh".into()), ..NewRun::new("capped", "{}") }).await?;
+        let (base, http, stop) = crate::schedules::api(db).await?;
+        let url = format!("{base}/v1/limits/fresh");
+        let put = async |body: serde_json::Value| -> Result<serde_json::Value> { Ok(http.put(&url).json(&body).send().await?.json().await?) };
+        let paused = put(serde_json::json!({ "paused": true })).await?;
+        ensure!(paused["concurrency"] == 2 && paused["paused"] == true, "{paused}");
+        let resumed = put(serde_json::json!({ "paused": false })).await?;
+        ensure!(resumed["concurrency"] == 2 && resumed["updated_at"] == 0, "{resumed}");
+        let cleared = put(serde_json::json!({ "concurrency": null })).await?;
+        ensure!(cleared["concurrency"].is_null(), "{cleared}");
+        let _ = stop.send(true);
+        Ok(())
+    }
+
     async fn a_paused_key_runs_nothing_until_resumed(db) {
         let s = &db.store;
         s.set_limit("held", None, true).await?;

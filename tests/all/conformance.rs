@@ -205,10 +205,12 @@ both! {
         // Regression: the reaper's re-check once accepted `attempt >=
         // max_attempts` alone, so a running run on its last attempt whose
         // owner renewed between the reaper's scan and its write was aborted.
+        // A lease that ran out cannot be renewed any more, so the renewal
+        // here lands while the lease is live: the reaper's observation
+        // (expired) is stale by the time it writes.
         let s = &db.store;
         let id = submit(s, 1).await?;
         let a = claim(s, "a").await?;
-        db.backdate_lease(id, TTL.as_millis() as i64 + 1).await?;
         // The reaper has observed (id, fence, running, expired); then:
         s.renew(&a.lease, TTL).await?;
         let mut report = leasehold::reaper::ReapReport::default();

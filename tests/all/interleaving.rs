@@ -46,6 +46,8 @@ struct Sim<'a> {
     snapshot: HashMap<i64, Run>,
     writes_ok: u64,
     writes_rejected: u64,
+    /// Writes of the current holder refused because its lease ran out.
+    expired_refused: u64,
     /// (run, fence) of each abort by the reaper, cancel and input
     /// delivery: the events those write carry that fence.
     aborts: std::collections::HashSet<(i64, i64)>,
@@ -67,7 +69,7 @@ impl Sim<'_> {
     }
 
     /// Records the result of a guarded write by `lease`.
-    fn guarded<T>(&mut self, lease: &Lease, r: Result<T, StoreError>, ends_segment: bool) -> Result<()> {
+    async fn guarded<T>(&mut self, lease: &Lease, r: Result<T, StoreError>, ends_segment: bool) -> Result<()> {
         match r {
             Ok(_) => {
                 let Some(cur) = self.current.get(&lease.run_id) else {
@@ -85,10 +87,18 @@ impl Sim<'_> {
             }
             Err(e) if expected(&e) => {
                 if e.is_lease_lost() {
-                    ensure!(
-                        self.current.get(&lease.run_id) != Some(lease),
-                        "the current holder {lease:?} was refused"
-                    );
+                    if self.current.get(&lease.run_id) == Some(lease) {
+                        // The holder is refused only once its lease has run
+                        // out (a renewal: with less than an eighth of it left).
+                        let s = &self.db.store;
+                        let expires: Option<i64> = sqlx::query_scalar("SELECT lease_expires_at FROM runs WHERE id = $1")
+                            .bind(lease.run_id)
+                            .fetch_one(s.pool())
+                            .await?;
+                        let left = expires.unwrap_or(i64::MIN) - s.now_ms().await?;
+                        ensure!(left < TTL.as_millis() as i64 / 8, "the current holder {lease:?} was refused with {left} ms of its lease left");
+                        self.expired_refused += 1;
+                    }
                     self.writes_rejected += 1;
                 }
             }
@@ -139,19 +149,19 @@ impl Sim<'_> {
                 let seq = self.rng.random_range(0..4);
                 let call = EffectCall { seq, name: "e".into(), request_hash: "h".into(), request: String::new(), emit_pos: 0 };
                 match self.rng.random_range(0..9) {
-                    0 => { let r = s.renew(&lease, TTL).await; self.guarded(&lease, r, false)? }
-                    1 | 2 => { let r = s.emit(&lease, "x").await; self.guarded(&lease, r, false)? }
-                    3 => { let r = s.begin_effect(&lease, &call, EffectClass::Keyed).await; self.guarded(&lease, r, false)? }
+                    0 => { let r = s.renew(&lease, TTL).await; self.guarded(&lease, r, false).await? }
+                    1 | 2 => { let r = s.emit(&lease, "x").await; self.guarded(&lease, r, false).await? }
+                    3 => { let r = s.begin_effect(&lease, &call, EffectClass::Keyed).await; self.guarded(&lease, r, false).await? }
                     4 => {
                         let r = s.complete_effect(&lease, seq, &Completion::Committed("ok".into())).await;
-                        self.guarded(&lease, r, false)?
+                        self.guarded(&lease, r, false).await?
                     }
                     5 => {
                         let op = LocalOp::KvPut { namespace: "p".into(), key: format!("k{seq}"), value: owner.clone() };
                         let r = s.local_effect(&lease, &call, &op).await;
-                        self.guarded(&lease, r, false)?
+                        self.guarded(&lease, r, false).await?
                     }
-                    6 => { let r = s.reconcile(&lease).await; self.guarded(&lease, r, false)? }
+                    6 => { let r = s.reconcile(&lease).await; self.guarded(&lease, r, false).await? }
                     7 => {
                         let how = match self.rng.random_range(0..3) {
                             0 => Suspend::Takeover,
@@ -159,7 +169,7 @@ impl Sim<'_> {
                             _ => Suspend::Sleep { delay_ms: self.rng.random_range(0..60_000) },
                         };
                         let r = s.suspend(&lease, &how).await;
-                        self.guarded(&lease, r, true)?
+                        self.guarded(&lease, r, true).await?
                     }
                     _ => {
                         let outcome = if self.rng.random_bool(0.8) {
@@ -168,7 +178,7 @@ impl Sim<'_> {
                             Outcome::Failed { error: owner.clone() }
                         };
                         let r = s.close(&lease, &outcome).await;
-                        self.guarded(&lease, r, true)?
+                        self.guarded(&lease, r, true).await?
                     }
                 }
             }
@@ -243,6 +253,7 @@ both! {
             snapshot: HashMap::new(),
             writes_ok: 0,
             writes_rejected: 0,
+            expired_refused: 0,
             aborts: Default::default(),
             cancels: Default::default(),
             inputs: Default::default(),

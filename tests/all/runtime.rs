@@ -324,8 +324,9 @@ both! {
 
     async fn a_late_renewal_keeps_a_lease_nobody_took(db) {
         // Renewals that do not land in time (a slow database, a paused
-        // host) do not cost the segment its run while no one else took it:
-        // at its local deadline it renews once more and goes on.
+        // host) do not cost the segment its run while its lease is live: a
+        // quarter of a lease before its local deadline it renews once more
+        // and goes on.
         let runtime = plugins::runtime()?;
         let mut limits = plugins::test_limits();
         limits.segment_budget = Duration::from_secs(120);
