@@ -41,9 +41,12 @@ pub async fn tick(store: &Store, config: &ReaperConfig) -> Result<ReapReport, St
     // Children of parents that failed, were aborted or cancelled
     // (store::children): their policy holds across any host's death.
     report.orphans_cancelled = store.cancel_orphans(config.batch).await?;
-    if !report.aborted.is_empty() || report.in_doubt > 0 || report.orphans_cancelled > 0 {
+    // Runs waiting for budget that has room (a wake that found nobody).
+    report.budget_woken = store.wake_budget_waiters(config.batch).await?;
+    if !report.aborted.is_empty() || report.in_doubt > 0 || report.orphans_cancelled > 0 || report.budget_woken > 0 {
         tracing::info!(
             orphans_cancelled = report.orphans_cancelled,
+            budget_woken = report.budget_woken,
             aborted = report.aborted.len(),
             resumable = report.resumable.len(),
             in_doubt = report.in_doubt,

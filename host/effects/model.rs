@@ -100,13 +100,34 @@ impl ChatRequest {
         (self.prompt_bytes() as i64 / 4 + 1, self.max_tokens().unwrap_or(1024))
     }
 
-    /// Asks the provider to report the call's usage at the end of the
-    /// stream (`stream_options.include_usage`), to settle a token limit.
-    pub fn ask_usage(&mut self) {
-        let options = self.body.entry("stream_options").or_insert_with(|| Value::Object(Map::new()));
-        if let Value::Object(o) = options {
-            o.insert("include_usage".into(), Value::Bool(true));
+}
+
+/// The usage a call is charged (its budget, its token rate), from what its
+/// answer reported: `total_tokens` if it is a whole number from 0 up,
+/// else `prompt_tokens` plus `completion_tokens` if both are; an answer
+/// that reports neither is charged its estimate (`estimate`: prompt,
+/// answer), marked `"estimated": true`. A guest cannot turn usage off,
+/// and a provider cannot make a call free or break the sums with a
+/// negative, fractional or huge count.
+pub fn charged_usage(reported: Option<&Value>, estimate: (i64, i64)) -> Value {
+    // Up to 2^53: a sum of many stays exact in a double and in a bigint.
+    const MOST: u64 = 1 << 53;
+    let count = |k: &str| reported.and_then(|u| u.get(k)).and_then(Value::as_u64).filter(|n| *n <= MOST).map(|n| n as i64);
+    let (prompt, answer) = (count("prompt_tokens"), count("completion_tokens"));
+    let total = count("total_tokens").or_else(|| Some(prompt? + answer?));
+    match total {
+        Some(total) => {
+            let mut usage = serde_json::json!({ "total_tokens": total });
+            if let (Some(p), Some(c)) = (prompt, answer) {
+                usage["prompt_tokens"] = p.into();
+                usage["completion_tokens"] = c.into();
+            }
+            usage
         }
+        None => serde_json::json!({
+            "prompt_tokens": estimate.0.max(0), "completion_tokens": estimate.1.max(0),
+            "total_tokens": estimate.0.max(0).saturating_add(estimate.1.max(0)), "estimated": true,
+        }),
     }
 }
 
@@ -133,6 +154,9 @@ pub fn check(request: &str, config: Option<&ModelConfig>, grant: &crate::store::
     body.entry("model").or_insert_with(|| Value::String(config.default_model.clone()));
     super::model_grant::apply(&mut body, grant)?;
     body.insert("stream".into(), Value::Bool(true));
+    // The host asks for usage, whatever the guest sent: it is what the
+    // call is charged (`charged_usage`).
+    body.insert("stream_options".into(), serde_json::json!({ "include_usage": true }));
     Ok(ChatRequest { body })
 }
 
@@ -164,6 +188,7 @@ pub async fn perform(
     let url = format!("{}/chat/completions", config.base_url.trim_end_matches('/'));
     let price = config.prices.get(req.model());
     let estimate = req.estimate();
+    let req_model = req.model().to_string();
     // The operator's endpoint (often on the host's own network): not the
     // guests' public-only client.
     let mut builder = super::http::host_client()
@@ -265,15 +290,19 @@ pub async fn perform(
     } else if !done {
         return Err(failed("the stream ended before `data: [DONE]`".to_string()));
     }
+    let usage = charged_usage(reply.usage.as_ref(), estimate);
+    if usage["estimated"] == true {
+        tracing::info!(model = req_model.as_str(), "model.chat: the answer reported no usable usage; charged its estimate");
+    }
     let mut result = serde_json::json!({
         "content": reply.content,
         "finish_reason": reply.finish_reason,
         "model": reply.model,
         "deltas": reply.deltas,
-        "usage": reply.usage,
+        "usage": usage,
     });
     if let Some(price) = price {
-        result["cost_usd_nanos"] = super::prices::cost_nanos(price, reply.usage.as_ref(), estimate).into();
+        result["cost_usd_nanos"] = super::prices::cost_nanos(price, Some(&result["usage"]), estimate).into();
     }
     Ok(result.to_string())
 }
@@ -284,4 +313,35 @@ pub fn recorded_deltas(result: &str) -> (i64, usize) {
     let deltas = v["deltas"].as_i64().unwrap_or(0);
     let bytes = v["content"].as_str().map_or(0, str::len);
     (deltas, bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn an_answer_is_charged_its_reported_usage_or_at_least_its_estimate() {
+        let est = (10, 20);
+        let charged = |u: Value| charged_usage(Some(&u), est)["total_tokens"].as_i64().unwrap();
+        assert_eq!(charged(json!({ "prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7 })), 7);
+        assert_eq!(charged(json!({ "prompt_tokens": 3, "completion_tokens": 4 })), 7, "no total: the parts");
+        assert_eq!(charged_usage(None, est), json!({ "prompt_tokens": 10, "completion_tokens": 20, "total_tokens": 30, "estimated": true }));
+        for bad in [json!(null), json!({}), json!({ "total_tokens": -5 }), json!({ "total_tokens": 1.5 }), json!({ "total_tokens": "9" }),
+                    json!({ "total_tokens": 1e30 }), json!({ "prompt_tokens": -1, "completion_tokens": 1 }), json!("usage")] {
+            let u = charged_usage(Some(&bad), est);
+            assert_eq!((u["total_tokens"].as_i64(), u["estimated"].as_bool()), (Some(30), Some(true)), "{bad} was charged {u}");
+        }
+    }
+
+    #[test]
+    fn the_host_asks_for_usage_whatever_the_guest_sends() {
+        let config = ModelConfig::new("http://127.0.0.1:1");
+        let grant = crate::store::ModelGrant { models: vec!["*".into()], max_tokens: 20 };
+        for options in [json!(null), json!({ "include_usage": false }), json!(7), json!({})] {
+            let request = json!({ "messages": [{ "role": "user", "content": "hi" }], "stream_options": options }).to_string();
+            let checked = check(&request, Some(&config), &grant).expect("a good request");
+            assert_eq!(checked.body["stream_options"], json!({ "include_usage": true }), "the guest sent {options}");
+        }
+    }
 }

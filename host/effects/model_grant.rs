@@ -30,7 +30,11 @@ pub fn apply(body: &mut Map<String, Value>, grant: &ModelGrant) -> Result<(), Ef
             },
         }
     }
-    if !body.contains_key("max_tokens") && !body.contains_key("max_completion_tokens") {
+    // A null is no cap: the grant's goes in its place (`"max_tokens":
+    // null` would otherwise send the call uncapped).
+    let given = |body: &Map<String, Value>, k: &str| body.get(k).is_some_and(|v| !v.is_null());
+    if !given(body, "max_tokens") && !given(body, "max_completion_tokens") {
+        body.remove("max_completion_tokens");
         body.insert("max_tokens".into(), Value::from(grant.max_tokens));
     }
     match body.get("n") {
@@ -59,6 +63,18 @@ mod tests {
         let mut b = body(json!({ "model": "big", "max_tokens": 100, "messages": [] }));
         apply(&mut b, &ModelGrant::any()).unwrap();
         assert_eq!(b["max_tokens"], json!(100));
+    }
+
+    #[test]
+    fn a_null_cap_gets_the_grants_cap() {
+        let grant = ModelGrant { models: vec!["small".into()], max_tokens: 512 };
+        for nulls in [json!({ "max_tokens": null }), json!({ "max_completion_tokens": null }), json!({ "max_tokens": null, "max_completion_tokens": null })] {
+            let mut b = body(json!({ "model": "small", "messages": [] }));
+            b.extend(body(nulls.clone()));
+            apply(&mut b, &grant).unwrap();
+            assert_eq!(b["max_tokens"], json!(512), "{nulls}");
+            assert!(b.get("max_completion_tokens").is_none_or(Value::is_null), "{nulls}");
+        }
     }
 
     #[test]

@@ -27,19 +27,14 @@ impl SegmentState {
         };
         match hold {
             Hold::Unlimited => Ok(Ok(false)),
-            Hold::Held => {
-                if let Remote::Chat { request } = remote {
-                    request.ask_usage();
-                }
-                Ok(Ok(true))
-            }
+            Hold::Held => Ok(Ok(true)),
             Hold::Unpriced { holder } => Ok(Err(EffectError::Denied(format!(
                 "model.chat: run {holder}'s budget is in dollars and model {model:?} has no price on this host (serve --model-price)"
             )))),
             Hold::Over { holder, unit, spent, held, limit } => {
                 tracing::info!(run_id = self.lease.run_id, holder, unit, spent, held, limit, tokens, usd_nanos = usd, "model.chat would overspend a budget over it; waiting for a raise");
                 crate::metrics::global().budget_waits.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                self.stop(Interrupt::Budget)
+                self.stop(Interrupt::Budget { tokens, usd_nanos: usd })
             }
         }
     }

@@ -22,9 +22,9 @@ pub enum Interrupt {
     /// `queued` until input arrives or the deadline passes.
     WaitNamed(crate::store::NamedWait),
     /// A `model.chat` would spend past its tree's budget: suspend as
-    /// `queued` until the budget is raised, then make the call again
-    /// (nothing was recorded for it).
-    Budget,
+    /// `queued` until the budget has room for the call's `tokens` and
+    /// `usd_nanos`, then make the call again (nothing was recorded for it).
+    Budget { tokens: i64, usd_nanos: Option<i64> },
     /// The slice budget is used up: suspend as `waiting_takeover`.
     Slice,
     /// The host is shutting down: suspend as `waiting_takeover`.

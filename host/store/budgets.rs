@@ -63,6 +63,36 @@ impl BudgetLimits {
     }
 }
 
+/// The most tokens one call may be charged: 2^53, so that sums stay exact.
+pub const MAX_CALL_TOKENS: u64 = 1 << 53;
+
+/// Checks a `model.chat` result written by hand (a resolve): its `usage`
+/// counts, if given, are whole numbers from 0 to [`MAX_CALL_TOKENS`], and
+/// its `cost_usd_nanos`, if given, one from 0 up. What a budget sums from
+/// it must be; the host writes results that are (`effects::model`).
+pub fn check_chat_result(result: &str) -> Result<(), String> {
+    let v: serde_json::Value = serde_json::from_str(result).map_err(|e| format!("a model.chat result is a JSON object: {e}"))?;
+    let count = |x: &serde_json::Value| x.as_u64().is_some_and(|n| n <= MAX_CALL_TOKENS);
+    match &v["usage"] {
+        serde_json::Value::Null => {}
+        serde_json::Value::Object(usage) => {
+            for k in ["prompt_tokens", "completion_tokens", "total_tokens"] {
+                if let Some(n) = usage.get(k)
+                    && !count(n)
+                {
+                    return Err(format!("usage.{k} must be a whole number from 0 to {MAX_CALL_TOKENS}, not {n}"));
+                }
+            }
+        }
+        other => return Err(format!("usage must be an object, not {other}")),
+    }
+    match &v["cost_usd_nanos"] {
+        serde_json::Value::Null => Ok(()),
+        n if n.as_u64().is_some_and(|n| n <= i64::MAX as u64 / 2) => Ok(()),
+        n => Err(format!("cost_usd_nanos must be a whole number from 0 up, not {n}")),
+    }
+}
+
 /// Dollars as whole nano-dollars, for a budget of 0 to a million dollars.
 pub fn usd_to_nanos(usd: f64) -> Option<i64> {
     (usd.is_finite() && (0.0..=1e6).contains(&usd)).then(|| (usd * NANOS).round() as i64)
@@ -90,40 +120,46 @@ macro_rules! subtree {
     };
 }
 
-/// What the subtree under `$1` has spent, per backend: the usage (tokens)
-/// and the cost (nano-dollars) over its committed `model.chat` rows.
-fn spent_sql(store: &Store) -> &'static str {
+/// What the subtree under `$1` has spent (the usage, in tokens, and the
+/// cost, in nano-dollars, over its committed `model.chat` rows) and what
+/// its calls with no outcome yet, of open runs, hold: one statement, so
+/// one snapshot. Read in two, a sibling's call that settled between them
+/// was in neither (no longer held, not yet spent).
+fn sums_sql(store: &Store) -> &'static str {
+    macro_rules! held {
+        () => {
+            "(SELECT CAST(COALESCE(SUM(h.tokens), 0) AS BIGINT) AS t, CAST(COALESCE(SUM(h.usd_nanos), 0) AS BIGINT) AS u \
+             FROM budget_holds h JOIN sub ON sub.id = h.run_id \
+             JOIN runs r ON r.id = h.run_id LEFT JOIN effects e ON e.run_id = h.run_id AND e.seq = h.seq \
+             WHERE r.status NOT IN ('completed','failed','aborted','cancelled') \
+             AND (e.state IS NULL OR e.state IN ('started','in_doubt'))) AS held"
+        };
+    }
     match store.backend() {
         Backend::Sqlite => sql!(
             store,
             concat!(
                 subtree!(),
-                "SELECT COALESCE(SUM(json_extract(e.result, '$.usage.total_tokens')), 0), \
-                 COALESCE(SUM(json_extract(e.result, '$.cost_usd_nanos')), 0) FROM effects e \
-                 WHERE e.run_id IN (SELECT id FROM sub) AND e.name = 'model.chat' AND e.state = 'committed'"
+                "SELECT spent.t, spent.u, held.t, held.u FROM \
+                 (SELECT CAST(COALESCE(SUM(json_extract(e.result, '$.usage.total_tokens')), 0) AS INTEGER) AS t, \
+                 CAST(COALESCE(SUM(json_extract(e.result, '$.cost_usd_nanos')), 0) AS INTEGER) AS u FROM effects e \
+                 WHERE e.run_id IN (SELECT id FROM sub) AND e.name = 'model.chat' AND e.state = 'committed') AS spent, ",
+                held!()
             )
         ),
         Backend::Postgres => sql!(
             store,
             concat!(
                 subtree!(),
-                "SELECT COALESCE(SUM((e.result::jsonb -> 'usage' ->> 'total_tokens')::bigint), 0)::bigint, \
-                 COALESCE(SUM((e.result::jsonb ->> 'cost_usd_nanos')::bigint), 0)::bigint FROM effects e \
-                 WHERE e.run_id IN (SELECT id FROM sub) AND e.name = 'model.chat' AND e.state = 'committed'"
+                "SELECT spent.t, spent.u, held.t, held.u FROM \
+                 (SELECT COALESCE(SUM((e.result::jsonb -> 'usage' ->> 'total_tokens')::bigint), 0)::bigint AS t, \
+                 COALESCE(SUM((e.result::jsonb ->> 'cost_usd_nanos')::bigint), 0)::bigint AS u FROM effects e \
+                 WHERE e.run_id IN (SELECT id FROM sub) AND e.name = 'model.chat' AND e.state = 'committed') AS spent, ",
+                held!()
             )
         ),
     }
 }
-
-/// Tokens and nano-dollars held in the subtree under `$1` by calls with no
-/// outcome yet, of open runs.
-const HELD: &str = concat!(
-    subtree!(),
-    "SELECT CAST(COALESCE(SUM(h.tokens), 0) AS BIGINT), CAST(COALESCE(SUM(h.usd_nanos), 0) AS BIGINT) FROM budget_holds h JOIN sub ON sub.id = h.run_id \
-     JOIN runs r ON r.id = h.run_id LEFT JOIN effects e ON e.run_id = h.run_id AND e.seq = h.seq \
-     WHERE r.status NOT IN ('completed','failed','aborted','cancelled') \
-     AND (e.state IS NULL OR e.state IN ('started','in_doubt'))"
-);
 
 /// The runs from `$1` up to its root that carry a budget, root first.
 const HOLDERS: &str = "WITH RECURSIVE up(id, parent_id, budget_tokens, budget_usd_nanos) AS \
@@ -140,10 +176,45 @@ struct Sums {
 
 impl Store {
     async fn sums(&self, conn: &mut sqlx::AnyConnection, holder: i64) -> Result<(Sums, Sums), StoreError> {
-        let spent = sqlx::query(spent_sql(self)).bind(holder).fetch_one(&mut *conn).await?;
-        let held = sqlx::query(sql!(self, HELD)).bind(holder).fetch_one(&mut *conn).await?;
-        let sums = |r: &sqlx::any::AnyRow| -> Result<Sums, sqlx::Error> { Ok(Sums { tokens: r.try_get(0)?, usd_nanos: r.try_get(1)? }) };
-        Ok((sums(&spent)?, sums(&held)?))
+        let r = sqlx::query(sums_sql(self)).bind(holder).fetch_one(&mut *conn).await?;
+        Ok((Sums { tokens: r.try_get(0)?, usd_nanos: r.try_get(1)? }, Sums { tokens: r.try_get(2)?, usd_nanos: r.try_get(3)? }))
+    }
+
+    /// Whether a call of `tokens` and `usd_nanos` (`None`: its model has no
+    /// price) fits every budget over run `run_id`, each read under its
+    /// holder's row lock (PostgreSQL), root first: [`Hold::Held`] if it
+    /// fits (nothing is held here), else why not.
+    async fn fits(&self, conn: &mut sqlx::AnyConnection, run_id: i64, tokens: i64, usd_nanos: Option<i64>, lock: bool) -> Result<Hold, StoreError> {
+        let holders = sqlx::query(sql!(self, HOLDERS)).bind(run_id).fetch_all(&mut *conn).await?;
+        if holders.is_empty() {
+            return Ok(Hold::Unlimited);
+        }
+        for h in &holders {
+            let holder: i64 = h.try_get("id")?;
+            let read = match (self.backend(), lock) {
+                (Backend::Postgres, true) => sql!(self, "SELECT budget_tokens, budget_usd_nanos FROM runs WHERE id = $1 FOR UPDATE"),
+                _ => sql!(self, "SELECT budget_tokens, budget_usd_nanos FROM runs WHERE id = $1"),
+            };
+            let limits = limits_of(&sqlx::query(read).bind(holder).fetch_one(&mut *conn).await?)?;
+            if limits.is_none() {
+                continue;
+            }
+            let (spent, held) = self.sums(&mut *conn, holder).await?;
+            // Checked: an overflow is over any budget.
+            let over = |spent: i64, held: i64, more: i64, limit: i64| spent.checked_add(held).and_then(|s| s.checked_add(more)).is_none_or(|s| s > limit);
+            if let Some(limit) = limits.tokens
+                && over(spent.tokens, held.tokens, tokens, limit)
+            {
+                return Ok(Hold::Over { holder, unit: "tokens", spent: spent.tokens, held: held.tokens, limit });
+            }
+            if let Some(limit) = limits.usd_nanos {
+                let Some(usd) = usd_nanos else { return Ok(Hold::Unpriced { holder }) };
+                if over(spent.usd_nanos, held.usd_nanos, usd, limit) {
+                    return Ok(Hold::Over { holder, unit: "usd_nanos", spent: spent.usd_nanos, held: held.usd_nanos, limit });
+                }
+            }
+        }
+        Ok(Hold::Held)
     }
 
     async fn budget_on(&self, conn: &mut sqlx::AnyConnection, holder: i64, limits: BudgetLimits) -> Result<Budget, StoreError> {
@@ -174,6 +245,12 @@ impl Store {
         Ok((root.ok_or(StoreError::RunNotFound(run_id))?, BudgetLimits::default()))
     }
 
+    /// Whether any budget binds run `run_id` (its own, or an ancestor's).
+    pub(crate) async fn budgeted(&self, run_id: i64) -> Result<bool, StoreError> {
+        let holders = sqlx::query(sql!(self, HOLDERS)).bind(run_id).fetch_all(self.pool()).await?;
+        Ok(!holders.is_empty())
+    }
+
     /// The budget that binds run `run_id` most closely (see
     /// [`Store::set_budget`]).
     pub async fn budget(&self, run_id: i64) -> Result<Budget, StoreError> {
@@ -190,10 +267,6 @@ impl Store {
         self.retry(|| async {
             let mut tx = self.writer().begin().await?;
             guard(self, &mut tx, lease).await?;
-            let holders = sqlx::query(sql!(self, HOLDERS)).bind(lease.run_id).fetch_all(&mut *tx).await?;
-            if holders.is_empty() {
-                return Ok(Hold::Unlimited);
-            }
             let already: Option<i64> = sqlx::query_scalar(sql!(self, "SELECT tokens FROM budget_holds WHERE run_id = $1 AND seq = $2"))
                 .bind(lease.run_id)
                 .bind(seq)
@@ -202,28 +275,9 @@ impl Store {
             if already.is_some() {
                 return Ok(Hold::Held);
             }
-            for h in &holders {
-                let holder: i64 = h.try_get("id")?;
-                let locked = match self.backend() {
-                    Backend::Sqlite => sql!(self, "SELECT budget_tokens, budget_usd_nanos FROM runs WHERE id = $1"),
-                    Backend::Postgres => sql!(self, "SELECT budget_tokens, budget_usd_nanos FROM runs WHERE id = $1 FOR UPDATE"),
-                };
-                let limits = limits_of(&sqlx::query(locked).bind(holder).fetch_one(&mut *tx).await?)?;
-                if limits.is_none() {
-                    continue;
-                }
-                let (spent, held) = self.sums(&mut *tx, holder).await?;
-                if let Some(limit) = limits.tokens
-                    && spent.tokens + held.tokens + tokens > limit
-                {
-                    return Ok(Hold::Over { holder, unit: "tokens", spent: spent.tokens, held: held.tokens, limit });
-                }
-                if let Some(limit) = limits.usd_nanos {
-                    let Some(usd) = usd_nanos else { return Ok(Hold::Unpriced { holder }) };
-                    if spent.usd_nanos + held.usd_nanos + usd > limit {
-                        return Ok(Hold::Over { holder, unit: "usd_nanos", spent: spent.usd_nanos, held: held.usd_nanos, limit });
-                    }
-                }
+            match self.fits(&mut tx, lease.run_id, tokens, usd_nanos, true).await? {
+                Hold::Held => {}
+                other => return Ok(other),
             }
             sqlx::query(sql!(
                 self,
@@ -269,33 +323,111 @@ impl Store {
         Ok(())
     }
 
-    /// Statement 5 for a call that would overspend: the run waits for its
-    /// tree's budget to be raised (`queued`, `waiting_for = 'budget'`).
-    pub(crate) async fn suspend_for_budget(&self, lease: &Lease) -> Result<RunStatus, StoreError> {
+    /// Statement 5 for a call of `tokens` and `usd_nanos` that would
+    /// overspend: the run waits for room in its tree's budget (`queued`,
+    /// `waiting_for = 'budget'`), recording what the call needs. Looked at
+    /// again first, under the same locks as a hold: a hold that ended
+    /// since the call was refused woke nobody (this run was not waiting
+    /// yet), so if the call fits now the run is due at once instead.
+    pub(crate) async fn suspend_for_budget(&self, lease: &Lease, tokens: i64, usd_nanos: Option<i64>, progressed: bool) -> Result<RunStatus, StoreError> {
         let thread = self
             .retry(|| async {
                 let mut tx = self.writer().begin().await?;
-                let thread_id: String = sqlx::query_scalar(sql!(
+                guard(self, &mut tx, lease).await?;
+                let waits = matches!(self.fits(&mut tx, lease.run_id, tokens, usd_nanos, true).await?, Hold::Over { .. });
+                let row = sqlx::query(sql!(
                     self,
-                    "UPDATE runs SET status = 'queued', lease_owner = NULL, lease_expires_at = NULL, not_before = $4, \
-                     waiting_for = 'budget', attempt = 0, updated_at = {now} \
-                     WHERE id = $1 AND lease_owner = $2 AND fence = $3 AND status = 'running' RETURNING thread_id"
+                    concat!(
+                        "UPDATE runs SET status = 'queued', lease_owner = NULL, lease_expires_at = NULL, \
+                         not_before = CASE WHEN $4 THEN $5 ELSE {now} END, waiting_for = CASE WHEN $4 THEN 'budget' END, \
+                         wait_tokens = $6, wait_usd_nanos = $7, \
+                         attempt = CASE WHEN $8 THEN 0 WHEN attempt > 0 THEN attempt - 1 ELSE 0 END, updated_at = {now} WHERE ",
+                        guarded!(),
+                        " RETURNING thread_id, not_before, waiting_for"
+                    )
                 ))
                 .bind(lease.run_id)
                 .bind(&lease.owner)
                 .bind(lease.fence)
+                .bind(waits)
                 .bind(FOREVER)
+                .bind(tokens)
+                .bind(usd_nanos)
+                .bind(progressed)
                 .fetch_optional(&mut *tx)
                 .await?
                 .ok_or_else(|| rejected(lease))?;
-                let payload = serde_json::json!({ "status": RunStatus::Queued, "waiting_for": "budget", "not_before": FOREVER });
+                let thread_id: String = row.try_get("thread_id")?;
+                let not_before: i64 = row.try_get("not_before")?;
+                let waiting_for: Option<String> = row.try_get("waiting_for")?;
+                let payload = serde_json::json!({ "status": RunStatus::Queued, "waiting_for": waiting_for, "not_before": not_before });
                 log::append(self, &mut tx, &thread_id, lease.run_id, lease.fence, kind::SUSPENDED, &payload).await?;
                 tx.commit().await?;
-                Ok(thread_id)
+                Ok((thread_id, waits))
             })
             .await?;
+        let (thread, waits) = thread;
         self.hub().wake(&thread);
+        if !waits {
+            self.signal_work(true).await;
+        }
         Ok(RunStatus::Queued)
+    }
+
+    /// The reaper's sweep: wakes up to `limit` runs waiting for budget
+    /// whose call now fits, going on each pass from where the last one
+    /// stopped. Whatever ends a hold wakes its tree's waiters itself (a
+    /// settle, the trigger on a run's end, a raise); this catches a wake
+    /// that found nobody because the waiter had not committed its wait
+    /// yet (PostgreSQL reads each statement's snapshot), so a waiter with
+    /// room never waits longer than a reaper tick. Returns how many woke.
+    pub async fn wake_budget_waiters(&self, limit: i64) -> Result<usize, StoreError> {
+        use std::sync::atomic::Ordering;
+        let after = self.sweeps.budget_after.load(Ordering::Relaxed);
+        let waiters: Vec<(i64, Option<i64>, Option<i64>)> = sqlx::query_as(sql!(
+            self,
+            "SELECT id, wait_tokens, wait_usd_nanos FROM runs WHERE waiting_for = 'budget' AND status = 'queued' \
+             AND id > $1 ORDER BY id LIMIT $2"
+        ))
+        .bind(after)
+        .bind(limit)
+        .fetch_all(self.pool())
+        .await?;
+        let next = if (waiters.len() as i64) < limit { 0 } else { waiters.last().map_or(0, |w| w.0) };
+        self.sweeps.budget_after.store(next, Ordering::Relaxed);
+        let mut woken = 0;
+        for (id, tokens, usd) in waiters {
+            // Read without locks: a wake that turns out early costs the
+            // run a replay to the call and a wait again, nothing more.
+            let mut conn = self.pool().acquire().await?;
+            // A waiter of the previous release recorded no need: any room.
+            let fits = self.fits(&mut conn, id, tokens.unwrap_or(1), usd.or(Some(0)), false).await?;
+            drop(conn);
+            if matches!(fits, Hold::Over { .. }) {
+                continue;
+            }
+            let n = self
+                .retry(|| async move {
+                    Ok(sqlx::query(sql!(
+                        self,
+                        "UPDATE runs SET not_before = {now}, waiting_for = NULL, updated_at = {now} \
+                         WHERE id = $1 AND status = 'queued' AND waiting_for = 'budget'"
+                    ))
+                    .bind(id)
+                    .execute(self.writer())
+                    .await?
+                    .rows_affected())
+                })
+                .await?;
+            if n > 0 {
+                tracing::info!(run_id = id, "a run waiting for budget has room now; woken by the sweep");
+                woken += 1;
+            }
+        }
+        if woken > 0 {
+            self.signal_work(true).await;
+        }
+        Ok(woken)
     }
 
     /// Sets the budget that binds run `run_id` most closely (a share

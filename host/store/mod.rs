@@ -173,21 +173,6 @@ fn render(backend: Backend, template: &str) -> &'static str {
     Box::leak(columns::spell_out(&sql).into_boxed_str())
 }
 
-/// SQLite's durability setting for the WAL (`PRAGMA synchronous`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum SqliteSync {
-    /// Every commit is fsynced before it returns: a commit that returned is
-    /// on disk. The default. An unkeyed effect is at most once only if its
-    /// `started` row is on disk before its request leaves.
-    #[default]
-    Full,
-    /// Durable against a process crash, but a power loss or an OS crash may
-    /// drop the last commits (it never corrupts the file). A `started` row
-    /// lost that way lets an unkeyed effect that went out be made again.
-    Normal,
-}
-
 /// How to connect. Every field documents its default.
 #[derive(Debug, Clone)]
 pub struct StoreOptions {
@@ -304,6 +289,8 @@ pub struct StoreShared {
     rate_keys: std::sync::Arc<rates::KeyCache>,
     /// The kv usage this process last read (see [`kv_usage`]).
     kv_seen: std::sync::Arc<kv_usage::Seen>,
+    /// Where the reaper's sweeps go on from ([`reap::Sweeps`]).
+    pub(crate) sweeps: std::sync::Arc<reap::Sweeps>,
 }
 
 /// The URL to connect to: SQLite's with `mode=rwc`, its file created first
@@ -426,6 +413,7 @@ impl Store {
             known_plugins: Default::default(),
             rate_keys: Default::default(),
             kv_seen: Default::default(),
+            sweeps: Default::default(),
         }));
         if opts.migrate {
             store.migrate().await?;

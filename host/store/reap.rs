@@ -29,6 +29,21 @@ pub struct ReapReport {
     /// Runs cancelled because their parent failed, was aborted or was
     /// cancelled (see [`Store::cancel_orphans`]).
     pub orphans_cancelled: usize,
+    /// Runs waiting for budget that had room, woken (see
+    /// [`Store::wake_budget_waiters`]).
+    pub budget_woken: usize,
+}
+
+/// Where the reaper's sweeps go on from, each pass.
+#[derive(Debug, Default)]
+pub(crate) struct Sweeps {
+    /// Budget waiters after this run id ([`Store::wake_budget_waiters`]).
+    pub budget_after: std::sync::atomic::AtomicI64,
+    /// Orphans of parents ended since this time (epoch ms; 0: never swept)
+    /// ([`Store::cancel_orphans`]).
+    pub orphans_since: std::sync::atomic::AtomicI64,
+    /// When the orphan sweep last read every open child (epoch ms).
+    pub orphans_all_at: std::sync::atomic::AtomicI64,
 }
 
 /// Why a run is given up, in an operator's words: how many segments in a

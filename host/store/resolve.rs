@@ -62,11 +62,19 @@ impl Store {
                         return Err(conflict("it is a child whose end its open parent has already counted"));
                     }
                 }
-                let state: Option<String> = sqlx::query_scalar(sql!(self, "SELECT state FROM effects WHERE run_id = $1 AND seq = $2"))
+                let row: Option<(String, String)> = sqlx::query_as(sql!(self, "SELECT state, name FROM effects WHERE run_id = $1 AND seq = $2"))
                     .bind(run_id)
                     .bind(seq)
                     .fetch_optional(&mut *tx)
                     .await?;
+                // What a budget sums is checked here too: an operator's
+                // result cannot refund a tree or break its sums.
+                if let (Some((_, name)), Resolution::Result(result)) = (&row, resolution)
+                    && name == "model.chat"
+                {
+                    crate::store::budgets::check_chat_result(result).map_err(StoreError::Config)?;
+                }
+                let state = row.map(|(state, _)| state);
                 match state.as_deref().map(EffectState::parse).transpose()? {
                     None => return Err(StoreError::EffectNotFound { run_id, seq }),
                     Some(EffectState::Committed) => return Err(conflict("that effect is committed; only one started, in doubt or failed can be resolved")),

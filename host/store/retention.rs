@@ -2,14 +2,30 @@
 //! `cancelled`) older than the retention period are deleted with their
 //! ledger rows and events, oldest first, a small batch per transaction, so
 //! no statement holds locks for long; a thread goes with its last run; kv
-//! data stays. Several hosts may clean at once: on PostgreSQL each takes
-//! the runs it deletes with `SKIP LOCKED`, so two never wait on one
-//! another. The cut-off comes from the database's clock.
+//! data stays. A tree goes whole: a run is deleted only once every run of
+//! its tree (its root and every run below it) is finished and past
+//! retention, since an open run still counts on its tree's finished runs
+//! (their spend against its budget, the `parent_id` chain its budget and
+//! a cascade cancel walk). Several hosts may clean at once: on PostgreSQL
+//! each takes the runs it deletes with `SKIP LOCKED`, so two never wait
+//! on one another. The cut-off comes from the database's clock.
 
 use serde_json::json;
 use sqlx::Row;
 
 use crate::store::{Backend, Store, StoreError, sql};
+
+/// No run of run `r`'s tree is open or inside retention (`$1`): its
+/// members through `runs_root`, its root through the primary key. A run
+/// with no tree costs one empty probe.
+macro_rules! tree_past {
+    () => {
+        " AND NOT EXISTS (SELECT 1 FROM runs o WHERE o.root_id = COALESCE(r.root_id, r.id) \
+          AND (o.finished_at IS NULL OR o.finished_at >= {now} - $1)) \
+          AND NOT EXISTS (SELECT 1 FROM runs t WHERE t.id = r.root_id \
+          AND (t.finished_at IS NULL OR t.finished_at >= {now} - $1))"
+    };
+}
 
 /// What one batch deleted.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -29,7 +45,7 @@ impl Store {
         // transaction every few seconds on every host.
         let any: Option<i64> = sqlx::query_scalar(sql!(
             self,
-            "SELECT id FROM runs WHERE finished_at IS NOT NULL AND finished_at < {now} - $1 LIMIT 1"
+            concat!("SELECT r.id FROM runs r WHERE r.finished_at IS NOT NULL AND r.finished_at < {now} - $1", tree_past!(), " LIMIT 1")
         ))
         .bind(older_than_ms)
         .fetch_optional(self.pool())
@@ -42,13 +58,19 @@ impl Store {
             let pick = match self.backend() {
                 Backend::Sqlite => sql!(
                     self,
-                    "SELECT id, thread_id FROM runs WHERE finished_at IS NOT NULL AND finished_at < {now} - $1 \
-                     ORDER BY finished_at LIMIT $2"
+                    concat!(
+                        "SELECT r.id, r.thread_id FROM runs r WHERE r.finished_at IS NOT NULL AND r.finished_at < {now} - $1",
+                        tree_past!(),
+                        " ORDER BY r.finished_at LIMIT $2"
+                    )
                 ),
                 Backend::Postgres => sql!(
                     self,
-                    "SELECT id, thread_id FROM runs WHERE finished_at IS NOT NULL AND finished_at < {now} - $1 \
-                     ORDER BY finished_at LIMIT $2 FOR UPDATE SKIP LOCKED"
+                    concat!(
+                        "SELECT r.id, r.thread_id FROM runs r WHERE r.finished_at IS NOT NULL AND r.finished_at < {now} - $1",
+                        tree_past!(),
+                        " ORDER BY r.finished_at LIMIT $2 FOR UPDATE OF r SKIP LOCKED"
+                    )
                 ),
             };
             let rows = sqlx::query(pick).bind(older_than_ms).bind(batch).fetch_all(&mut *tx).await?;
@@ -101,16 +123,20 @@ impl Store {
                 counts[i] = sqlx::query(statement).bind(list.as_str()).execute(&mut *tx).await?.rows_affected();
             }
             // Deliveries and answer links no wait took: they go with their run.
-            let leftovers: [&'static str; 3] = match self.backend() {
+            let leftovers: [&'static str; 5] = match self.backend() {
                 Backend::Sqlite => [
                     "DELETE FROM inbox WHERE run_id IN (SELECT value FROM json_each($1))",
                     "DELETE FROM answer_links WHERE run_id IN (SELECT value FROM json_each($1))",
                     "DELETE FROM segments WHERE run_id IN (SELECT value FROM json_each($1))",
+                    "DELETE FROM budget_holds WHERE run_id IN (SELECT value FROM json_each($1))",
+                    "DELETE FROM input_deliveries WHERE run_id IN (SELECT value FROM json_each($1))",
                 ],
                 Backend::Postgres => [
                     "DELETE FROM segments WHERE run_id IN (SELECT value::bigint FROM jsonb_array_elements_text($1::jsonb))",
                     "DELETE FROM inbox WHERE run_id IN (SELECT value::bigint FROM jsonb_array_elements_text($1::jsonb))",
                     "DELETE FROM answer_links WHERE run_id IN (SELECT value::bigint FROM jsonb_array_elements_text($1::jsonb))",
+                    "DELETE FROM budget_holds WHERE run_id IN (SELECT value::bigint FROM jsonb_array_elements_text($1::jsonb))",
+                    "DELETE FROM input_deliveries WHERE run_id IN (SELECT value::bigint FROM jsonb_array_elements_text($1::jsonb))",
                 ],
             };
             for statement in leftovers {

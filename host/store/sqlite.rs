@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use super::{Dialect, SqliteSync};
+use super::Dialect;
 
 macro_rules! claim_set {
     () => {
@@ -277,4 +277,19 @@ pub(super) fn pragmas(sync: SqliteSync, busy: Duration) -> &'static str {
         (SqliteSync::Full, true) => "PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL; PRAGMA foreign_keys = ON; PRAGMA busy_timeout = 5000;",
         (SqliteSync::Full, false) => "PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL; PRAGMA foreign_keys = ON; PRAGMA busy_timeout = 1000;",
     }
+}
+
+/// SQLite's durability setting for the WAL (`PRAGMA synchronous`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SqliteSync {
+    /// Every commit is fsynced before it returns: a commit that returned is
+    /// on disk. The default. An unkeyed effect is at most once only if its
+    /// `started` row is on disk before its request leaves.
+    #[default]
+    Full,
+    /// Durable against a process crash, but a power loss or an OS crash may
+    /// drop the last commits (it never corrupts the file). A `started` row
+    /// lost that way lets an unkeyed effect that went out be made again.
+    Normal,
 }

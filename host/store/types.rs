@@ -304,8 +304,10 @@ pub enum Suspend {
     /// `queued` until input is delivered to a name or the deadline passes
     /// (see `store::inbox`).
     Named(crate::store::NamedWait),
-    /// `queued` until the tree's budget is raised (see `store::budgets`).
-    Budget,
+    /// `queued` until the tree's budget has room for a call of `tokens`
+    /// and `usd_nanos` (`None`: its model has no price; see
+    /// `store::budgets`).
+    Budget { tokens: i64, usd_nanos: Option<i64> },
 }
 
 /// How a turn finishes.

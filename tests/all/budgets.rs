@@ -11,7 +11,7 @@ use anyhow::{Result, ensure};
 use leasehold::executor::{Executor, SegmentOutcome};
 use leasehold::plugins::PluginSettings;
 use leasehold::effects::prices::Prices;
-use leasehold::store::{BudgetLimits, ModelGrant, NewRun, RunFilter, RunStatus};
+use leasehold::store::{BudgetLimits, Claimed, Hold, ModelGrant, NewRun, RunFilter, RunStatus, Suspend};
 use serde_json::{Value, json};
 
 use crate::fake_model::{FakeModel, USAGE_TOKENS, echo, priced_worker, worker};
@@ -202,6 +202,47 @@ both! {
     }
 }
 
+/// `n` raw `model.chat` calls whose requests turn usage off.
+fn chats_without_usage(n: usize) -> Value {
+    let request = json!({ "messages": [{ "role": "user", "content": "q0" }], "stream_options": null }).to_string();
+    let ops: Vec<Value> = (0..n).map(|_| json!({ "op": "effect", "name": "model.chat", "request": request })).collect();
+    json!({ "mode": "script", "ops": ops })
+}
+
+both! {
+    async fn a_guest_cannot_turn_usage_off_to_make_its_calls_free(db) {
+        let model = FakeModel::start(echo()).await?;
+        let host = hosts(db, &model).await?;
+        // Each answer reports 1,000 tokens: with 2,500 the third call still
+        // fits (2,000 spent and its estimate), the fourth does not.
+        let id = submit(db, "testkit", chats_without_usage(5), 2_500).await?;
+        host("host-a").drain().await?;
+        let hits = model.hits();
+        ensure!(hits.iter().all(|h| h.body["stream_options"]["include_usage"] == true), "usage was not asked for");
+        ensure!(hits.len() == 3, "{} calls went out", hits.len());
+        let budget = db.store.budget(id).await?;
+        ensure!(budget.spent == 3 * USAGE_TOKENS, "{budget:?}");
+        ensure!(db.store.get_run(id).await?.waiting_for.as_deref() == Some("budget"), "the fourth call did not wait");
+        Ok(())
+    }
+
+    async fn an_answer_without_usage_is_charged_its_estimate(db) {
+        let model = FakeModel::start_without_usage(echo()).await?;
+        let host = hosts(db, &model).await?;
+        // Each call's estimate: its messages (32 bytes) over four, plus one,
+        // and the grant's 20 answer tokens: 29. Three fit in 100.
+        let id = submit(db, "testkit", chats(5), 100).await?;
+        host("host-a").drain().await?;
+        ensure!(model.hits().len() == 3, "{} calls went out", model.hits().len());
+        let budget = db.store.budget(id).await?;
+        ensure!(budget.spent == 3 * 29, "{budget:?}");
+        let ledger = db.store.effects(id).await?;
+        let estimated = ledger.iter().filter(|e| e.result.as_deref().is_some_and(|r| r.contains("\"estimated\":true"))).count();
+        ensure!(estimated == 3, "{estimated} rows say they were estimated: {ledger:?}");
+        Ok(())
+    }
+}
+
 both! {
     async fn the_api_takes_budgets_in_tokens_dollars_or_both_and_refuses_bad_ones(db) {
         let rt = plugins::runtime()?;
@@ -239,6 +280,113 @@ both! {
         let (_, b) = send(&format!("/v1/runs/{id}/budget"), None).await?;
         ensure!(b["tokens"] == json!(500) && b["usd"] == json!(0.25), "a refused body changed the budget: {b}");
         let _ = stop.send(true);
+        Ok(())
+    }
+}
+
+/// A root with a budget of `budget` tokens and two children, each claimed
+/// (store level: the children are linked by hand, as a spawn links them).
+async fn tree_of_two(db: &TestDb, budget: i64) -> Result<(i64, Claimed, Claimed)> {
+    let s = &db.store;
+    let root = s.create_run(&NewRun { budget_tokens: Some(budget), ..NewRun::new("p", "{}") }).await?.0.id;
+    let mut kids = Vec::new();
+    for _ in 0..2 {
+        let id = s.create_run(&NewRun::new("p", "{}")).await?.0.id;
+        sqlx::query("UPDATE runs SET parent_id = $1, root_id = $1 WHERE id = $2").bind(root).bind(id).execute(s.pool()).await?;
+        kids.push(id);
+    }
+    let mut claimed = s.claim_batch("w", crate::harness::TTL, 3).await?;
+    ensure!(claimed.len() == 3, "claimed {}", claimed.len());
+    claimed.sort_by_key(|c| c.run.id);
+    let b = claimed.pop().expect("b");
+    let a = claimed.pop().expect("a");
+    ensure!(a.run.id == kids[0] && b.run.id == kids[1]);
+    Ok((root, a, b))
+}
+
+/// Whether run `id` is due now and waits for nothing.
+async fn due(db: &TestDb, id: i64) -> Result<bool> {
+    let run = db.store.get_run(id).await?;
+    let now = db.store.now_ms().await?;
+    Ok(run.status == RunStatus::Queued && run.waiting_for.is_none() && run.not_before <= now)
+}
+
+both! {
+    async fn a_budget_waiter_wakes_when_the_run_holding_the_budget_is_cancelled(db) {
+        let s = &db.store;
+        let (_, a, b) = tree_of_two(db, 100).await?;
+        ensure!(s.hold_budget(&a.lease, 0, 60, None).await? == Hold::Held);
+        let over = s.hold_budget(&b.lease, 0, 60, None).await?;
+        ensure!(matches!(over, Hold::Over { held: 60, .. }), "{over:?}");
+        s.suspend(&b.lease, &Suspend::Budget { tokens: 60, usd_nanos: None }).await?;
+        ensure!(s.get_run(b.run.id).await?.waiting_for.as_deref() == Some("budget"), "b does not wait");
+        // A ends without settling its call: its hold no longer counts.
+        s.cancel(a.run.id).await?;
+        let budget = s.budget(b.run.id).await?;
+        ensure!(budget.held == 0 && budget.spent == 0, "{budget:?}");
+        ensure!(due(db, b.run.id).await?, "the waiter was not woken: {:?}", s.get_run(b.run.id).await?);
+        Ok(())
+    }
+
+    async fn a_budget_waiter_whose_room_came_back_before_it_waited_is_due_at_once(db) {
+        let s = &db.store;
+        let (_, a, b) = tree_of_two(db, 100).await?;
+        ensure!(s.hold_budget(&a.lease, 0, 60, None).await? == Hold::Held);
+        ensure!(matches!(s.hold_budget(&b.lease, 0, 60, None).await?, Hold::Over { .. }));
+        // A's call settles and its hold goes between B's refusal and B's
+        // suspension: its wake finds nobody waiting.
+        s.release_budget(a.run.id, 0).await?;
+        s.suspend(&b.lease, &Suspend::Budget { tokens: 60, usd_nanos: None }).await?;
+        ensure!(due(db, b.run.id).await?, "the waiter waits for room it has: {:?}", s.get_run(b.run.id).await?);
+        Ok(())
+    }
+
+    async fn the_reapers_sweep_wakes_a_budget_waiter_with_room_and_no_other(db) {
+        let s = &db.store;
+        let (root, a, b) = tree_of_two(db, 100).await?;
+        ensure!(s.hold_budget(&a.lease, 0, 60, None).await? == Hold::Held);
+        s.suspend(&b.lease, &Suspend::Budget { tokens: 60, usd_nanos: None }).await?;
+        ensure!(!due(db, b.run.id).await?);
+        // Nothing has room: the sweep leaves it.
+        ensure!(s.wake_budget_waiters(10).await? == 0 && !due(db, b.run.id).await?, "woken with no room");
+        // The hold goes with no wake (as if the wake raced the wait).
+        sqlx::query("DELETE FROM budget_holds WHERE root_id = $1").bind(root).execute(s.pool()).await?;
+        ensure!(!due(db, b.run.id).await?);
+        let report = leasehold::reaper::tick(s, &leasehold::reaper::ReaperConfig::default()).await?;
+        ensure!(report.budget_woken == 1, "{report:?}");
+        ensure!(due(db, b.run.id).await?, "the sweep did not wake it");
+        Ok(())
+    }
+}
+
+both! {
+    async fn retention_keeps_an_open_trees_finished_children_and_their_spend(db) {
+        const DAY_MS: i64 = 86_400_000;
+        let model = FakeModel::start(echo()).await?;
+        let host = hosts(db, &model).await?;
+        let root = submit(db, "fanout", json!({ "inputs": [chats(1), { "mode": "wait" }] }), 1_500).await?;
+        host("host-a").drain().await?;
+        let (mut kids, _) = db.store.runs_page(&RunFilter { parent: Some(root), ..RunFilter::default() }, None, 10, i64::MAX).await?;
+        kids.sort_by_key(|k| k.id);
+        let (spender, waiter) = (kids[0].id, kids[1].id);
+        ensure!(kids[0].status == RunStatus::Completed && kids[1].status == RunStatus::WaitingInput, "{kids:?}");
+        ensure!(db.store.budget(root).await?.spent == USAGE_TOKENS);
+        let age = async |sql: &str, ids: (i64, i64)| -> Result<()> {
+            sqlx::query(sqlx::AssertSqlSafe(sql.to_string())).bind(ids.0).bind(2 * DAY_MS).bind(ids.1).execute(db.store.pool()).await?;
+            Ok(())
+        };
+        // The spender finished two days ago; its tree is open.
+        age("UPDATE runs SET finished_at = finished_at - $2 WHERE id = $1 AND id <> $3", (spender, 0)).await?;
+        let gone = db.store.delete_finished(DAY_MS, 500).await?;
+        ensure!(gone.runs == 0, "retention deleted {} runs of an open tree", gone.runs);
+        ensure!(db.store.budget(root).await?.spent == USAGE_TOKENS, "the open tree got its spend back");
+        // Cancelled: all finished, but the waiter only now.
+        db.store.cancel(root).await?;
+        age("UPDATE runs SET finished_at = finished_at - $2 WHERE (id = $1 OR root_id = $1) AND id <> $3", (root, waiter)).await?;
+        ensure!(db.store.delete_finished(DAY_MS, 500).await?.runs == 0, "a tree went before its last run was past retention");
+        age("UPDATE runs SET finished_at = finished_at - $2 WHERE id = $1 AND id <> $3", (waiter, 0)).await?;
+        let gone = db.store.delete_finished(DAY_MS, 500).await?;
+        ensure!(gone.runs == 3, "deleted {} of the tree's 3 runs", gone.runs);
         Ok(())
     }
 }

@@ -34,6 +34,8 @@ struct Shared {
     /// While the gate is closed, a stream stops after this many chunks.
     hold_after: usize,
     open: tokio::sync::watch::Receiver<bool>,
+    /// Whether it reports usage when asked (a provider that never does: false).
+    reports_usage: bool,
 }
 
 pub struct FakeModel {
@@ -73,11 +75,20 @@ impl FakeModel {
     /// While [`FakeModel::hold`] is on, each stream pauses after
     /// `hold_after` chunks.
     pub async fn start_holding(script: Script, hold_after: usize) -> Result<FakeModel> {
+        FakeModel::serve(script, hold_after, true).await
+    }
+
+    /// A provider that never reports usage, asked or not.
+    pub async fn start_without_usage(script: Script) -> Result<FakeModel> {
+        FakeModel::serve(script, usize::MAX, false).await
+    }
+
+    async fn serve(script: Script, hold_after: usize, reports_usage: bool) -> Result<FakeModel> {
         let hits = Arc::new(Mutex::new(Vec::new()));
         let (gate, open) = tokio::sync::watch::channel(true);
         let app = axum::Router::new()
             .route("/v1/chat/completions", post(chat))
-            .with_state(Shared { hits: hits.clone(), script, hold_after, open });
+            .with_state(Shared { hits: hits.clone(), script, hold_after, open, reports_usage });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let base_url = format!("http://{}/v1", listener.local_addr()?);
         let server = tokio::spawn(async move {
@@ -128,7 +139,7 @@ async fn chat(State(s): State<Shared>, headers: HeaderMap, body: String) -> Resp
     };
     let chunks = (s.script)(n, &body);
     let model = body["model"].clone();
-    let usage = body["stream_options"]["include_usage"].as_bool() == Some(true);
+    let usage = s.reports_usage && body["stream_options"]["include_usage"].as_bool() == Some(true);
     let stream = futures::stream::unfold(0usize, move |i| {
         let (chunks, model, mut open, hold_after) = (chunks.clone(), model.clone(), s.open.clone(), s.hold_after);
         let usage = usage.then(|| {

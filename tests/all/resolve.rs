@@ -125,4 +125,22 @@ both! {
         conflict(s.resolve_effect(done, 0, &Resolution::Error("{}".into()), "op").await, "ended")?;
         Ok(())
     }
+
+    async fn a_model_chat_result_with_bad_usage_is_refused(db) {
+        let s = &db.store;
+        let id = s.create_run(&NewRun { budget_tokens: Some(10_000), ..NewRun::new("p", "{}") }).await?.0.id;
+        let a = s.claim("a", TTL).await?.ok_or_else(|| anyhow::anyhow!("nothing to claim"))?;
+        s.begin_effect(&a.lease, &call(0, "model.chat"), EffectClass::Keyed).await?;
+        s.suspend(&a.lease, &Suspend::Sleep { delay_ms: 60_000 }).await?;
+        for bad in [json!({ "total_tokens": -500 }), json!({ "total_tokens": "abc" }), json!({ "total_tokens": 1.5 }), json!("lots")] {
+            let result = json!({ "content": "x", "usage": bad }).to_string();
+            let refused = s.resolve_effect(id, 0, &Resolution::Result(result), "op").await;
+            ensure!(matches!(refused, Err(StoreError::Config(_))), "usage {bad} was taken: {:?}", refused.map(|(r, _)| r.state));
+        }
+        ensure!(s.budget(id).await?.spent == 0);
+        let good = json!({ "content": "x", "usage": { "total_tokens": 700 } }).to_string();
+        s.resolve_effect(id, 0, &Resolution::Result(good), "op").await?;
+        ensure!(s.budget(id).await?.spent == 700, "{:?}", s.budget(id).await?);
+        Ok(())
+    }
 }
