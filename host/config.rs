@@ -102,8 +102,11 @@ pub struct ServeOptions {
     /// --plugins-dir may reach with `http`. [default: none]
     #[arg(long, env = "LEASEHOLD_HTTP_ALLOW", value_delimiter = ',')]
     pub http_allow: Option<Vec<String>>,
-    /// Comma-separated plugins whose runs the plugins loaded from
-    /// --plugins-dir may spawn as children (`*`: any). [default: none]
+    /// Comma-separated grants to spawn child runs, each for one plugin
+    /// loaded from --plugins-dir: `PLUGIN=GRANT`, where GRANT is a plugin
+    /// whose runs it may spawn (`*`: any) or `key:PREFIX`, concurrency keys
+    /// its children may take besides its own; `*=GRANT` grants every plugin
+    /// in the directory. [default: none]
     #[arg(long, env = "LEASEHOLD_SPAWN_ALLOW", value_delimiter = ',')]
     pub spawn_allow: Option<Vec<String>>,
     /// The address the world reaches this service at
@@ -183,6 +186,14 @@ pub struct ServeOptions {
     /// looping guest holds a worker. [default: 30000]
     #[arg(long, env = "LEASEHOLD_SEGMENT_BUDGET_MS")]
     pub segment_budget_ms: Option<u64>,
+    /// Most runs one tree may spawn in all (its root not counted); a spawn
+    /// past it is denied. [default: 10000]
+    #[arg(long, env = "LEASEHOLD_TREE_MAX_RUNS")]
+    pub tree_max_runs: Option<u64>,
+    /// Most spawned runs of one tree open at once; a spawn past it is
+    /// denied until some finish. [default: 1000]
+    #[arg(long, env = "LEASEHOLD_TREE_MAX_OPEN")]
+    pub tree_max_open: Option<u64>,
     /// Test only: shift this host's wall clock (log timestamps) by this many
     /// ms, as if its machine's clock were off. Leases use the database's
     /// clock, so this must change nothing else. [default: 0]
@@ -311,7 +322,10 @@ impl ServeOptions {
                 |k| std::env::var(k).ok(),
             )
             .map_err(anyhow::Error::msg)?,
+            http_traceparent: false,
             segment_budget: ms(self.segment_budget_ms.or(file.segment_budget_ms).unwrap_or(30_000)),
+            tree_max_runs: self.tree_max_runs.or(file.tree_max_runs).unwrap_or(10_000),
+            tree_max_open: self.tree_max_open.or(file.tree_max_open).unwrap_or(1_000),
             test_clock_skew_ms: self.test_clock_skew_ms.or(file.test_clock_skew_ms).unwrap_or(0),
             test_pause_spawns: self.test_pause_spawns,
         };
@@ -331,6 +345,26 @@ impl ServeOptions {
                 serve.workers
             );
         }
+        for entry in &serve.spawn_allow {
+            let Some((plugin, grant)) = entry.split_once('=') else {
+                bail!(
+                    "--spawn-allow {entry:?}: grants are per plugin: write PLUGIN={entry} \
+                     (or *={entry} for every plugin in --plugins-dir)"
+                );
+            };
+            if plugin != "*" && !leasehold::plugins::valid_name(plugin) {
+                bail!("--spawn-allow {entry:?}: {plugin:?} is not a plugin name (or *)");
+            }
+            leasehold::plugins::check_spawn_grant(grant).map_err(|e| anyhow::anyhow!("--spawn-allow {entry:?}: {e}"))?;
+        }
+        serve.http_traceparent = match self.http_traceparent.or(file.http_traceparent).unwrap_or(HttpTraceparent::Auto) {
+            HttpTraceparent::Auto => serve.traces.is_some(),
+            HttpTraceparent::Always => true,
+            HttpTraceparent::Never => false,
+        };
+        if serve.tree_max_runs == 0 || serve.tree_max_open == 0 {
+            bail!("--tree-max-runs and --tree-max-open must be at least 1");
+        }
         if serve.segment_budget < Duration::from_millis(10) {
             bail!("--segment-budget-ms must be at least 10");
         }
@@ -338,6 +372,19 @@ impl ServeOptions {
             bail!("--lease-ttl-ms must be at least 100");
         }
         Ok(serve)
+    }
+}
+
+impl Serve {
+    /// The spawn grants `--spawn-allow` gives `plugin`: those named for it
+    /// and those for `*`.
+    pub fn spawn_allow_for(&self, plugin: &str) -> Vec<String> {
+        self.spawn_allow
+            .iter()
+            .filter_map(|e| e.split_once('='))
+            .filter(|(p, _)| *p == "*" || *p == plugin)
+            .map(|(_, grant)| grant.to_string())
+            .collect()
     }
 }
 

@@ -58,7 +58,7 @@ pub fn resolve(args: DevArgs) -> Result<(crate::config::Serve, Project)> {
         options.database_url = Some(format!("sqlite://{}", dir.join("target/leasehold-dev.db").display()));
     }
     let serve = options.resolve(None)?;
-    let settings = PluginSettings { http_allow: serve.http_allow.clone(), spawn_allow: serve.spawn_allow.clone(), model: serve.model_grant.clone(), ..PluginSettings::default() };
+    let settings = PluginSettings { http_allow: serve.http_allow.clone(), spawn_allow: serve.spawn_allow_for(&name), model: serve.model_grant.clone(), ..PluginSettings::default() };
     Ok((serve, Project { dir, name, settings }))
 }
 

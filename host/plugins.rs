@@ -34,6 +34,18 @@ pub enum RegisterError {
     Store(#[from] StoreError),
 }
 
+/// A `spawn_allow` entry: a plugin name, `*` (any plugin), or
+/// `key:PREFIX` (concurrency keys starting with PREFIX, `key:*` any,
+/// that its children may take besides their parent's).
+pub fn check_spawn_grant(grant: &str) -> Result<(), String> {
+    match grant.strip_prefix("key:") {
+        Some("*") => Ok(()),
+        Some(prefix) => crate::store::concurrency::check_key(prefix).map_err(|e| format!("key:{prefix}: {e}")),
+        None if grant == "*" || valid_name(grant) => Ok(()),
+        None => Err(format!("{grant:?} is not a plugin name, *, or key:PREFIX")),
+    }
+}
+
 pub fn valid_name(name: &str) -> bool {
     (1..=64).contains(&name.len())
         && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
@@ -72,13 +84,14 @@ pub async fn register(
     Ok(plugin)
 }
 
-/// Registers every `*.wasm` file in `dir` under its file stem. A file that
-/// fails is logged and skipped. Returns the names loaded.
+/// Registers every `*.wasm` file in `dir` under its file stem, with the
+/// settings `settings` gives its name. A file that fails is logged and
+/// skipped. Returns the names loaded.
 pub async fn load_dir(
     store: &Store,
     runtime: &Arc<Runtime>,
     dir: &Path,
-    settings: &PluginSettings,
+    settings: impl Fn(&str) -> PluginSettings,
 ) -> std::io::Result<Vec<String>> {
     let mut files: Vec<_> = std::fs::read_dir(dir)?
         .filter_map(|e| e.ok().map(|e| e.path()))
@@ -89,7 +102,7 @@ pub async fn load_dir(
     for path in files {
         let Some(name) = path.file_stem().and_then(|s| s.to_str()).map(str::to_string) else { continue };
         let bytes = std::fs::read(&path)?;
-        match register(store, runtime, &name, bytes, settings.clone()).await {
+        match register(store, runtime, &name, bytes, settings(&name)).await {
             Ok(p) => {
                 tracing::info!(plugin = %name, digest = %p.digest, path = %path.display(), "plugin loaded");
                 loaded.push(name);

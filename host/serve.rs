@@ -60,10 +60,17 @@ pub async fn serve_with(cfg: config::Serve, dev: Option<crate::dev::Project>) ->
         ..RuntimeConfig::default()
     };
     runtime_config.default_limits.segment_budget = cfg.segment_budget;
+    runtime_config.default_limits.tree_max_runs = cfg.tree_max_runs;
+    runtime_config.default_limits.tree_max_open = cfg.tree_max_open;
     let runtime = Arc::new(Runtime::new(runtime_config)?);
     if cfg.plugins_dir.is_dir() {
-        let settings = PluginSettings { http_allow: cfg.http_allow.clone(), spawn_allow: cfg.spawn_allow.clone(), model: cfg.model_grant.clone(), ..PluginSettings::default() };
-        let loaded = plugins::load_dir(&store, &runtime, &cfg.plugins_dir, &settings)
+        let settings = |name: &str| PluginSettings {
+            http_allow: cfg.http_allow.clone(),
+            spawn_allow: cfg.spawn_allow_for(name),
+            model: cfg.model_grant.clone(),
+            ..PluginSettings::default()
+        };
+        let loaded = plugins::load_dir(&store, &runtime, &cfg.plugins_dir, settings)
             .await
             .with_context(|| format!("reading {}", cfg.plugins_dir.display()))?;
         tracing::info!(dir = %cfg.plugins_dir.display(), plugins = ?loaded, "plugins directory loaded");

@@ -144,8 +144,8 @@ pub async fn put(
     }
     let spawn_allow: Vec<String> =
         q.spawn_allow.unwrap_or_default().split(',').map(str::trim).filter(|p| !p.is_empty()).map(str::to_string).collect();
-    if spawn_allow.iter().any(|p| p != "*" && !crate::plugins::valid_name(p)) {
-        return Err(ApiError::bad_request("spawn_allow entries must be plugin names, or *"));
+    if let Some(e) = spawn_allow.iter().find_map(|g| crate::plugins::check_spawn_grant(g).err()) {
+        return Err(ApiError::bad_request(format!("spawn_allow: {e}")));
     }
     let settings = PluginSettings { http_allow, upgrade, model, kv, key_concurrency: q.key_concurrency, spawn_allow };
     // Awaited here, holding the permit: a caller that goes away drops the

@@ -36,7 +36,7 @@ pub const MAX_TREE_DEPTH: i64 = 32;
 #[serde(deny_unknown_fields)]
 struct SpawnOptions {
     #[serde(default)]
-    priority: i64,
+    priority: Option<i64>,
     #[serde(default)]
     concurrency_key: Option<String>,
     #[serde(default)]
@@ -105,7 +105,9 @@ impl SegmentState {
         let options = if options.trim().is_empty() { "{}" } else { options };
         let o: SpawnOptions =
             serde_json::from_str(options).map_err(|e| EffectError::Denied(format!("spawn: options: {e}")))?;
-        crate::store::priority::check(o.priority).map_err(|e| EffectError::Denied(format!("spawn: {e}")))?;
+        if let Some(priority) = o.priority {
+            crate::store::priority::check(priority).map_err(|e| EffectError::Denied(format!("spawn: {e}")))?;
+        }
         if let Some(key) = &o.concurrency_key {
             crate::store::concurrency::check_key(key).map_err(|e| EffectError::Denied(format!("spawn: {e}")))?;
         }
@@ -126,6 +128,9 @@ impl SegmentState {
             input: input.to_string(),
             priority: o.priority,
             concurrency_key: o.concurrency_key,
+            key_grants: self.limits.spawn_allow.iter().filter_map(|e| e.strip_prefix("key:")).map(str::to_string).collect(),
+            max_tree_runs: i64::try_from(self.limits.tree_max_runs).unwrap_or(i64::MAX),
+            max_tree_open: i64::try_from(self.limits.tree_max_open).unwrap_or(i64::MAX),
             max_attempts,
             detached: o.detached,
             budget_tokens,
@@ -200,6 +205,9 @@ impl SegmentState {
                 let error = EffectError::Denied(format!("spawn: no plugin is registered as {plugin:?}"));
                 Ok(self.refuse(&call, error).await?.map(|_| 0))
             }
+            // A tree at its caps, or a key the child may not take: recorded,
+            // so a replay takes the same branch.
+            Err(crate::store::StoreError::Refused(why)) => Ok(self.refuse(&call, EffectError::Denied(format!("spawn: {why}"))).await?.map(|_| 0)),
             Err(e) => self.store_failed(e),
         }
     }

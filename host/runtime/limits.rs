@@ -67,6 +67,13 @@ pub struct Limits {
     /// Rows in a run's ledger, over all its segments; past it the run fails
     /// as `ledger-too-large`. Default: 50,000.
     pub max_ledger_rows: u64,
+    /// Runs a tree may spawn in all (its root not counted); past it a
+    /// `spawn` is `denied`. A host setting (`--tree-max-runs`). Default:
+    /// 10,000.
+    pub tree_max_runs: u64,
+    /// Spawned runs of a tree open at once; past it a `spawn` is `denied`
+    /// until some finish. A host setting (`--tree-max-open`). Default: 1,000.
+    pub tree_max_open: u64,
     /// Bytes of names and results in a run's ledger. Default: 64 MiB.
     pub max_ledger_bytes: u64,
 }
@@ -95,6 +102,8 @@ impl Default for Limits {
             max_kv_value_bytes: 64 << 10,
             kv: crate::store::KvQuota::default(),
             max_ledger_rows: 50_000,
+            tree_max_runs: 10_000,
+            tree_max_open: 1_000,
             max_ledger_bytes: 64 << 20,
         }
     }

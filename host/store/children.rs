@@ -31,8 +31,19 @@ pub struct Spawn {
     pub plugin: String,
     /// JSON text.
     pub input: String,
-    pub priority: i64,
+    /// The child's priority: its parent's if `None`; one higher than its
+    /// parent's is lowered to the parent's.
+    pub priority: Option<i64>,
+    /// The child's concurrency key: its parent's if `None` (none if the
+    /// parent has none); another is refused unless `key_grants` covers it.
     pub concurrency_key: Option<String>,
+    /// Prefixes of the keys a child may name other than its parent's (`*`:
+    /// any), from the spawning plugin's `spawn_allow` entries `key:PREFIX`.
+    pub key_grants: Vec<String>,
+    /// Most runs a tree may have spawned, its root not counted.
+    pub max_tree_runs: i64,
+    /// Most spawned runs of a tree open at once.
+    pub max_tree_open: i64,
     pub max_attempts: i64,
     /// Left open when the parent fails or is aborted (default: cancelled).
     pub detached: bool,
@@ -109,6 +120,7 @@ impl Store {
             .retry(|| async {
                 let mut tx = self.writer().begin().await?;
                 guard(self, &mut tx, lease).await?;
+                let (priority, key) = self.tree_room(&mut tx, lease.run_id, spawn).await?;
                 let row = sqlx::query(sql!(
                     self,
                     "INSERT INTO runs (thread_id, plugin, plugin_digest, input, status, max_attempts, not_before, \
@@ -121,8 +133,8 @@ impl Store {
                 .bind(&spawn.input)
                 .bind(spawn.max_attempts)
                 .bind(&secret)
-                .bind(spawn.priority)
-                .bind(spawn.concurrency_key.as_deref().unwrap_or(""))
+                .bind(priority)
+                .bind(&key)
                 .bind(lease.run_id)
                 .bind(call.seq)
                 .bind(i64::from(spawn.detached))
@@ -162,6 +174,62 @@ impl Store {
 
     /// How many runs are above `run_id` in its tree (0 for a root). A
     /// run's ancestors never change, so this needs no lock.
+    /// Inside a spawn's transaction, after its guard: refuses the spawn
+    /// ([`StoreError::Refused`]) if the parent's tree has spawned
+    /// `max_tree_runs` runs, or has `max_tree_open` of them open, or if
+    /// the child names a key that is neither its parent's nor granted;
+    /// else returns the child's priority and key (`''`: none). On
+    /// PostgreSQL the tree's spawns count one at a time (an advisory lock
+    /// on the root, not its row: a cascade cancel locks the root, then its
+    /// children).
+    async fn tree_room(&self, conn: &mut sqlx::AnyConnection, parent: i64, spawn: &Spawn) -> Result<(i64, String), StoreError> {
+        let row = sqlx::query(sql!(self, "SELECT COALESCE(root_id, id) AS root, priority, concurrency_key FROM runs WHERE id = $1"))
+            .bind(parent)
+            .fetch_one(&mut *conn)
+            .await?;
+        let root: i64 = row.try_get("root")?;
+        let (parent_priority, parent_key): (i64, String) = (row.try_get("priority")?, row.try_get("concurrency_key")?);
+        if self.backend() == crate::store::Backend::Postgres {
+            sqlx::query("SELECT pg_advisory_xact_lock(CAST(1818 AS INTEGER), CAST($1 % 2147483647 AS INTEGER))")
+                .bind(root)
+                .execute(&mut *conn)
+                .await?;
+        }
+        let counts = sqlx::query(sql!(
+            self,
+            "SELECT CAST(COUNT(*) AS BIGINT) AS runs, \
+             CAST(COALESCE(SUM(CASE WHEN finished_at IS NULL THEN 1 ELSE 0 END), 0) AS BIGINT) AS open \
+             FROM runs WHERE root_id = $1"
+        ))
+        .bind(root)
+        .fetch_one(&mut *conn)
+        .await?;
+        let (runs, open): (i64, i64) = (counts.try_get("runs")?, counts.try_get("open")?);
+        if runs >= spawn.max_tree_runs {
+            return Err(StoreError::Refused(format!(
+                "run {root}'s tree has spawned {runs} runs, at most {} (--tree-max-runs)",
+                spawn.max_tree_runs
+            )));
+        }
+        if open >= spawn.max_tree_open {
+            return Err(StoreError::Refused(format!(
+                "run {root}'s tree has {open} spawned runs open, at most {} at once (--tree-max-open): wait for some to finish",
+                spawn.max_tree_open
+            )));
+        }
+        let priority = spawn.priority.map_or(parent_priority, |p| p.min(parent_priority));
+        let key = match spawn.concurrency_key.as_deref() {
+            None => parent_key,
+            Some(k) if k == parent_key || spawn.key_grants.iter().any(|g| g == "*" || k.starts_with(g.as_str())) => k.to_string(),
+            Some(k) => {
+                return Err(StoreError::Refused(format!(
+                    "concurrency key {k:?} is not this run's ({parent_key:?}), and this plugin's spawn_allow grants no key:PREFIX for it"
+                )));
+            }
+        };
+        Ok((priority, key))
+    }
+
     pub async fn depth(&self, run_id: i64) -> Result<i64, StoreError> {
         Ok(sqlx::query_scalar(sql!(
             self,
@@ -291,7 +359,30 @@ impl Store {
     /// (so every later write of a segment still running on any host fails
     /// its guard) and a `cancelled` event. Returns the runs cancelled,
     /// `run_id` first if it was open.
+    ///
+    /// On PostgreSQL the statement is made again until it cancels
+    /// nothing: its snapshot predates the lock waits, so a child whose
+    /// spawn held a parent's row and committed while the statement waited
+    /// for it was not in that statement's tree; the next one sees it. A run
+    /// cancelled stays locked until commit, so it spawns nothing more.
     pub(crate) async fn cancel_subtree(&self, conn: &mut sqlx::AnyConnection, run_id: i64) -> Result<Vec<Run>, StoreError> {
+        let mut runs = Vec::new();
+        loop {
+            let pass = self.cancel_subtree_once(conn, run_id).await?;
+            let done = pass.is_empty() || self.backend() == crate::store::Backend::Sqlite;
+            runs.extend(pass);
+            if done {
+                break;
+            }
+        }
+        runs.sort_by_key(|r| (r.id != run_id, r.id));
+        for run in &runs {
+            log::append(self, conn, &run.thread_id, run.id, run.fence, kind::CANCELLED, &json!({})).await?;
+        }
+        Ok(runs)
+    }
+
+    async fn cancel_subtree_once(&self, conn: &mut sqlx::AnyConnection, run_id: i64) -> Result<Vec<Run>, StoreError> {
         let rows = sqlx::query(sql!(
             self,
             "WITH RECURSIVE sub(id) AS (SELECT CAST($1 AS BIGINT) UNION ALL \
@@ -305,12 +396,7 @@ impl Store {
         .bind(run_id)
         .fetch_all(&mut *conn)
         .await?;
-        let mut runs = rows.iter().map(Run::from_row).collect::<Result<Vec<_>, _>>()?;
-        runs.sort_by_key(|r| (r.id != run_id, r.id));
-        for run in &runs {
-            log::append(self, conn, &run.thread_id, run.id, run.fence, kind::CANCELLED, &json!({})).await?;
-        }
-        Ok(runs)
+        Ok(rows.iter().map(Run::from_row).collect::<Result<Vec<_>, _>>()?)
     }
 
     /// Applies finished parents' policy: cancels (with their subtrees) up

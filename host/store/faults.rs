@@ -22,6 +22,9 @@ pub struct Faults {
     /// 1: pause spawns before their commit; 2: after it (see
     /// [`Faults::pause_spawns`]).
     spawn_pause: AtomicU32,
+    spawn_hold_ms: AtomicU64,
+    /// Told each time a spawn is held ([`Faults::hold_spawn_commits`]).
+    spawn_held: tokio::sync::Notify,
 }
 
 /// Where [`Faults::pause_spawns`] holds a spawn.
@@ -111,9 +114,26 @@ impl Faults {
         self.spawn_pause.store(if at == SpawnPause::Before { 1 } else { 2 }, Ordering::Relaxed);
     }
 
+    /// Holds every spawn this long just before its commit, with the
+    /// parent's row locked, telling [`Faults::spawn_held`] each time.
+    /// `Duration::ZERO` clears it.
+    pub fn hold_spawn_commits(&self, by: Duration) {
+        self.spawn_hold_ms.store(by.as_millis() as u64, Ordering::Relaxed);
+    }
+
+    /// Returns once a spawn is being held ([`Faults::hold_spawn_commits`]).
+    pub async fn spawn_held(&self) {
+        self.spawn_held.notified().await;
+    }
+
     /// The pause [`Faults::pause_spawns`] asked for at this point, if any.
     pub(crate) async fn spawn_pause(&self, at: SpawnPause) {
         let want = if at == SpawnPause::Before { 1 } else { 2 };
+        let hold = self.spawn_hold_ms.load(Ordering::Relaxed);
+        if at == SpawnPause::Before && hold > 0 {
+            self.spawn_held.notify_one();
+            tokio::time::sleep(Duration::from_millis(hold)).await;
+        }
         if self.spawn_pause.load(Ordering::Relaxed) == want {
             tracing::warn!(?at, "test setting: pausing a spawn for a minute");
             tokio::time::sleep(Duration::from_secs(60)).await;

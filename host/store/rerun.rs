@@ -26,6 +26,16 @@ impl Store {
     /// rows (all replayed).
     pub async fn rerun_prefix(&self, run_id: i64, from_seq: i64) -> Result<(Run, Vec<EffectRow>), StoreError> {
         let run = self.get_run(run_id).await?;
+        // A rerun is a root of its own: a child's would escape the budget
+        // its tree is held to.
+        if let Some(parent) = run.parent_id
+            && self.budgeted(run_id).await?
+        {
+            return Err(StoreError::Refused(format!(
+                "run {run_id} is a child (of run {parent}) in a tree with a budget, and a rerun is a root of its own \
+                 that would not draw on it: rerun the tree's root instead"
+            )));
+        }
         let rows = self.effects(run_id).await?;
         let count = rows.len() as i64;
         if !(0..=count).contains(&from_seq) {

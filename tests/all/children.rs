@@ -132,7 +132,7 @@ async fn sigkill_at_spawn(db: &TestDb, at: &str) -> Result<()> {
     std::fs::write(dir.path().join("fanout.wasm"), plugins::rust_plugin("fanout")?)?;
     let host = |owner: &str, pause: Option<&str>| -> Result<ServeArgs<'_>> {
         let mut args = ServeArgs::new(db.url(), dir.path(), owner.into())?;
-        args.extra.push("--spawn-allow=testkit".into());
+        args.extra.push("--spawn-allow=fanout=testkit".into());
         args.extra.extend(pause.map(|p| format!("--test-pause-spawns={p}")));
         Ok(args)
     };
@@ -383,4 +383,134 @@ fn components_built_against_0_1_0_import_its_host_interface() -> Result<()> {
     let imports: Vec<String> = fanout.component_type().imports(runtime.engine()).map(|(name, _)| name.to_string()).collect();
     ensure!(imports.iter().any(|i| i == "leasehold:turn/children@0.2.0"), "fanout imports {imports:?}");
     Ok(())
+}
+
+/// `testkit` and `fanout` registered on `runtime`, fanout granted `spawn_allow`.
+async fn registered_on(db: &TestDb, runtime: &Arc<leasehold::runtime::Runtime>, spawn_allow: &[&str]) -> Result<()> {
+    leasehold::plugins::register(&db.store, runtime, "testkit", plugins::rust_plugin("testkit")?, PluginSettings::default()).await?;
+    let grant = PluginSettings { spawn_allow: spawn_allow.iter().map(|p| p.to_string()).collect(), ..PluginSettings::default() };
+    leasehold::plugins::register(&db.store, runtime, "fanout", plugins::rust_plugin("fanout")?, grant).await?;
+    Ok(())
+}
+
+both! {
+    async fn a_tree_is_refused_spawns_past_its_caps_with_the_reason(db) {
+        use leasehold::runtime::Limits;
+        let narrow = plugins::runtime_with(Limits { tree_max_open: 3, ..Limits::default() })?;
+        registered_on(db, &narrow, &["testkit"]).await?;
+        let parent = submit(&db.store, "fanout", json!({ "n": 4, "input": { "mode": "wait" } })).await?;
+        host(db, &narrow, "h1").run_once().await?.context("nothing claimed")?;
+        let done = db.store.get_run(parent).await?;
+        let error = done.error.clone().unwrap_or_default();
+        ensure!(done.status == RunStatus::Failed && error.contains("at most 3 at once (--tree-max-open)"), "{:?}: {error}", done.status);
+        ensure!(children(&db.store, parent).await?.len() == 3, "the open cap let more through");
+        for kid in children(&db.store, parent).await? {
+            db.store.cancel(kid.id).await?;
+        }
+        let few = plugins::runtime_with(Limits { tree_max_runs: 5, tree_max_open: 100, ..Limits::default() })?;
+        registered_on(db, &few, &["testkit"]).await?;
+        let parent = submit(&db.store, "fanout", json!({ "n": 6, "then": "leave" })).await?;
+        host(db, &few, "h2").run_once().await?.context("nothing claimed")?;
+        let done = db.store.get_run(parent).await?;
+        let error = done.error.clone().unwrap_or_default();
+        ensure!(done.status == RunStatus::Failed && error.contains("at most 5 (--tree-max-runs)"), "{:?}: {error}", done.status);
+        ensure!(children(&db.store, parent).await?.len() == 5);
+        Ok(())
+    }
+
+    async fn a_child_keeps_its_parents_priority_at_most_and_its_key_unless_granted_another(db) {
+        let runtime = registered(db, &["testkit"]).await?;
+        let exec = host(db, &runtime, "h1");
+        let keyed = |input: Value| NewRun { priority: 5, concurrency_key: Some("tenant-a".into()), ..NewRun::new("fanout", input.to_string()) };
+        let parent = db.store.create_run(&keyed(json!({ "n": 2, "options": { "priority": 9 }, "then": "leave" }))).await?.0.id;
+        exec.run_once().await?.context("nothing claimed")?;
+        let kids = children(&db.store, parent).await?;
+        ensure!(kids.len() == 2, "{} children", kids.len());
+        for kid in &kids {
+            ensure!(kid.priority == 5 && kid.concurrency_key.as_deref() == Some("tenant-a"), "child {}: priority {}, key {:?}", kid.id, kid.priority, kid.concurrency_key);
+            db.store.cancel(kid.id).await?;
+        }
+        let other = json!({ "n": 1, "options": { "concurrency_key": "other" }, "then": "leave" });
+        let parent = db.store.create_run(&keyed(other.clone())).await?.0.id;
+        exec.run_once().await?.context("nothing claimed")?;
+        let done = db.store.get_run(parent).await?;
+        let error = done.error.clone().unwrap_or_default();
+        ensure!(done.status == RunStatus::Failed && error.contains("concurrency key \"other\" is not this run's"), "{:?}: {error}", done.status);
+        ensure!(children(&db.store, parent).await?.is_empty());
+        // Granted keys starting "oth".
+        registered_on(db, &runtime, &["testkit", "key:oth"]).await?;
+        let parent = db.store.create_run(&keyed(other)).await?.0.id;
+        exec.run_once().await?.context("nothing claimed")?;
+        let kids = children(&db.store, parent).await?;
+        ensure!(kids.len() == 1 && kids[0].concurrency_key.as_deref() == Some("other"), "{kids:?}");
+        Ok(())
+    }
+
+    async fn a_rerun_of_a_child_under_a_budget_is_refused(db) {
+        let runtime = registered(db, &["testkit"]).await?;
+        let exec = host(db, &runtime, "h1");
+        let input = json!({ "n": 1, "input": { "mode": "steps", "steps": 1 } }).to_string();
+        let root = db.store.create_run(&NewRun { budget_tokens: Some(1_000), ..NewRun::new("fanout", input.clone()) }).await?.0.id;
+        let free = db.store.create_run(&NewRun::new("fanout", input)).await?.0.id;
+        exec.drain().await?;
+        let child = children(&db.store, root).await?.pop().context("no child")?;
+        match db.store.rerun_prefix(child.id, 0).await {
+            Err(leasehold::store::StoreError::Refused(m)) => ensure!(m.contains("budget"), "{m}"),
+            other => bail!("a rerun of a child under a budget: {:?}", other.map(|(r, _)| r.id)),
+        }
+        let child = children(&db.store, free).await?.pop().context("no child")?;
+        db.store.rerun_prefix(child.id, 0).await?;
+        Ok(())
+    }
+
+    async fn a_cancel_racing_a_spawn_cancels_the_child_the_spawn_commits(db) {
+        let runtime = registered(db, &["testkit"]).await?;
+        let exec = host(db, &runtime, "h1");
+        let root = submit(&db.store, "fanout", json!({ "n": 1, "input": { "mode": "wait" } })).await?;
+        db.store.faults().hold_spawn_commits(Duration::from_millis(1000));
+        let held = db.store.faults().spawn_held();
+        let turn = tokio::spawn(async move { exec.run_once().await });
+        tokio::time::timeout(Duration::from_secs(20), held).await.context("the spawn was never held")?;
+        // The spawn holds the parent's row and commits its child in a moment.
+        db.store.cancel(root).await?;
+        db.store.faults().hold_spawn_commits(Duration::ZERO);
+        let kids = children(&db.store, root).await?;
+        ensure!(kids.len() <= 1);
+        for kid in &kids {
+            ensure!(kid.status == RunStatus::Cancelled, "child {} spawned as its parent was cancelled is {:?}", kid.id, kid.status);
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(20), turn).await;
+        let kids = children(&db.store, root).await?;
+        ensure!(kids.iter().all(|k| k.status == RunStatus::Cancelled), "{:?}", kids.iter().map(|k| k.status).collect::<Vec<_>>());
+        Ok(())
+    }
+}
+
+/// `serve --spawn-allow` grants each plugin of `--plugins-dir` its own
+/// entries (`PLUGIN=GRANT`, `*=GRANT` for all), and refuses a bare one.
+#[tokio::test]
+async fn serve_spawn_allow_grants_each_plugin_its_own_and_refuses_a_bare_entry() -> Result<()> {
+    crate::harness::run_on(leasehold::store::Backend::Sqlite, async |db| {
+        use crate::serve_proc::{ServeArgs, ServeProc};
+        let dir = tempfile::tempdir()?;
+        std::fs::write(dir.path().join("testkit.wasm"), plugins::rust_plugin("testkit")?)?;
+        std::fs::write(dir.path().join("fanout.wasm"), plugins::rust_plugin("fanout")?)?;
+        let mut args = ServeArgs::new(db.url(), dir.path(), "h1".into())?;
+        args.extra.push("--spawn-allow=fanout=testkit,*=key:t-".into());
+        let _serve = ServeProc::spawn(&args)?;
+        leasehold::effects::http::install_tls();
+        let http = crate::serve_proc::client(reqwest::Client::builder())?;
+        crate::serve_proc::wait_healthy(&http, &_serve.base, Duration::from_secs(60)).await?;
+        let (_, fanout) = db.store.plugin_settings("fanout").await?.context("fanout")?;
+        let (_, testkit) = db.store.plugin_settings("testkit").await?.context("testkit")?;
+        ensure!(fanout.spawn_allow == ["testkit", "key:t-"], "fanout: {:?}", fanout.spawn_allow);
+        ensure!(testkit.spawn_allow == ["key:t-"], "testkit: {:?}", testkit.spawn_allow);
+        let bare = std::process::Command::new(env!("CARGO_BIN_EXE_leasehold"))
+            .args(["serve", "--database-url", "sqlite::memory:", "--plugins-dir", "none", "--insecure", "--spawn-allow", "testkit"])
+            .output()?;
+        let said = String::from_utf8_lossy(&bare.stderr);
+        ensure!(!bare.status.success() && said.contains("PLUGIN=testkit"), "a bare grant: {:?} {said}", bare.status);
+        Ok(())
+    })
+    .await
 }

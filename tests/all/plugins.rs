@@ -67,6 +67,18 @@ pub fn runtime() -> Result<Arc<Runtime>> {
     })?))
 }
 
+/// [`runtime`] with `limits` as the host's defaults.
+pub fn runtime_with(limits: Limits) -> Result<Arc<Runtime>> {
+    let cache_dir = root().join("target/component-cache");
+    Ok(Arc::new(Runtime::new(RuntimeConfig {
+        cache_dir,
+        max_instances: 8,
+        pool_max_memory_bytes: 256 << 20,
+        default_limits: limits,
+        ..RuntimeConfig::default()
+    })?))
+}
+
 /// The test plugin's limits: small enough that hostile modes end quickly,
 /// and a slice budget far above what any test turn computes, so a loaded
 /// machine never slices a turn a test expects to finish in one segment.
