@@ -6,7 +6,7 @@ use super::{Executor, Handoff, SegmentOutcome};
 use crate::runtime::GuestErrorKind;
 use crate::runtime::host::{Held, Interrupt, SegmentState, storable};
 use crate::runtime::Plugin;
-use crate::store::{Lease, Outcome, StoreError, Suspend};
+use crate::store::{Lease, Outcome, RunStatus, StoreError, Suspend};
 
 impl Executor {
     /// Turns the guest's result into the run's next state.
@@ -36,6 +36,8 @@ impl Executor {
                 limits.max_output_bytes
             ),
         };
+        // Whether the segment got anywhere: a settled call or a held put.
+        let progressed = state.settled > 0 || !tail.puts.is_empty();
         match (result, state.interrupt.clone()) {
             (Ok(Ok(output)), _) if output.len() > limits.max_output_bytes => {
                 self.finish(lease, too_large(output.len()), GuestErrorKind::OutputTooLarge, &tail, next).await
@@ -50,15 +52,15 @@ impl Executor {
                 let error = format!("turn-error: {error}");
                 self.finish(lease, Outcome::Failed { error }, GuestErrorKind::TurnError, &tail, next).await
             }
-            (Err(_), Some(Interrupt::WaitInput { prompt })) => self.suspend(lease, Suspend::WaitInput { prompt }, &tail).await,
-            (Err(_), Some(Interrupt::Sleep { delay_ms })) => self.suspend(lease, Suspend::Sleep { delay_ms }, &tail).await,
-            (Err(_), Some(Interrupt::Rate { key, delay_ms })) => self.suspend(lease, Suspend::Rate { delay_ms, key }, &tail).await,
-            (Err(_), Some(Interrupt::AwaitChildren(wait))) => self.suspend(lease, Suspend::Children(wait), &tail).await,
-            (Err(_), Some(Interrupt::WaitNamed(wait))) => self.suspend(lease, Suspend::Named(wait), &tail).await,
-            (Err(_), Some(Interrupt::Budget)) => self.suspend(lease, Suspend::Budget, &tail).await,
+            (Err(_), Some(Interrupt::WaitInput { prompt })) => self.suspend(lease, Suspend::WaitInput { prompt }, &tail, progressed).await,
+            (Err(_), Some(Interrupt::Sleep { delay_ms })) => self.suspend(lease, Suspend::Sleep { delay_ms }, &tail, progressed).await,
+            (Err(_), Some(Interrupt::Rate { key, delay_ms })) => self.suspend(lease, Suspend::Rate { delay_ms, key }, &tail, progressed).await,
+            (Err(_), Some(Interrupt::AwaitChildren(wait))) => self.suspend(lease, Suspend::Children(wait), &tail, progressed).await,
+            (Err(_), Some(Interrupt::WaitNamed(wait))) => self.suspend(lease, Suspend::Named(wait), &tail, progressed).await,
+            (Err(_), Some(Interrupt::Budget { tokens, usd_nanos })) => self.suspend(lease, Suspend::Budget { tokens, usd_nanos }, &tail, progressed).await,
             (Err(_), Some(Interrupt::Slice)) => {
                 if state.settled > 0 || !tail.puts.is_empty() {
-                    self.suspend(lease, Suspend::Takeover, &tail).await
+                    self.suspend(lease, Suspend::Takeover, &tail, true).await
                 } else {
                     // Replay is deterministic: a slice that settled nothing
                     // would do exactly the same next time.
@@ -75,7 +77,7 @@ impl Executor {
                     self.finish(lease, Outcome::Failed { error }, GuestErrorKind::Timeout, &tail, next).await
                 }
             }
-            (Err(_), Some(Interrupt::Shutdown | Interrupt::Pause)) => self.suspend(lease, Suspend::Takeover, &tail).await,
+            (Err(_), Some(Interrupt::Shutdown | Interrupt::Pause)) => self.suspend(lease, Suspend::Takeover, &tail, progressed).await,
             (Err(_), Some(Interrupt::LeaseLost)) => Ok(SegmentOutcome::LeaseLost),
             (Err(_), Some(Interrupt::Store(e))) => Ok(SegmentOutcome::Abandoned(e)),
             // Only offline replay stops at the frontier; a live segment
@@ -143,7 +145,7 @@ impl Executor {
     }
 
     /// Suspends the run after writing `tail` (its last held deltas and puts).
-    pub(super) async fn suspend(&self, lease: &Lease, how: Suspend, tail: &Held) -> Result<SegmentOutcome, StoreError> {
+    pub(super) async fn suspend(&self, lease: &Lease, how: Suspend, tail: &Held, progressed: bool) -> Result<SegmentOutcome, StoreError> {
         if !tail.deltas.is_empty() || !tail.puts.is_empty() {
             let deltas: Vec<&str> = tail.deltas.iter().map(String::as_str).collect();
             match self.store.write_held(lease, &deltas, &tail.puts).await {
@@ -152,9 +154,27 @@ impl Executor {
                 Err(e) => return Err(e),
             }
         }
-        match self.store.suspend(lease, &how).await {
+        match self.store.suspend_after(lease, &how, progressed).await {
             Ok(status) => Ok(SegmentOutcome::Suspended(status)),
             Err(StoreError::LeaseLost(_)) => Ok(SegmentOutcome::LeaseLost),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+impl Executor {
+    /// Paused (store::pause): a lease taken over, or a run paused before
+    /// or while it sat in a local queue, is given back before its guest
+    /// starts. `None`: not paused (or resumed since): run it.
+    pub(super) async fn give_back_if_paused(&self, run: &crate::store::Run, lease: &Lease, charged: bool) -> Result<Option<SegmentOutcome>, StoreError> {
+        if run.paused_at.is_none() && !self.store.hub().was_paused(run.id) {
+            return Ok(None);
+        }
+        let first = run.fence == if run.rerun_of.is_some() { 2 } else { 1 };
+        match self.store.give_back_paused(lease, charged, first).await {
+            Ok(true) => Ok(Some(SegmentOutcome::Suspended(if first { RunStatus::Queued } else { RunStatus::WaitingTakeover }))),
+            Ok(false) if run.paused_at.is_none() => Ok(None),
+            Ok(false) | Err(StoreError::LeaseLost(_)) => Ok(Some(SegmentOutcome::LeaseLost)),
             Err(e) => Err(e),
         }
     }

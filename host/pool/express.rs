@@ -44,13 +44,19 @@ impl Express {
     }
 
     /// Claims up to [`EXPRESS_RUNS`] runs for the queue, ahead of the runs
-    /// the claim orders after them. A failed claim is left to the
-    /// dispatcher's next one.
-    pub(super) async fn claim(&mut self, exec: &Executor, local: &Local) {
+    /// the claim orders after them, and no more than the queue's bound has
+    /// room for: at the bound, one run, and the queue gives back its last
+    /// ([`Local::trim`]). A failed claim is left to the dispatcher's next
+    /// one.
+    pub(super) async fn claim(&mut self, exec: &Executor, store: &Store, local: &Local) {
         self.last = Some(Instant::now());
         crate::metrics::global().express_claims.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        match exec.claim_charging(EXPRESS_RUNS, 0).await {
-            Ok(claimed) => claimed.into_iter().for_each(|c| local.push_ahead(c)),
+        let want = local.hard_room().clamp(1, EXPRESS_RUNS);
+        match exec.claim_charging(want, 0).await {
+            Ok(claimed) => {
+                claimed.into_iter().for_each(|c| local.push_ahead(c));
+                local.trim(store).await;
+            }
             Err(e) => tracing::debug!(error = %e, "express claim failed; the next claim finds the run"),
         }
     }

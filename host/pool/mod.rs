@@ -173,7 +173,7 @@ async fn dispatch(store: Store, exec: Arc<Executor>, config: PoolConfig, local: 
                 _ = local.room_grew.notified(), if config.prefetch > 0 => continue,
                 _ = tokio::time::sleep(stale.unwrap_or_default()), if stale.is_some() => continue,
                 _ = express.due(&store, &local) => {
-                    express.claim(&exec, &local).await;
+                    express.claim(&exec, &store, &local).await;
                     continue;
                 }
                 _ = stopping.changed() => break,
@@ -302,8 +302,14 @@ fn spawn_segment(
                 }
                 break;
             }
-            if next.is_none() {
-                next = local.take(&store).await;
+            match next.take() {
+                // The run its close claimed waits if a queued one outranks it.
+                Some(mine) if local.front_priority() > Some(mine.run.priority) => {
+                    local.push(mine);
+                    next = local.take(&store).await;
+                }
+                Some(mine) => next = Some(mine),
+                None => next = local.take(&store).await,
             }
         }
         drop(slot);

@@ -9,8 +9,10 @@ use tokio::sync::Semaphore;
 
 use crate::store::{Backend, Claimed, Store};
 
-/// The local queue: runs claimed ahead of free workers, in claim order,
-/// but for express claims ([`Local::push_ahead`]).
+/// The local queue: runs claimed ahead of free workers, highest priority
+/// first, in claim order within a priority (and express claims among them
+/// by [`Local::push_ahead`]'s rule), so a higher priority starts first,
+/// queued or not.
 ///
 /// A queued run's lease is running, and its segment measures its lease
 /// from the claim, so the queue is kept short (`prefetch`) and a run that
@@ -128,9 +130,44 @@ impl Local {
         let _all = self.closing.acquire_many(self.closing_max).await;
     }
 
+    /// Queues `claimed` after the queued runs of its priority or higher
+    /// (scanned from the back: one comparison while every run has one
+    /// priority).
     pub(super) fn push(&self, claimed: Claimed) {
-        self.queue.lock().expect("local queue lock").push_back((claimed, Instant::now()));
+        let mut queue = self.queue.lock().expect("local queue lock");
+        let p = claimed.run.priority;
+        let at = queue.iter().rposition(|(q, _)| q.run.priority >= p).map_or(0, |i| i + 1);
+        queue.insert(at, (claimed, Instant::now()));
         crate::metrics::global().prefetched.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The priority of the run the queue would start next, if any.
+    pub(super) fn front_priority(&self) -> Option<i64> {
+        self.queue.lock().expect("local queue lock").front().map(|(q, _)| q.run.priority)
+    }
+
+    /// Room under the queue's bound (`prefetch`), whatever its target.
+    pub(super) fn hard_room(&self) -> usize {
+        self.prefetch.saturating_sub(self.len())
+    }
+
+    /// Gives back the last queued runs (the lowest priority, the newest)
+    /// beyond `prefetch`: an express claim at the bound takes one run, and
+    /// the queue lets its last one go.
+    pub(super) async fn trim(&self, store: &Store) {
+        loop {
+            let last = {
+                let mut queue = self.queue.lock().expect("local queue lock");
+                if queue.len() <= self.prefetch {
+                    return;
+                }
+                queue.pop_back()
+            };
+            if let Some((claimed, _)) = last {
+                crate::metrics::global().prefetched.fetch_sub(1, Ordering::Relaxed);
+                give_back(store, &claimed).await;
+            }
+        }
     }
 
     /// Queues a run of an express claim (a submit of a keyed or

@@ -283,7 +283,7 @@ impl Store {
     /// parent, the order in which a child's end reaches its parent, so the
     /// two never wait on each other; a child ending meanwhile is waited
     /// for and then seen ended.
-    pub async fn suspend_for_children(&self, lease: &Lease, wait: &ChildWait) -> Result<RunStatus, StoreError> {
+    pub async fn suspend_for_children(&self, lease: &Lease, wait: &ChildWait, progressed: bool) -> Result<RunStatus, StoreError> {
         let list = json!(wait.ids).to_string();
         let thread = self
             .retry(|| async {
@@ -321,8 +321,8 @@ impl Store {
                     self,
                     "UPDATE runs SET status = 'queued', lease_owner = NULL, lease_expires_at = NULL, \
                      not_before = COALESCE($4, {now}), waiting_for = $5, await_seq = $6, await_left = $7, \
-                     attempt = 0, updated_at = {now} \
-                     WHERE id = $1 AND lease_owner = $2 AND fence = $3 AND status = 'running' \
+                     attempt = CASE WHEN $8 THEN 0 WHEN attempt > 0 THEN attempt - 1 ELSE 0 END, updated_at = {now} \
+                     WHERE id = $1 AND lease_owner = $2 AND fence = $3 AND status = 'running' AND lease_expires_at >= {clock} \
                      RETURNING thread_id, not_before"
                 ))
                 .bind(lease.run_id)
@@ -332,6 +332,7 @@ impl Store {
                 .bind(waiting)
                 .bind(wait.seq)
                 .bind(left)
+                .bind(progressed)
                 .fetch_optional(&mut *tx)
                 .await?
                 .ok_or_else(|| rejected(lease))?;

@@ -19,6 +19,11 @@ pub struct Hub {
     open: AtomicUsize,
     /// The pause flags of the segments running on this host, by run.
     segments: Mutex<HashMap<i64, Arc<AtomicBool>>>,
+    /// Runs paused on this host while leased (claimed for a local queue,
+    /// their segment not started): a segment that starts looks here.
+    paused_leased: Mutex<std::collections::HashSet<i64>>,
+    /// How many: a segment's start skips the lock while there are none.
+    paused_count: AtomicUsize,
 }
 
 /// A segment registered with [`Hub::running`]; dropped, it is not.
@@ -88,6 +93,29 @@ impl Hub {
         if let Some(flag) = self.segments.lock().expect("hub lock").get(&run_id) {
             flag.store(paused, Ordering::Relaxed);
         }
+    }
+
+    /// Run `run_id`, leased, was paused on this host: its segment, if one
+    /// starts here, gives it back before its guest starts.
+    pub(crate) fn paused_leased(&self, run_id: i64) {
+        if self.paused_leased.lock().expect("hub lock").insert(run_id) {
+            self.paused_count.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    /// Forgets run `run_id`'s pause (resumed, or given back).
+    pub(crate) fn forget_paused(&self, run_id: i64) {
+        if self.paused_count.load(Ordering::SeqCst) == 0 {
+            return;
+        }
+        if self.paused_leased.lock().expect("hub lock").remove(&run_id) {
+            self.paused_count.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    /// Whether run `run_id` was paused on this host while leased.
+    pub fn was_paused(&self, run_id: i64) -> bool {
+        self.paused_count.load(Ordering::SeqCst) > 0 && self.paused_leased.lock().expect("hub lock").contains(&run_id)
     }
 
     /// The threads watched now.

@@ -76,7 +76,7 @@ impl Store {
     /// Statement 5 for a named wait: suspends the run `lease` holds as
     /// `queued`, waiting on `wait.name` until its deadline. A delivery
     /// that landed meanwhile (after the turn looked) leaves it due at once.
-    pub(crate) async fn suspend_named(&self, lease: &Lease, wait: &NamedWait) -> Result<RunStatus, StoreError> {
+    pub(crate) async fn suspend_named(&self, lease: &Lease, wait: &NamedWait, progressed: bool) -> Result<RunStatus, StoreError> {
         let waiting = waiting_for(&wait.name);
         let thread = self
             .retry(|| async {
@@ -87,8 +87,9 @@ impl Store {
                 let row = sqlx::query(sql!(
                     self,
                     "UPDATE runs SET status = 'queued', lease_owner = NULL, lease_expires_at = NULL, \
-                     not_before = $4, waiting_for = $5, attempt = 0, updated_at = {now} \
-                     WHERE id = $1 AND lease_owner = $2 AND fence = $3 AND status = 'running' \
+                     not_before = $4, waiting_for = $5, attempt = CASE WHEN $6 THEN 0 WHEN attempt > 0 THEN attempt - 1 ELSE 0 END, \
+                     updated_at = {now} \
+                     WHERE id = $1 AND lease_owner = $2 AND fence = $3 AND status = 'running' AND lease_expires_at >= {clock} \
                      RETURNING thread_id"
                 ))
                 .bind(lease.run_id)
@@ -96,6 +97,7 @@ impl Store {
                 .bind(lease.fence)
                 .bind(wait.deadline.unwrap_or(FOREVER))
                 .bind(&waiting)
+                .bind(progressed)
                 .fetch_optional(&mut *tx)
                 .await?
                 .ok_or_else(|| rejected(lease))?;

@@ -51,6 +51,10 @@ impl Store {
             })
             .await?;
         self.hub().paused(run_id, run.paused_at.is_some());
+        if run.status == RunStatus::Running && run.paused_at.is_some() {
+            // Perhaps in this host's local queue, its guest not started.
+            self.hub().paused_leased(run_id);
+        }
         self.hub().wake(&run.thread_id);
         Ok(run)
     }
@@ -81,6 +85,7 @@ impl Store {
             .await?;
         if resumed {
             self.hub().paused(run_id, false);
+            self.hub().forget_paused(run_id);
             self.hub().wake(&run.thread_id);
             if run.status != RunStatus::Running {
                 self.signal_work(true).await;

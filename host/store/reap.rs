@@ -118,7 +118,7 @@ impl Store {
                     "UPDATE runs SET fence = fence WHERE id = $1 AND fence = $2 AND status = $3 \
                      AND ((status = 'running' AND lease_expires_at < {now}) \
                           OR (status <> 'running' AND attempt >= max_attempts)) \
-                     RETURNING attempt, max_attempts, runs.partial || {unfolded} AS partial, thread_id, lease_owner"
+                     RETURNING attempt, max_attempts, runs.partial || {unfolded} AS partial, thread_id, lease_owner, paused_at"
                 ))
                 .bind(id)
                 .bind(fence)
@@ -133,6 +133,7 @@ impl Store {
                 let partial: String = row.try_get("partial")?;
                 let thread_id: String = row.try_get("thread_id")?;
                 let owner: Option<String> = row.try_get("lease_owner")?;
+                let paused: Option<i64> = row.try_get("paused_at")?;
                 let aborted = attempt >= max_attempts;
                 // What the dead segment left in flight, for the abort's message.
                 let in_flight: Option<(i64, String)> = if aborted && status == RunStatus::Running {
@@ -180,6 +181,19 @@ impl Store {
                     .await?;
                     let payload = json!({ "status": RunStatus::Aborted, "output": output, "error": error });
                     log::append(store, &mut tx, &thread_id, id, fence, kind::MESSAGE, &payload).await?;
+                } else if status == RunStatus::Running && paused.is_some() {
+                    // A paused run whose host died is parked, not left for
+                    // a claim: its pause holds its `not_before` at the end
+                    // of time, and its resume makes it due.
+                    sqlx::query(sql!(
+                        store,
+                        "UPDATE runs SET status = 'waiting_takeover', lease_owner = NULL, lease_expires_at = NULL, \
+                         updated_at = {now} WHERE id = $1 AND fence = $2"
+                    ))
+                    .bind(id)
+                    .bind(fence)
+                    .execute(&mut *tx)
+                    .await?;
                 }
                 tx.commit().await?;
                 Ok(Some((aborted, in_doubt, thread_id)))

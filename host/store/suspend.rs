@@ -19,14 +19,24 @@ impl Store {
     /// wrote a ledger row. (A slice that made no progress is not suspended:
     /// the executor fails the run as a timeout.)
     pub async fn suspend(&self, lease: &Lease, how: &Suspend) -> Result<RunStatus, StoreError> {
+        self.suspend_after(lease, how, true).await
+    }
+
+    /// [`Store::suspend`] for a segment that `progressed` (settled a call
+    /// or held a put) or not. One that did not neither fails nor clears
+    /// the failures before it: only the attempt its own claim counted is
+    /// given back, so a call that kills its host every time it goes out,
+    /// between suspensions that replay up to it, still uses the run's
+    /// attempts up (a saturated rate key's suspensions, say).
+    pub async fn suspend_after(&self, lease: &Lease, how: &Suspend, progressed: bool) -> Result<RunStatus, StoreError> {
         let (status, delay, prompt, rate) = match how {
             Suspend::WaitInput { prompt } => (RunStatus::WaitingInput, 0, Some(prompt.as_str()), None),
             Suspend::Takeover => (RunStatus::WaitingTakeover, 0, None, None),
             Suspend::Sleep { delay_ms } => (RunStatus::Queued, (*delay_ms).max(0), None, None),
             Suspend::Rate { delay_ms, key } => (RunStatus::Queued, (*delay_ms).max(0), None, Some(key.as_str())),
-            Suspend::Children(wait) => return self.suspend_for_children(lease, wait).await,
-            Suspend::Named(wait) => return self.suspend_named(lease, wait).await,
-            Suspend::Budget => return self.suspend_for_budget(lease).await,
+            Suspend::Children(wait) => return self.suspend_for_children(lease, wait, progressed).await,
+            Suspend::Named(wait) => return self.suspend_named(lease, wait, progressed).await,
+            Suspend::Budget { tokens, usd_nanos } => return self.suspend_for_budget(lease, *tokens, *usd_nanos, progressed).await,
         };
         let status = self.retry(|| async move {
             let mut tx = self.writer().begin().await?;
@@ -35,8 +45,8 @@ impl Store {
                 "UPDATE runs SET status = $4, lease_owner = NULL, lease_expires_at = NULL, \
                  not_before = {now} + $5, \
                  pending_input = CASE WHEN $4 = 'waiting_input' THEN NULL ELSE pending_input END, \
-                 waiting_for = NULL, attempt = 0, updated_at = {now} \
-                 WHERE id = $1 AND lease_owner = $2 AND fence = $3 AND status = 'running' \
+                 waiting_for = NULL, attempt = CASE WHEN $6 THEN 0 WHEN attempt > 0 THEN attempt - 1 ELSE 0 END, updated_at = {now} \
+                 WHERE id = $1 AND lease_owner = $2 AND fence = $3 AND status = 'running' AND lease_expires_at >= {clock} \
                  RETURNING thread_id, not_before"
             ))
             .bind(lease.run_id)
@@ -44,6 +54,7 @@ impl Store {
             .bind(lease.fence)
             .bind(status.as_str())
             .bind(delay)
+            .bind(progressed)
             .fetch_optional(&mut *tx)
             .await?
             .ok_or_else(|| rejected(lease))?;
@@ -82,7 +93,7 @@ impl Store {
                     self,
                     "UPDATE runs SET status = 'waiting_takeover', lease_owner = NULL, lease_expires_at = NULL, \
                      attempt = CASE WHEN attempt > 0 THEN attempt - $4 ELSE 0 END, updated_at = {now} \
-                     WHERE id = $1 AND lease_owner = $2 AND fence = $3 AND status = 'running'"
+                     WHERE id = $1 AND lease_owner = $2 AND fence = $3 AND status = 'running' AND lease_expires_at >= {clock}"
                 ))
                 .bind(lease.run_id)
                 .bind(&lease.owner)
@@ -101,45 +112,59 @@ impl Store {
         Ok(())
     }
 
+    /// Gives back a paused run whose segment was about to start (its lease
+    /// taken over after a death, or it was paused while it sat in a local
+    /// queue), before its guest starts: the attempt its claim counted
+    /// (`charged`) is returned, and a run never started before (`first`)
+    /// is `queued` again with no `started_at`, as its pause found it; any
+    /// other `waiting_takeover`. Its pause holds it until resumed. False,
+    /// writing nothing, if the run is not paused (resumed since) and its
+    /// lease holds: run it. No event: nothing of this segment happened.
+    pub async fn give_back_paused(&self, lease: &Lease, charged: bool, first: bool) -> Result<bool, StoreError> {
+        let rows = self
+            .retry(|| async move {
+                Ok(sqlx::query(sql!(
+                    self,
+                    concat!(
+                        "UPDATE runs SET status = CASE WHEN $5 THEN 'queued' ELSE 'waiting_takeover' END, \
+                         started_at = CASE WHEN $5 THEN NULL ELSE started_at END, lease_owner = NULL, lease_expires_at = NULL, \
+                         attempt = CASE WHEN attempt > 0 THEN attempt - $4 ELSE 0 END, updated_at = {now} WHERE ",
+                        crate::store::guard::guarded!(),
+                        " AND paused_at IS NOT NULL"
+                    )
+                ))
+                .bind(lease.run_id)
+                .bind(&lease.owner)
+                .bind(lease.fence)
+                .bind(i64::from(charged))
+                .bind(first)
+                .execute(self.writer())
+                .await?
+                .rows_affected())
+            })
+            .await?;
+        self.hub().forget_paused(lease.run_id);
+        Ok(rows > 0)
+    }
+
     /// Delivers input to a `waiting_input` run, making it claimable.
     ///
     /// Not a lease-holder write: a waiting run has no lease. It is guarded by
     /// state instead (`waiting_input`, no owner, no input yet), so a second
     /// delivery is a `Conflict`, never an overwrite.
     pub async fn deliver_input(&self, run_id: i64, input: &str) -> Result<Run, StoreError> {
-        let mut run = self.retry(|| async move {
+        let run = self.retry(|| async move {
             let mut tx = self.writer().begin().await?;
-            let row = sqlx::query(sql!(
-                self,
-                "UPDATE runs SET pending_input = $2, updated_at = {now} \
-                 WHERE id = $1 AND status = 'waiting_input' AND pending_input IS NULL \
-                 AND lease_owner IS NULL RETURNING {runs}"
-            ))
-            .bind(run_id)
-            .bind(input)
-            .fetch_optional(&mut *tx)
-            .await?;
-            let Some(row) = row else {
-                drop(tx);
-                let run = self.get_run(run_id).await?;
-                return Err(StoreError::Conflict {
-                    run_id,
-                    status: run.status,
-                    message: if run.status == RunStatus::WaitingInput {
-                        "input was already delivered"
-                    } else {
-                        "run is not waiting for input"
-                    },
-                });
-            };
-            let run = Run::from_row(&row)?;
-            let payload = json!({ "input": input });
-            log::append(self, &mut tx, &run.thread_id, run.id, run.fence, kind::INPUT, &payload)
-                .await?;
+            let run = deliver_unnamed_in(self, &mut tx, run_id, input).await?;
             tx.commit().await?;
             Ok(run)
         })
         .await?;
+        self.input_delivered(run).await
+    }
+
+    /// After a delivery commits: wakes the run's readers and the workers.
+    pub(crate) async fn input_delivered(&self, mut run: Run) -> Result<Run, StoreError> {
         self.hub().wake(&run.thread_id);
         self.signal_work(true).await;
         // Delivered: a failed read leaves the shown partial short.

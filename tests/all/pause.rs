@@ -131,4 +131,21 @@ both! {
         ensure!(again.status == RunStatus::Completed, "resuming a run not paused changed it: {again:?}");
         Ok(())
     }
+
+    async fn an_expired_paused_lease_is_parked_by_the_reaper_and_waits_for_its_resume(db) {
+        let s = &db.store;
+        let id = s.create_run(&NewRun::new("p", "{}")).await?.0.id;
+        let dead = s.claim("dead-host", TTL).await?.ok_or_else(|| anyhow::anyhow!("nothing to claim"))?;
+        ensure!(dead.lease.run_id == id);
+        s.pause_run(id).await?;
+        db.backdate_lease(id, 60_000).await?;
+        leasehold::reaper::tick(s, &leasehold::reaper::ReaperConfig::default()).await?;
+        let parked = s.get_run(id).await?;
+        ensure!(parked.status == RunStatus::WaitingTakeover && parked.lease_owner.is_none() && parked.attempt == 1, "{parked:?}");
+        ensure!(s.claim("b", TTL).await?.is_none(), "a parked paused run was claimed");
+        s.resume_run(id).await?;
+        let taken = s.claim("b", TTL).await?.ok_or_else(|| anyhow::anyhow!("the resumed run was not claimed"))?;
+        ensure!(taken.lease.run_id == id && taken.run.attempt == 2, "{:?}", taken.run);
+        Ok(())
+    }
 }

@@ -443,3 +443,80 @@ both! {
         Ok(())
     }
 }
+
+/// A run of `ms` of sleep at `priority`.
+async fn sleeper_at(store: &Store, priority: i64, ms: u64) -> Result<i64> {
+    let input = serde_json::json!({ "mode": "script", "ops": [{ "op": "wasi-sleep", "ms": ms }] }).to_string();
+    Ok(store.create_run(&NewRun { priority, ..NewRun::new("testkit", input) }).await?.0.id)
+}
+
+both! {
+    async fn a_higher_priority_run_starts_before_lower_ones_already_in_the_local_queue(db) {
+        let s = &db.store;
+        // The blocker is claimed first (highest priority), the rest queued
+        // by one claim in id order: three at 0, then two at 10.
+        let blocker = sleeper_at(s, 20, 300).await?;
+        let mut low = Vec::new();
+        for _ in 0..3 {
+            low.push(sleeper_at(s, 0, 50).await?);
+        }
+        let mut high = Vec::new();
+        for _ in 0..2 {
+            high.push(sleeper_at(s, 10, 50).await?);
+        }
+        let pool = pool_with(db, "prio", Duration::from_secs(30), 8, 8).await?;
+        completed(s, blocker).await?;
+        let mut finished = std::collections::HashMap::new();
+        for id in low.iter().chain(&high) {
+            finished.insert(*id, completed(s, *id).await?.finished_at.unwrap_or_default());
+        }
+        let first_high = high.iter().map(|id| finished[id]).min().unwrap_or_default();
+        let before = low.iter().filter(|id| finished[id] < first_high).count();
+        ensure!(before == 0, "{before} priority-0 runs started before the first priority-10 run");
+        pool.shutdown(Duration::from_secs(5)).await;
+        Ok(())
+    }
+
+    async fn express_claims_keep_the_local_queue_within_prefetch(db) {
+        let s = &db.store;
+        let blocker = sleeper_at(s, 20, 1_500).await?;
+        for _ in 0..3 {
+            sleeper_at(s, 0, 10).await?;
+        }
+        let pool = pool_with(db, "bounded", Duration::from_secs(30), 4, 4).await?;
+        until_holding(s, "bounded", blocker, 4).await?;
+        let mut most = 0;
+        for _ in 0..16 {
+            sleeper_at(s, 5, 10).await?;
+            for _ in 0..5 {
+                most = most.max(held_by(s, "bounded").await?);
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+        // The blocker, the queue's 4, and one express run between its
+        // claim and the queue letting its last go.
+        ensure!(most <= 1 + 4 + 1, "the host held {most} runs with a queue of 4");
+        pool.shutdown(Duration::from_secs(5)).await;
+        Ok(())
+    }
+
+    async fn a_run_paused_in_the_local_queue_never_starts(db) {
+        let s = &db.store;
+        let blocker = sleeper_at(s, 20, 500).await?;
+        let input = serde_json::json!({ "mode": "script", "ops": [{ "op": "emit", "text": "ran" }, { "op": "wasi-sleep", "ms": 10 }] }).to_string();
+        let queued = s.create_run(&NewRun::new("testkit", input)).await?.0.id;
+        let pool = pool_with(db, "pauser", Duration::from_secs(30), 4, 3).await?;
+        until_holding(s, "pauser", blocker, 2).await?;
+        s.pause_run(queued).await?;
+        completed(s, blocker).await?;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let run = s.get_run(queued).await?;
+        ensure!(run.status == RunStatus::Queued && run.started_at.is_none() && run.lease_owner.is_none() && run.paused_at.is_some(), "{run:?}");
+        let kinds: Vec<String> = s.run_events(queued).await?.into_iter().map(|e| e.kind).collect();
+        ensure!(!kinds.iter().any(|k| k == "delta" || k == "suspended"), "the paused run's guest started: {kinds:?}");
+        s.resume_run(queued).await?;
+        completed(s, queued).await?;
+        pool.shutdown(Duration::from_secs(5)).await;
+        Ok(())
+    }
+}
