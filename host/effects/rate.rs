@@ -26,6 +26,15 @@ pub fn key_of(remote: &Remote) -> String {
     }
 }
 
+/// The key a provider's `Retry-After` holds: for `http`, the plugin's
+/// own calls to that host (`http:HOST:PORT@PLUGIN`), since one plugin's
+/// answer says nothing of another's standing (each may send its own
+/// credentials); for `model:`, every call to it, since the credential is
+/// the operator's.
+pub fn hold_key(key: &str, plugin: &str) -> String {
+    if key.starts_with("http:") { format!("{key}@{plugin}") } else { key.to_string() }
+}
+
 /// The tokens a call reserves before it goes out: for a chat, its prompt
 /// (a byte count over four, a common rough measure) and the most its
 /// answer may cost (`max_tokens`); settled from the usage the answer

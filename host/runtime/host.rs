@@ -452,7 +452,7 @@ impl SegmentState {
             Ok(held) => held,
             Err(refusal) => return self.refuse_budget(&call, refusal, reissue).await,
         };
-        let ticket = self.admit(&mut remote, reissue).await?;
+        let ticket = self.admit(&remote).await?;
         let class = remote.class();
         let (db, lease, c) = (self.db.clone(), self.lease.clone(), call.clone());
         let started = detached(async move {

@@ -28,29 +28,52 @@ pub(crate) struct Ticket {
 }
 
 impl SegmentState {
-    /// Admits `remote` under its rate limit, if its target has one: waits
-    /// for room in place, or suspends the run until there is room. A
-    /// re-issue (its first issue was charged) is charged nothing but
-    /// still waits for room, a provider's hold included.
-    pub(super) async fn admit(&mut self, remote: &mut Remote, reissue: bool) -> wasmtime::Result<Ticket> {
+    /// Admits `remote` under its rate limit, if its target has one, and
+    /// under a provider's hold on this plugin's calls to it: waits for room
+    /// in place, or suspends the run until there is room. A re-issue is a
+    /// request the provider counts like any other: charged like one.
+    pub(super) async fn admit(&mut self, remote: &Remote) -> wasmtime::Result<Ticket> {
         let key = rate::key_of(remote);
+        let hold = rate::hold_key(&key, &self.namespace);
         let _db = self.phase.enter(Phase::DATABASE);
         let db = self.db.clone();
         let keys = match detached(async move { db.rate_keys().await }).await {
             Ok(keys) => keys,
             Err(e) => return self.store_failed(e),
         };
-        if !keys.contains(&key) {
+        let (limited, held) = (keys.contains(&key), hold != key && keys.contains(&hold));
+        if held {
+            // Waits out the hold; charges nothing.
+            self.wait_for_room(&hold, 0, 0).await?;
+        }
+        if !limited {
             return Ok(Ticket { key, tokens: 0 });
         }
-        let (calls, tokens) = if reissue { (0, 0) } else { (1, rate::reserve(remote)) };
-        if let Remote::Chat { request } = remote {
-            request.ask_usage();
-        }
+        let tokens = rate::reserve(remote);
+        self.wait_for_room(&key, 1, tokens).await?;
+        Ok(Ticket { key, tokens })
+    }
+
+    /// A re-issue answered "in progress" is tried again: each try is a
+    /// request the provider counts, so each is admitted and charged a call.
+    pub(super) async fn admit_again(&mut self, ticket: &Ticket) -> wasmtime::Result<()> {
+        let db = self.db.clone();
+        let keys = match detached(async move { db.rate_keys().await }).await {
+            Ok(keys) => keys,
+            Err(e) => return self.store_failed(e),
+        };
+        if keys.contains(&ticket.key) { self.wait_for_room(&ticket.key, 1, 0).await } else { Ok(()) }
+    }
+
+    /// Charges `calls` and `tokens` to `key` once it has room: waits in
+    /// place up to [`WAIT_IN_PLACE`] (and half the slice left), or stops
+    /// the guest to suspend the run until then.
+    async fn wait_for_room(&mut self, key: &str, calls: i64, tokens: i64) -> wasmtime::Result<()> {
+        let _db = self.phase.enter(Phase::DATABASE);
         // The wait in place must leave the slice time for the call itself.
         let left = self.limits.segment_budget.saturating_sub(self.started.elapsed()) / 2;
         let window = i64::try_from(WAIT_IN_PLACE.min(left).as_millis()).unwrap_or(0);
-        let (db, k) = (self.db.clone(), key.clone());
+        let (db, k) = (self.db.clone(), key.to_string());
         let admission = match detached(async move { db.admit(&k, calls, tokens, window).await }).await {
             Ok(a) => a,
             Err(e) => return self.store_failed(e),
@@ -61,7 +84,7 @@ impl SegmentState {
                     crate::metrics::global().rate_waits.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     tokio::time::sleep(Duration::from_millis(wait_ms as u64)).await;
                 }
-                Ok(Ticket { key, tokens })
+                Ok(())
             }
             Admission::Later { wait_ms } => {
                 // Spread the runs that found the key full, so they do not
@@ -69,21 +92,23 @@ impl SegmentState {
                 let delay_ms = wait_ms + rand::rng().random_range(0..=wait_ms / 4);
                 tracing::debug!(run_id = self.lease.run_id, key, delay_ms, "no room in the rate limit; suspending");
                 crate::metrics::global().rate_suspensions.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                self.stop(Interrupt::Rate { key, delay_ms })
+                self.stop(Interrupt::Rate { key: key.to_string(), delay_ms })
             }
         }
     }
 
-    /// A provider answered `429`/`503` with `Retry-After`: holds every
-    /// call to the key, on every host, until then. A failed write is
-    /// logged: the answer itself is still the call's outcome.
+    /// A provider answered `429`/`503` with `Retry-After`: holds the calls
+    /// to the key (for `http`, this plugin's; see [`rate::hold_key`]), on
+    /// every host, until then. A failed write is logged: the answer itself
+    /// is still the call's outcome.
     pub(super) async fn hold_rate(&mut self, ticket: &Ticket, retry_after: Duration) {
         let _db = self.phase.enter(Phase::DATABASE);
-        let (db, key) = (self.db.clone(), ticket.key.clone());
-        tracing::info!(run_id = self.lease.run_id, key = ticket.key, ?retry_after, "the provider asked to retry later; holding its calls");
+        let (db, key) = (self.db.clone(), rate::hold_key(&ticket.key, &self.namespace));
+        tracing::info!(run_id = self.lease.run_id, key, ?retry_after, "the provider asked to retry later; holding its calls");
         crate::metrics::global().rate_holds.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let shown = key.clone();
         if let Err(e) = detached(async move { db.hold(&key, retry_after).await }).await {
-            tracing::warn!(key = ticket.key, error = %e, "recording a provider's Retry-After failed");
+            tracing::warn!(key = shown, error = %e, "recording a provider's Retry-After failed");
         }
     }
 
@@ -96,7 +121,7 @@ impl SegmentState {
             return;
         }
         let _db = self.phase.enter(Phase::DATABASE);
-        let (db, key, delta) = (self.db.clone(), ticket.key.clone(), used - ticket.tokens);
+        let (db, key, delta) = (self.db.clone(), ticket.key.clone(), used.saturating_sub(ticket.tokens));
         if let Err(e) = detached(async move { db.settle_tokens(&key, delta).await }).await {
             tracing::warn!(key = ticket.key, error = %e, "settling a call's tokens failed");
         }

@@ -51,6 +51,8 @@ impl SegmentState {
                     tracing::debug!(run_id = ctx.run_id, seq = ctx.seq, %answer, ?backoff, "re-issue in progress elsewhere; trying again");
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(Duration::from_secs(2));
+                    // Another request to the provider: admitted and charged.
+                    self.admit_again(ticket).await?;
                     remote = Some(again);
                 }
             }

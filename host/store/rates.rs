@@ -61,6 +61,19 @@ pub fn check_rate_key(key: &str) -> Result<(), String> {
     }
     if let Some(rest) = key.strip_prefix("http:") {
         let bad = || format!("an http rate key is http:HOST:PORT, e.g. http:api.example.com:443; got {key:?}");
+        // `http:HOST:PORT@PLUGIN`: one plugin's hold from a provider's
+        // Retry-After (shown, and cleared by a delete, like any key).
+        let rest = match rest.rsplit_once('@') {
+            Some((target, plugin)) => {
+                let named = (1..=64).contains(&plugin.len())
+                    && plugin.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_');
+                if !named {
+                    return Err(format!("{key:?}: after @ comes a plugin's name (a-z, 0-9, '-', '_')"));
+                }
+                target
+            }
+            None => rest,
+        };
         let (host, port) = rest.rsplit_once(':').ok_or_else(bad)?;
         if host.is_empty() || port.parse::<u16>().map_or(true, |p| p == 0) {
             return Err(bad());
@@ -88,6 +101,9 @@ pub fn check_rates(key: &str, per_minute: Option<i64>, tokens_per_minute: Option
     }
     if let Some(n) = tokens_per_minute.filter(|n| !(1..=MAX_TOKENS_PER_MINUTE).contains(n)) {
         return Err(format!("tokens_per_minute must be between 1 and {MAX_TOKENS_PER_MINUTE}, got {n}"));
+    }
+    if key.contains('@') {
+        return Err(format!("{key:?} names one plugin's hold from a provider's Retry-After; it takes no limit"));
     }
     if tokens_per_minute.is_some() && !key.starts_with("model:") {
         return Err("tokens_per_minute is for model: keys only".into());

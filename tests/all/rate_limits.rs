@@ -348,6 +348,85 @@ both! {
         Ok(())
     }
 
+    async fn a_providers_retry_after_on_http_holds_only_the_plugin_it_answered(db) {
+        let target = Target::start(1).await?;
+        let rt = runtime(&target.allow)?;
+        let mut limits = plugins::test_limits();
+        limits.http_allow = vec![target.allow.clone()];
+        rt.add_plugin("other", &plugins::rust_plugin("testkit")?, limits)?;
+        db.store.set_rate(&target.key, Some(60_000), None).await?;
+        let first = submit(&db.store, json!([{ "op": "http", "url": target.url }])).await?;
+        run_hosts(db, &rt, None, 1, 1, &[first], Duration::from_secs(30)).await?;
+        let throttled = target.arrivals()[0];
+        let ops = json!({ "mode": "script", "ops": [{ "op": "http", "url": target.url }] }).to_string();
+        let other = db.store.create_run(&NewRun::new("other", ops)).await?.0.id;
+        run_hosts(db, &rt, None, 1, 1, &[other], Duration::from_secs(30)).await?;
+        // The hold is the answered plugin's, still on; the shared key is not held.
+        let hold = db.store.rate(&format!("{}@testkit", target.key)).await?.context("the plugin's hold")?;
+        ensure!(hold.held_until.is_some(), "{hold:?}");
+        ensure!(db.store.rate(&target.key).await?.context("limit")?.held_until.is_none(), "the shared key is held");
+        let same = submit(&db.store, json!([{ "op": "http", "url": target.url }])).await?;
+        run_hosts(db, &rt, None, 1, 1, &[same], Duration::from_secs(30)).await?;
+        let at = target.arrivals();
+        ensure!(at.len() == 3, "{} calls arrived", at.len());
+        ensure!(at[1] - throttled < Duration::from_millis(1500), "another plugin's call waited {:?} for testkit's Retry-After", at[1] - throttled);
+        ensure!(at[2] - throttled >= Duration::from_millis(1990), "testkit's next call went out {:?} after its 2 s Retry-After", at[2] - throttled);
+        Ok(())
+    }
+
+    async fn a_reissued_call_is_charged_like_any_call(db) {
+        let model = FakeModel::start_holding(echo(), 1).await?;
+        model.hold(true);
+        let rt = runtime("127.0.0.1:9")?;
+        // One call every 10 s.
+        db.store.set_rate("model:fake-1", Some(6), None).await?;
+        let id = submit(&db.store, json!([{ "op": "chat", "prompt": "hi" }])).await?;
+        let dying = executor(db.another_store(2).await?, &rt, "a", Some(&model));
+        let task = tokio::spawn(async move { dying.run_once().await });
+        let start = Instant::now();
+        while model.hits().is_empty() {
+            ensure!(start.elapsed() < Duration::from_secs(20), "the call never went out");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        task.abort();
+        let _ = task.await;
+        // Its slot is over; the host died mid-answer.
+        sqlx::query("UPDATE rate_limits SET calls_at = 0").execute(db.store.pool()).await?;
+        model.hold(false);
+        db.backdate_lease(id, 60_000).await?;
+        executor(db.another_store(2).await?, &rt, "b", Some(&model)).run_once().await?;
+        let run = db.store.get_run(id).await?;
+        ensure!(run.status == RunStatus::Completed && model.hits().len() == 2, "{:?}, {} calls", run.status, model.hits().len());
+        let wait = db.store.rate("model:fake-1").await?.context("limit")?.wait_ms;
+        ensure!(wait > 5_000, "the re-issue moved the clock {wait} ms: it was not charged");
+        Ok(())
+    }
+
+    async fn a_call_that_kills_its_host_under_a_saturated_rate_key_still_uses_its_attempts_up(db) {
+        let target = Target::start(0).await?;
+        let rt = runtime(&target.allow)?;
+        let ops = json!({ "mode": "script", "ops": [{ "op": "http", "url": target.url }] }).to_string();
+        let id = db.store.create_run(&NewRun { max_attempts: Some(2), ..NewRun::new("testkit", ops) }).await?.0.id;
+        // A host takes the run and dies (as if in its call).
+        db.store.claim("dead", Duration::from_secs(30)).await?.context("nothing to claim")?;
+        db.backdate_lease(id, 31_000).await?;
+        // The next segment finds the key held and suspends without progress.
+        db.store.set_rate(&target.key, Some(60_000), None).await?;
+        db.store.hold(&target.key, Duration::from_secs(60)).await?;
+        executor(db.another_store(2).await?, &rt, "b", None).run_once().await?;
+        let run = db.store.get_run(id).await?;
+        ensure!(run.status == RunStatus::Queued && run.attempt == 1, "the death was forgotten: {run:?}");
+        // It dies again: its attempts are used up, and the reaper aborts it.
+        sqlx::query("UPDATE runs SET not_before = 0 WHERE id = $1").bind(id).execute(db.store.pool()).await?;
+        db.store.claim("dead-again", Duration::from_secs(30)).await?.context("nothing to claim")?;
+        db.backdate_lease(id, 31_000).await?;
+        leasehold::reaper::tick(&db.store, &leasehold::reaper::ReaperConfig::default()).await?;
+        let run = db.store.get_run(id).await?;
+        ensure!(run.status == RunStatus::Aborted, "{run:?}");
+        ensure!(target.arrivals().is_empty(), "a call went out");
+        Ok(())
+    }
+
     async fn a_models_token_budget_holds_from_the_usage_its_answers_report(db) {
         let model = FakeModel::start(echo()).await?;
         let rt = runtime("127.0.0.1:9")?;
