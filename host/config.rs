@@ -161,6 +161,17 @@ pub struct ServeOptions {
     /// Per-request timeout in ms (event streams are exempt). [default: 30000]
     #[arg(long, env = "LEASEHOLD_REQUEST_TIMEOUT_MS")]
     pub request_timeout_ms: Option<u64>,
+    /// Answer-link requests (`/v1/answers/…`, which need no API token) this
+    /// host takes a second, over all links, with bursts of five times as
+    /// many; past it, 429 with Retry-After. [default: 10]
+    #[arg(long, env = "LEASEHOLD_ANSWERS_PER_SECOND")]
+    pub answers_per_second: Option<u32>,
+    /// Schedules at most; a create past it is refused. [default: 10000]
+    #[arg(long, env = "LEASEHOLD_MAX_SCHEDULES")]
+    pub max_schedules: Option<usize>,
+    /// Times one backfill may hold. [default: 1000]
+    #[arg(long, env = "LEASEHOLD_MAX_BACKFILL_TICKS")]
+    pub max_backfill_ticks: Option<usize>,
     /// How long a client may take to send a request's headers (or leave
     /// its connection idle) before it is closed, in ms. [default: 10000]
     #[arg(long, env = "LEASEHOLD_HEADER_READ_TIMEOUT_MS")]
@@ -241,12 +252,19 @@ pub struct Serve {
     pub max_body_bytes: usize,
     pub max_component_bytes: usize,
     pub request_timeout: Duration,
+    pub answers_per_second: u32,
+    pub max_schedules: usize,
+    pub max_backfill_ticks: usize,
     pub header_read_timeout: Duration,
     pub max_connections: usize,
     pub owner: Option<String>,
     /// Where spans are exported; `None`: nowhere.
     pub traces: Option<leasehold::traces::TraceConfig>,
+    /// Whether guests' `http` calls send `traceparent`.
+    pub http_traceparent: bool,
     pub segment_budget: Duration,
+    pub tree_max_runs: u64,
+    pub tree_max_open: u64,
     pub test_clock_skew_ms: i64,
     pub test_pause_spawns: Option<leasehold::store::faults::SpawnPause>,
 }
@@ -274,7 +292,7 @@ impl ServeOptions {
         let workers = self.workers.or(file.workers).unwrap_or(4);
         // A URL that names no backend fails at connect, with its own error.
         let backend = leasehold::store::Backend::from_url(&database_url).unwrap_or(leasehold::store::Backend::Sqlite);
-        let serve = Serve {
+        let mut serve = Serve {
             listen: self.listen.or(file.listen).unwrap_or_else(|| "127.0.0.1:8080".parse().unwrap()),
             api_token,
             token_file,
@@ -313,6 +331,9 @@ impl ServeOptions {
             max_body_bytes: self.max_body_bytes.or(file.max_body_bytes).unwrap_or(1 << 20),
             max_component_bytes: self.max_component_bytes.or(file.max_component_bytes).unwrap_or(64 << 20),
             request_timeout: ms(self.request_timeout_ms.or(file.request_timeout_ms).unwrap_or(30_000)),
+            answers_per_second: self.answers_per_second.or(file.answers_per_second).unwrap_or(10).max(1),
+            max_schedules: self.max_schedules.or(file.max_schedules).unwrap_or(10_000).max(1),
+            max_backfill_ticks: self.max_backfill_ticks.or(file.max_backfill_ticks).unwrap_or(1_000).max(1),
             header_read_timeout: ms(self.header_read_timeout_ms.or(file.header_read_timeout_ms).unwrap_or(10_000).max(1)),
             max_connections: self.max_connections.or(file.max_connections).unwrap_or(512).max(1),
             owner: self.owner.or(file.owner),

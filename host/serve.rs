@@ -132,6 +132,11 @@ pub async fn serve_with(cfg: config::Serve, dev: Option<crate::dev::Project>) ->
         max_body_bytes: cfg.max_body_bytes,
         max_component_bytes: cfg.max_component_bytes,
         request_timeout: cfg.request_timeout,
+        answers_per_second: cfg.answers_per_second,
+        answers_burst: cfg.answers_per_second.saturating_mul(5),
+        max_schedules: cfg.max_schedules,
+        max_backfill_ticks: cfg.max_backfill_ticks,
+        retention: cfg.retention,
         ..ApiConfig::default()
     };
     let retention = RetentionConfig { keep: cfg.retention, ..RetentionConfig::default() };

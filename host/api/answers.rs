@@ -20,7 +20,10 @@ use crate::runtime::waits::token_hash;
 /// uses nothing).
 #[utoipa::path(get, path = "/v1/answers/{token}", tag = "runs", security(()),
     params(("token" = String, Path, description = "The link's token.")),
-    responses((status = 200, description = "A page with the wait's prompt and a form that sends the answer.", content_type = "text/html", body = String)))]
+    responses(
+        (status = 200, description = "A page with the wait's prompt (while the run waits on it) and a form that sends the answer.", content_type = "text/html", body = String),
+        (status = 429, description = "Past this host's answer-link requests a second; try again after `Retry-After`.", body = ErrorBody),
+    ))]
 pub async fn page(State(s): State<AppState>, Params(token): Params<String>) -> axum::response::Response {
     let prompt = if well_formed(&token) {
         s.store.answer_prompt(&token_hash(&token)).await.unwrap_or_else(|e| {
@@ -30,7 +33,7 @@ pub async fn page(State(s): State<AppState>, Params(token): Params<String>) -> a
     } else {
         None
     };
-    super::dashboard::answer_page(prompt.as_deref())
+    super::dashboard::answer_page(prompt.as_ref().map(|(plugin, p)| (plugin.as_str(), p.as_str())))
 }
 
 /// A token's form: 64 lowercase hex digits.
@@ -61,8 +64,13 @@ pub struct Answered {
         (status = 200, description = "Delivered to the wait's inbox.", body = Answered),
         (status = 404, description = "Not a token's form.", body = ErrorBody),
         (status = 410, description = "The link was used, its wait has ended, or it never existed.", body = ErrorBody),
+        (status = 429, description = "Past this host's answer-link requests a second; try again after `Retry-After`.", body = ErrorBody),
     ))]
-pub async fn answer(State(s): State<AppState>, Params(token): Params<String>, JsonBody(req): JsonBody<Answer>) -> Result<Json<Answered>, ApiError> {
+pub async fn answer(
+    State(s): State<AppState>,
+    Params(token): Params<String>,
+    JsonBody(req): JsonBody<Answer>,
+) -> Result<([(axum::http::HeaderName, &'static str); 1], Json<Answered>), ApiError> {
     if !well_formed(&token) {
         return Err(ApiError::not_found("no answer link has this form: a token is 64 lowercase hex digits"));
     }
@@ -75,5 +83,56 @@ pub async fn answer(State(s): State<AppState>, Params(token): Params<String>, Js
     }
     let (run, name) = s.store.answer(&token_hash(&token), &input).await?;
     tracing::info!(run_id = run.id, name = %name, "input delivered through an answer link");
-    Ok(Json(Answered { delivered: true, name }))
+    Ok(([(axum::http::header::CACHE_CONTROL, "no-store")], Json(Answered { delivered: true, name })))
+}
+
+/// Answer links' requests a second, over every link, and the most at once
+/// after a quiet spell: the route needs no token, so anyone may call it.
+/// A token bucket, refilled at `rate` a second up to `burst`.
+pub(crate) struct Bucket {
+    rate: f64,
+    burst: f64,
+    state: std::sync::Mutex<(f64, std::time::Instant)>,
+}
+
+impl Bucket {
+    pub(crate) fn new(rate: u32, burst: u32) -> Bucket {
+        let (rate, burst) = (f64::from(rate.max(1)), f64::from(burst.max(1)));
+        Bucket { rate, burst, state: std::sync::Mutex::new((burst, std::time::Instant::now())) }
+    }
+
+    /// Takes one request's token, or says how long until there is one.
+    fn take(&self) -> Result<(), std::time::Duration> {
+        let mut state = self.state.lock().expect("answer bucket lock");
+        let (tokens, at) = *state;
+        let now = std::time::Instant::now();
+        let tokens = (tokens + now.duration_since(at).as_secs_f64() * self.rate).min(self.burst);
+        if tokens >= 1.0 {
+            *state = (tokens - 1.0, now);
+            Ok(())
+        } else {
+            *state = (tokens, now);
+            Err(std::time::Duration::from_secs_f64((1.0 - tokens) / self.rate))
+        }
+    }
+}
+
+/// Refuses answer-link requests past the host's rate (`--answers-per-second`)
+/// with 429 and `Retry-After`, before their body is read.
+pub(crate) async fn gate(State(s): State<AppState>, req: axum::extract::Request, next: axum::middleware::Next) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    match s.answers.take() {
+        Ok(()) => next.run(req).await,
+        Err(wait) => {
+            let secs = wait.as_secs_f64().ceil().max(1.0) as u64;
+            let mut refused = ApiError::new(
+                axum::http::StatusCode::TOO_MANY_REQUESTS,
+                "rate_limited",
+                format!("too many answer requests to this host; try again in {secs} s"),
+            )
+            .into_response();
+            refused.headers_mut().insert(axum::http::header::RETRY_AFTER, axum::http::HeaderValue::from(secs));
+            refused
+        }
+    }
 }

@@ -46,12 +46,21 @@ pub(super) fn router<S: Clone + Send + Sync + 'static>() -> Router<S> {
 /// nothing and uses nothing.
 /// The answer page, with the wait's `prompt` (HTML-escaped) where it
 /// says so.
-pub(super) fn answer_page(prompt: Option<&str>) -> Response {
+/// The prompt is the plugin's text, not this service's, and the page says
+/// so. Never cached: it shows a wait that ends.
+pub(super) fn answer_page(prompt: Option<(&str, &str)>) -> Response {
     let shown = match prompt {
-        Some(p) => format!("<p id=\"answer-prompt\" class=\"prompt\">{}</p>", escape_html(p)),
+        Some((plugin, p)) => format!(
+            "<p class=\"muted\">The plugin <code>{}</code> asks (its text, not this service's):</p>\
+             <blockquote id=\"answer-prompt\" class=\"prompt\" data-source=\"plugin\">{}</blockquote>",
+            escape_html(plugin),
+            escape_html(p)
+        ),
         None => String::new(),
     };
-    asset("text/html; charset=utf-8", ANSWER_HTML.replace("<!-- prompt -->", &shown))
+    let mut page = asset("text/html; charset=utf-8", ANSWER_HTML.replace("<!-- prompt -->", &shown));
+    page.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    page
 }
 
 fn escape_html(text: &str) -> String {

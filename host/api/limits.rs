@@ -19,11 +19,12 @@ const MAX_PAGE: i64 = 1000;
 #[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct SetLimit {
-    /// The most of the key's runs that run at once, 1 to 1000000; null or
-    /// absent: no limit (its runs still take turns with other keys').
-    #[schema(minimum = 1, maximum = 1000000)]
-    #[serde(default, deserialize_with = "super::runs::whole_number")]
-    concurrency: Option<i64>,
+    /// The most of the key's runs that run at once, 1 to 1000000; null: no
+    /// limit (its runs still take turns with other keys'); absent: as it
+    /// is (a plugin's default limit stays the default).
+    #[schema(minimum = 1, maximum = 1000000, value_type = Option<i64>)]
+    #[serde(default, deserialize_with = "some_whole_number")]
+    concurrency: Option<Option<i64>>,
     /// While true its runs stay queued: none is claimed, and a running one
     /// finishes its segment and then waits. Default: false.
     #[serde(default)]
@@ -38,6 +39,11 @@ pub struct SetLimit {
     #[schema(minimum = 1, maximum = 1000000000)]
     #[serde(default, deserialize_with = "super::runs::whole_number")]
     tokens_per_minute: Option<i64>,
+}
+
+/// A field that may be absent (`None`), null (`Some(None)`) or a whole number.
+fn some_whole_number<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Option<i64>>, D::Error> {
+    super::runs::whole_number(d).map(Some)
 }
 
 /// A key's limit and state: a concurrency key's or a rate key's.
@@ -110,12 +116,16 @@ pub async fn put(
             "per_minute and tokens_per_minute are for rate keys (http:HOST:PORT, model:NAME); a concurrency key takes concurrency and paused",
         ));
     }
-    if let Some(n) = req.concurrency {
+    if let Some(Some(n)) = req.concurrency {
         check_concurrency(n).map_err(ApiError::bad_request)?;
     }
     let paused = req.paused.unwrap_or(false);
-    let limit = s.store.set_limit(&key, req.concurrency, paused).await?;
-    tracing::info!(key, concurrency = ?req.concurrency, paused, "limit set");
+    let limit = match req.concurrency {
+        // Only the pause: the limit (an operator's, or a plugin's default) stays.
+        None => s.store.set_paused(&key, paused).await?,
+        Some(concurrency) => s.store.set_limit(&key, concurrency, paused).await?,
+    };
+    tracing::info!(key, concurrency = ?limit.concurrency, paused, "limit set");
     Ok(Json(Limit::Concurrency(limit)))
 }
 

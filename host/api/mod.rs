@@ -90,6 +90,22 @@ pub struct ApiConfig {
     /// the database: anyone may call it, and a crowd of callers then costs
     /// one query a period, not one each. Default: 1 s.
     pub health_ttl: Duration,
+    /// Answer-link requests (`/v1/answers/…`, which need no token) a
+    /// second over all links; past it, 429 with `Retry-After`. Default: 10.
+    pub answers_per_second: u32,
+    /// Answer-link requests taken at once after a quiet spell. Default: 50.
+    pub answers_burst: u32,
+    /// Reruns replaying their prefix at once (each replays a ledger
+    /// offline, in the request); one more is refused with 503 and
+    /// `Retry-After`. Default: 2.
+    pub max_replays: usize,
+    /// Schedules at most; a create past it is refused (409). Default: 10,000.
+    pub max_schedules: usize,
+    /// Times one backfill may hold. Default: 1,000.
+    pub max_backfill_ticks: usize,
+    /// How long finished runs and tick records are kept (`--retention`;
+    /// zero: forever): a backfill reaches back no further. Default: 7 days.
+    pub retention: Duration,
 }
 
 impl Default for ApiConfig {
@@ -105,6 +121,12 @@ impl Default for ApiConfig {
             metrics_ttl: Duration::from_secs(10),
             max_uploads: 2,
             health_ttl: Duration::from_secs(1),
+            answers_per_second: 10,
+            answers_burst: 50,
+            max_replays: 2,
+            max_schedules: 10_000,
+            max_backfill_ticks: 1_000,
+            retention: Duration::from_secs(7 * 86_400),
             allowed_hosts: Vec::new(),
         }
     }
@@ -121,6 +143,12 @@ pub struct AppState {
     pub(crate) streams: Arc<tokio::sync::Semaphore>,
     /// Plugin uploads compiling ([`ApiConfig::max_uploads`]).
     pub(crate) uploads: Arc<tokio::sync::Semaphore>,
+    /// Reruns replaying their prefix ([`ApiConfig::max_replays`]).
+    pub(crate) replays: Arc<tokio::sync::Semaphore>,
+    /// Backfills running: one at a time on a host.
+    pub(crate) backfills: Arc<tokio::sync::Semaphore>,
+    /// Answer-link requests' rate ([`ApiConfig::answers_per_second`]).
+    pub(crate) answers: Arc<answers::Bucket>,
     /// The database's gauges, shared by `/metrics` (read again past
     /// [`ApiConfig::metrics_ttl`]) and `/v1/stats` (past 2 s).
     pub(crate) gauges: Arc<tokio::sync::Mutex<Option<(std::time::Instant, crate::store::Gauges)>>>,
@@ -140,6 +168,9 @@ impl AppState {
             runtime,
             streams: Arc::new(tokio::sync::Semaphore::new(config.max_streams)),
             uploads: Arc::new(tokio::sync::Semaphore::new(config.max_uploads.max(1))),
+            replays: Arc::new(tokio::sync::Semaphore::new(config.max_replays.max(1))),
+            backfills: Arc::new(tokio::sync::Semaphore::new(1)),
+            answers: Arc::new(answers::Bucket::new(config.answers_per_second, config.answers_burst)),
             config: Arc::new(config),
             shutdown,
             gauges: Arc::default(),
@@ -187,8 +218,14 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/threads/{id}/events", get(events::events))
         .route("/metrics", get(metrics::metrics))
         .layer(middleware::from_fn_with_state(state.clone(), auth))
-        // The link's own token is its credential (see `answers`).
-        .route("/v1/answers/{token}", json_post(answers::answer).get(answers::page))
+        // The link's own token is its credential (see `answers`). Anyone
+        // with the link may call it: it gets the request timeout too.
+        .merge(
+            Router::new()
+                .route("/v1/answers/{token}", json_post(answers::answer).get(answers::page))
+                .layer(middleware::from_fn_with_state(state.clone(), answers::gate))
+                .layer(middleware::from_fn_with_state(state.clone(), timeout)),
+        )
         .route("/healthz", get(healthz))
         .route("/v1/openapi.json", get(openapi::openapi))
         .merge(dashboard::router())

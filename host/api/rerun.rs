@@ -33,7 +33,8 @@ pub struct RerunRequest {
         (status = 201, description = "The new run, queued; `rerun_of` names the old one.", body = Run),
         (status = 400, description = "A bad body.", body = ErrorBody),
         (status = 404, description = "No such run, or no such version of its plugin.", body = ErrorBody),
-        (status = 409, description = "from_seq out of range, a prefix not settled or tied to children or an inbox, or one that does not replay.", body = ErrorBody),
+        (status = 409, description = "from_seq out of range, a prefix not settled or tied to children or an inbox, or one that does not replay; or a child in a tree with a budget.", body = ErrorBody),
+        (status = 503, description = "`max_replays` (2) reruns are replaying their prefix on this host; try again after `Retry-After`.", body = ErrorBody),
     ))]
 pub async fn rerun(
     State(s): State<AppState>,
@@ -41,6 +42,13 @@ pub async fn rerun(
     JsonBody(req): JsonBody<RerunRequest>,
 ) -> Result<(StatusCode, Json<Run>), ApiError> {
     let (old, prefix) = s.store.rerun_prefix(id, req.from_seq).await?;
+    // Each replays a ledger offline in the request: bounded, as uploads are.
+    let Ok(_replaying) = s.replays.clone().try_acquire_owned() else {
+        return Err(ApiError::busy(format!(
+            "{} reruns are replaying their prefix, this host's most at once; try again shortly",
+            s.config.max_replays
+        )));
+    };
     let digest = req.plugin_digest.clone().unwrap_or_else(|| old.plugin_digest.clone());
     let no_version = || ApiError::not_found(format!("plugin {:?} has no version {digest:?}", old.plugin));
     let plugin = match crate::plugins::resolve(&s.store, &s.runtime, &old.plugin, &digest).await {

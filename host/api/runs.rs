@@ -204,7 +204,12 @@ pub async fn submit(State(s): State<AppState>, headers: HeaderMap, JsonBody(req)
         }
         return Ok((StatusCode::OK, Json(run)).into_response());
     }
-    tracing::info!(run_id = run.id, plugin = %run.plugin, thread_id = %run.thread_id, "run submitted");
+    // The trace its segments go on in: the submitter's, or the run's own.
+    let trace_id = match run.trace_parent.as_deref().and_then(crate::traces::Parent::parse) {
+        Some(parent) => parent.trace,
+        None => crate::traces::ids::run_trace(&s.store.database_id().await?, run.id),
+    };
+    tracing::info!(run_id = run.id, plugin = %run.plugin, thread_id = %run.thread_id, %trace_id, "run submitted");
     Ok((StatusCode::CREATED, Json(run)).into_response())
 }
 
@@ -334,7 +339,8 @@ pub async fn submit_batch(State(s): State<AppState>, headers: HeaderMap, JsonBod
         });
     }
     let created = results.iter().filter(|r| matches!(r, BatchResult::Run { created: true, .. })).count();
-    tracing::info!(runs = results.len(), created, "batch submitted");
+    let trace_id = trace.as_deref().and_then(crate::traces::Parent::parse).map(|p| p.trace.to_string());
+    tracing::info!(runs = results.len(), created, trace_id = trace_id.as_deref(), "batch submitted");
     Ok(Json(BatchResults { results }))
 }
 
@@ -439,6 +445,12 @@ pub struct Input {
     /// unnamed `wait-input`, which must be waiting now.
     #[schema(pattern = r"^[a-z0-9._-]{1,128}$")]
     name: Option<String>,
+    /// A retry with the same key delivers nothing again (200 with the run
+    /// as it stands), even after a wait took the first; the same key with
+    /// another name or input is a 409 (`idempotency_conflict`). 1 to 256
+    /// characters.
+    #[schema(min_length = 1, max_length = 256)]
+    idempotency_key: Option<String>,
 }
 
 /// `POST /v1/runs/{id}/input`: a string is delivered as it is, any other
@@ -465,10 +477,28 @@ pub async fn input(
     if input.contains('\0') {
         return Err(ApiError::bad_request("input must not contain NUL characters"));
     }
-    if let Some(name) = &req.name {
-        if !crate::runtime::waits::valid_wait_name(name) {
-            return Err(ApiError::bad_request("name must be 1 to 128 of a-z, 0-9, '.', '_', '-'"));
+    if let Some(name) = &req.name
+        && !crate::runtime::waits::valid_wait_name(name)
+    {
+        return Err(ApiError::bad_request("name must be 1 to 128 of a-z, 0-9, '.', '_', '-'"));
+    }
+    check_key("idempotency_key", &req.idempotency_key)?;
+    if let Some(key) = &req.idempotency_key {
+        let (run, delivery) = s.store.deliver_once(id, req.name.as_deref(), &input, key).await?;
+        match delivery {
+            crate::store::Delivery::New => tracing::info!(run_id = id, name = ?req.name, "input delivered"),
+            crate::store::Delivery::Repeat => tracing::info!(run_id = id, name = ?req.name, "a delivery repeated; delivered once"),
+            crate::store::Delivery::Mismatch => {
+                return Err(ApiError::new(
+                    StatusCode::CONFLICT,
+                    "idempotency_conflict",
+                    format!("idempotency_key was already used for another delivery to run {id}"),
+                ));
+            }
         }
+        return Ok(Json(run));
+    }
+    if let Some(name) = &req.name {
         let run = s.store.deliver_named(id, name, &input).await?;
         tracing::info!(run_id = id, name = %name, "input delivered to a named wait");
         return Ok(Json(run));

@@ -17,7 +17,8 @@ use crate::store::schedules::check_id;
 use crate::store::{Overlap, Schedule, Tick};
 
 /// Most times one backfill records.
-const MAX_BACKFILL: usize = 1000;
+/// How far back a backfill reaches with `--retention 0`: 366 days.
+const MAX_BACKFILL_SPAN_MS: i64 = 366 * 86_400_000;
 /// Scheduled times a schedule's view shows ahead.
 const UPCOMING: usize = 5;
 /// Ticks `GET /v1/schedules/{id}` shows, newest first.
@@ -244,7 +245,7 @@ async fn found(s: &AppState, id: &str) -> Result<Schedule, ApiError> {
         (status = 201, description = "The schedule, with its next times.", body = ScheduleView),
         (status = 400, description = "A bad expression, interval, time zone or field.", body = ErrorBody),
         (status = 404, description = "No plugin of that name.", body = ErrorBody),
-        (status = 409, description = "A schedule of that id exists.", body = ErrorBody),
+        (status = 409, description = "A schedule of that id exists, or the host's `max_schedules` (10,000) do.", body = ErrorBody),
     ))]
 pub async fn create(State(s): State<AppState>, JsonBody(req): JsonBody<NewSchedule>) -> Result<(StatusCode, Json<ScheduleView>), ApiError> {
     let id = req.id.unwrap_or_else(|| format!("schedule-{:012x}", rand::random::<u64>() >> 16));
@@ -280,6 +281,15 @@ pub async fn create(State(s): State<AppState>, JsonBody(req): JsonBody<NewSchedu
     sched.next_at = spec.next_after(s.store.now_ms().await?);
     if sched.next_at.is_none() {
         return Err(ApiError::bad_request("cron: the expression matches no time in the next 30 years"));
+    }
+    // A bound on the work every host's ticker does each pass.
+    let count = s.store.count_schedules().await?;
+    if count >= s.config.max_schedules as i64 {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "refused",
+            format!("there are {count} schedules, this service's most (--max-schedules {}): delete one first", s.config.max_schedules),
+        ));
     }
     let made = s.store.create_schedule(&sched).await?;
     tracing::info!(schedule = %made.id, plugin = %made.plugin, cron = ?made.cron, interval_ms = ?made.interval_ms, "schedule made");
@@ -471,9 +481,10 @@ pub struct BackfillResult {
     params(("id" = String, Path, pattern = "^[A-Za-z0-9._-]{1,128}$", description = "The schedule's id.")),
     responses(
         (status = 200, description = "The range's ticks.", body = BackfillResult),
-        (status = 400, description = "A bad range: backwards, in the future, or over 1000 times.", body = ErrorBody),
+        (status = 400, description = "A bad range: backwards, in the future, reaching back past the retention period, or over `max_backfill_ticks` (1000) times.", body = ErrorBody),
         (status = 404, description = "No such schedule.", body = ErrorBody),
         (status = 415, description = "The body is not said to be JSON (Content-Type: application/json).", body = ErrorBody),
+        (status = 503, description = "Another backfill runs on this host; try again after `Retry-After`.", body = ErrorBody),
     ))]
 pub async fn backfill(
     State(s): State<AppState>,
@@ -489,12 +500,27 @@ pub async fn backfill(
     if to > now {
         return Err(ApiError::bad_request("to is in the future: a backfill is of times that have passed"));
     }
+    // Tick records and runs older than the retention period may be gone:
+    // a time whose record went could not be told from one never ticked.
+    let keep = i64::try_from(s.config.retention.as_millis()).unwrap_or(i64::MAX);
+    let earliest = if keep == 0 { now.saturating_sub(MAX_BACKFILL_SPAN_MS) } else { now.saturating_sub(keep) + (keep / 2).min(60_000) };
+    if from < earliest {
+        return Err(ApiError::bad_request(format!(
+            "from is before {earliest}: a backfill reaches back at most the retention period ({} ms; a year with --retention 0), \
+             as tick records and runs older than that may be deleted",
+            if keep == 0 { MAX_BACKFILL_SPAN_MS } else { keep }
+        )));
+    }
+    let Ok(_one) = s.backfills.clone().try_acquire_owned() else {
+        return Err(ApiError::busy("another backfill runs on this host; try again shortly"));
+    };
     let spec = Spec::of(&sched).map_err(ApiError::bad_request)?;
+    let most = s.config.max_backfill_ticks;
     let mut times = Vec::new();
     let mut at = from.saturating_sub(1);
     while let Some(t) = spec.next_after(at).filter(|t| *t <= to) {
-        if times.len() == MAX_BACKFILL {
-            return Err(ApiError::bad_request(format!("the range holds more than {MAX_BACKFILL} times: backfill it in parts")));
+        if times.len() == most {
+            return Err(ApiError::bad_request(format!("the range holds more than {most} times: backfill it in parts")));
         }
         times.push(t);
         at = t;

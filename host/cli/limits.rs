@@ -148,12 +148,8 @@ pub async fn limits(api: &Api, command: LimitsCommand) -> Result<()> {
 /// Pauses or resumes `key`, keeping its limit.
 async fn toggle(api: &Api, key: &str, paused: bool) -> Result<()> {
     let c = api.client();
-    let concurrency = match api.send(c.get(api.url(&path(key)))).await {
-        Ok(v) => v["concurrency"].as_i64(),
-        Err(e) if e.to_string().starts_with("404") => None,
-        Err(e) => return Err(e),
-    };
-    let v = api.send(c.put(api.url(&path(key))).json(&json!({ "concurrency": concurrency, "paused": paused }))).await?;
+    // Without `concurrency` the limit stays as it is, a plugin's default included.
+    let v = api.send(c.put(api.url(&path(key))).json(&json!({ "paused": paused }))).await?;
     api.print(&v, |k| println!("{HEADER}\n{}", line(k)));
     Ok(())
 }

@@ -149,12 +149,39 @@ impl Store {
         })
         .await?;
         self.signal_work(true).await;
-        self.limit(key).await?.ok_or_else(|| StoreError::Corrupt(format!("key {key:?} vanished as it was set")))
+        self.key_row(key).await?.ok_or_else(|| StoreError::Corrupt(format!("key {key:?} vanished as it was set")))
     }
 
-    /// `key` with its limit and its runs now; `None` if it has neither a
-    /// limit nor ever had a run.
+    /// Pauses or resumes `key`, leaving its limit as it is: an operator's,
+    /// or none yet, so its runs' plugin's default limit still applies.
+    /// Returns the key as it now stands.
+    pub async fn set_paused(&self, key: &str, paused: bool) -> Result<KeyLimit, StoreError> {
+        check_key(key).map_err(StoreError::Config)?;
+        self.retry(|| async move {
+            sqlx::query(sql!(
+                self,
+                "INSERT INTO concurrency_keys (key, paused) VALUES ($1, $2) \
+                 ON CONFLICT (key) DO UPDATE SET paused = excluded.paused"
+            ))
+            .bind(key)
+            .bind(paused)
+            .execute(self.writer())
+            .await?;
+            Ok(())
+        })
+        .await?;
+        self.signal_work(true).await;
+        self.key_row(key).await?.ok_or_else(|| StoreError::Corrupt(format!("key {key:?} vanished as it was set")))
+    }
+
+    /// `key` with its limit and its runs now; `None` if it has no limit,
+    /// is not paused and has no run queued or running.
     pub async fn limit(&self, key: &str) -> Result<Option<KeyLimit>, StoreError> {
+        Ok(self.key_row(key).await?.filter(|k| k.concurrency.is_some() || k.paused || k.queued > 0 || k.running > 0))
+    }
+
+    /// `key`'s row with its counts, whatever it holds.
+    async fn key_row(&self, key: &str) -> Result<Option<KeyLimit>, StoreError> {
         let row = sqlx::query(sql!(self, concat!(key_view!("$1"), " WHERE k.key = $1")))
             .bind(key)
             .fetch_optional(self.pool())
@@ -179,8 +206,9 @@ impl Store {
         rows.iter().map(key_limit).collect()
     }
 
-    /// Clears `key`'s limit and pause: its runs are claimed as any key's.
-    /// False if it had neither.
+    /// Clears `key`'s limit and pause: its runs are claimed as any key's,
+    /// and a key with no runs to claim is forgotten at once. False if it
+    /// had neither.
     pub async fn remove_limit(&self, key: &str) -> Result<bool, StoreError> {
         let n = self
             .retry(|| async move {

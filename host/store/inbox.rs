@@ -139,7 +139,59 @@ impl Store {
                 Ok(run)
             })
             .await?;
-        self.delivered(run).await
+        self.input_delivered(run).await
+    }
+
+    /// [`Store::deliver_named`] once per `key` (or, without a `name`,
+    /// [`Store::deliver_input`]): the first delivery with a key is recorded
+    /// with it in the same transaction; a later one with the same key
+    /// delivers nothing and returns the run as it stands
+    /// ([`Delivery::Repeat`], or [`Delivery::Mismatch`] if its name or
+    /// input differ from the first's), even after a wait took the first
+    /// or the run finished.
+    pub async fn deliver_once(&self, run_id: i64, name: Option<&str>, input: &str, key: &str) -> Result<(Run, Delivery), StoreError> {
+        use sha2::Digest;
+        let hash = hex::encode(sha2::Sha256::digest(input.as_bytes()));
+        let (run, delivery) = self
+            .retry(|| async {
+                let mut tx = self.writer().begin().await?;
+                let first = sqlx::query(sql!(
+                    self,
+                    "INSERT INTO input_deliveries (run_id, idempotency_key, name, input_sha256, created_at) \
+                     SELECT id, $2, $3, $4, {now} FROM runs WHERE id = $1 \
+                     ON CONFLICT (run_id, idempotency_key) DO NOTHING RETURNING run_id"
+                ))
+                .bind(run_id)
+                .bind(key)
+                .bind(name.unwrap_or(""))
+                .bind(&hash)
+                .fetch_optional(&mut *tx)
+                .await?;
+                if first.is_some() {
+                    let run = match name {
+                        Some(name) => deliver_in(self, &mut tx, run_id, name, input).await?,
+                        None => crate::store::suspend::deliver_unnamed_in(self, &mut tx, run_id, input).await?,
+                    };
+                    tx.commit().await?;
+                    return Ok((run, Delivery::New));
+                }
+                let seen: Option<(String, String)> =
+                    sqlx::query_as(sql!(self, "SELECT name, input_sha256 FROM input_deliveries WHERE run_id = $1 AND idempotency_key = $2"))
+                        .bind(run_id)
+                        .bind(key)
+                        .fetch_optional(&mut *tx)
+                        .await?;
+                drop(tx);
+                let Some((seen_name, seen_hash)) = seen else { return Err(StoreError::RunNotFound(run_id)) };
+                let run = self.get_run(run_id).await?;
+                let same = seen_name == name.unwrap_or("") && seen_hash == hash;
+                Ok((run, if same { Delivery::Repeat } else { Delivery::Mismatch }))
+            })
+            .await?;
+        match delivery {
+            Delivery::New => Ok((self.input_delivered(run).await?, delivery)),
+            _ => Ok((run, delivery)),
+        }
     }
 
     /// Records a one-use answer link to the wait on `name` of the run
@@ -171,6 +223,15 @@ impl Store {
     /// link (used, ended with its wait, or never made). Returns the run
     /// and the name delivered to.
     pub async fn answer(&self, token_hash: &str, input: &str) -> Result<(Run, String), StoreError> {
+        // A read first: a made-up token (anyone may send one) never takes
+        // the writer, SQLite's only one.
+        let known: Option<i64> = sqlx::query_scalar(sql!(self, "SELECT run_id FROM answer_links WHERE token_hash = $1"))
+            .bind(token_hash)
+            .fetch_optional(self.pool())
+            .await?;
+        if known.is_none() {
+            return Err(StoreError::Gone("this answer link was used, its wait has ended, or it never existed".into()));
+        }
         let (run, name) = self
             .retry(|| async {
                 let mut tx = self.writer().begin().await?;
@@ -192,44 +253,52 @@ impl Store {
                 Ok((run, name))
             })
             .await?;
-        Ok((self.delivered(run).await?, name))
+        Ok((self.input_delivered(run).await?, name))
     }
 
-    /// The prompt of the open wait the answer link `token_hash` answers
-    /// (from the run's suspension that began it), if the link is unused
-    /// and its wait said one. Reads only: opening a link uses nothing.
-    pub async fn answer_prompt(&self, token_hash: &str) -> Result<Option<String>, StoreError> {
-        let link = sqlx::query(sql!(self, "SELECT run_id, name FROM answer_links WHERE token_hash = $1"))
-            .bind(token_hash)
-            .fetch_optional(self.pool())
-            .await?;
-        let Some(link) = link else { return Ok(None) };
-        let (run_id, name): (i64, String) = (link.try_get("run_id")?, link.try_get("name")?);
-        let payloads: Vec<String> = sqlx::query_scalar(sql!(
+    /// The plugin and prompt of the wait the answer link `token_hash` was
+    /// made for, while the run still waits on it (the run's last
+    /// suspension began that wait and said a prompt); `None` otherwise.
+    /// A link is made by the running turn and ended when any wait on its
+    /// name ends, so a link that exists while the run waits on its name
+    /// belongs to that very wait. Reads only: opening a link uses nothing.
+    pub async fn answer_prompt(&self, token_hash: &str) -> Result<Option<(String, String)>, StoreError> {
+        let row = sqlx::query(sql!(
             self,
-            "SELECT payload FROM events WHERE run_id = $1 AND kind = 'suspended' ORDER BY seq DESC LIMIT 20"
+            "SELECT r.plugin, r.status, r.waiting_for, l.name, \
+             (SELECT payload FROM events WHERE run_id = r.id AND kind = 'suspended' ORDER BY seq DESC LIMIT 1) AS last \
+             FROM answer_links l JOIN runs r ON r.id = l.run_id WHERE l.token_hash = $1"
         ))
-        .bind(run_id)
-        .fetch_all(self.pool())
+        .bind(token_hash)
+        .fetch_optional(self.pool())
         .await?;
-        let waiting = waiting_for(&name);
-        Ok(payloads
-            .iter()
-            .filter_map(|p| serde_json::from_str::<serde_json::Value>(p).ok())
-            .find(|p| p["waiting_for"].as_str() == Some(waiting.as_str()))
-            .and_then(|p| p["prompt"].as_str().map(str::to_string))
-            .filter(|p| !p.is_empty()))
-    }
-
-    /// After a delivery commits: wakes the run's readers and the workers.
-    async fn delivered(&self, mut run: Run) -> Result<Run, StoreError> {
-        self.hub().wake(&run.thread_id);
-        self.signal_work(true).await;
-        if let Err(e) = self.unfold(&mut run).await {
-            tracing::warn!(run = run.id, error = %e, "reading a run's streamed output failed");
+        let Some(row) = row else { return Ok(None) };
+        let (plugin, status, waiting, name): (String, String, Option<String>, String) =
+            (row.try_get("plugin")?, row.try_get("status")?, row.try_get("waiting_for")?, row.try_get("name")?);
+        let want = waiting_for(&name);
+        if status != RunStatus::Queued.as_str() || waiting.as_deref() != Some(want.as_str()) {
+            return Ok(None);
         }
-        Ok(run)
+        let last: Option<String> = row.try_get("last")?;
+        let prompt = last
+            .and_then(|p| serde_json::from_str::<serde_json::Value>(&p).ok())
+            .filter(|p| p["waiting_for"].as_str() == Some(want.as_str()))
+            .and_then(|p| p["prompt"].as_str().map(str::to_string))
+            .filter(|p| !p.is_empty());
+        Ok(prompt.map(|p| (plugin, p)))
     }
+}
+
+/// What a delivery with an idempotency key did
+/// ([`Store::deliver_once`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Delivery {
+    /// Delivered now.
+    New,
+    /// Delivered before with this key, name and input: nothing done.
+    Repeat,
+    /// The key was used before for another name or input: nothing done.
+    Mismatch,
 }
 
 /// A delivery's statements on `conn` (see [`Store::deliver_named`]).

@@ -59,8 +59,9 @@ use std::{str::FromStr, sync::OnceLock, time::Duration};
 use sqlx::{AnyPool, Executor, any::{AnyConnectOptions, AnyPoolOptions}};
 
 pub(crate) use closes::{max_batch as closes_max_batch, writers as close_writers};
+pub use sqlite::SqliteSync;
 pub use {children::{ChildEnd, ChildState, ChildWait, FOREVER, Spawn}, claims::{baseline_sql, claim_sql}};
-pub use {budgets::{Budget, Hold, BudgetLimits, usd_to_nanos}, inbox::{NamedWait, wait_result}, resolve::Resolution, retry::is_lock_timeout};
+pub use {budgets::{Budget, Hold, BudgetLimits, usd_to_nanos}, inbox::{Delivery, NamedWait, wait_result}, resolve::Resolution, retry::is_lock_timeout};
 pub use ledger::{Completion, EffectCall, LedgerSummary, REQUEST_PREVIEW, Streamed, idempotency_key};
 pub use {kv_usage::{KvQuota, KvRoom, KvUsage}, local::{HeldPut, LocalOp}, plugins::{ModelGrant, PluginInfo, PluginSettings, UpgradePolicy}};
 pub use {reap::ReapReport, retention::Deleted, runs::{MAX_SUBMIT_BATCH, RunFilter}, schedules::{Overlap, Schedule}, ticks::Tick};

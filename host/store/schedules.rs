@@ -128,6 +128,11 @@ pub fn check_id(id: &str) -> Result<(), String> {
 impl Store {
     /// Writes a new schedule (its `version`, `created_at` and `updated_at`
     /// are the store's). Refused when the id is taken.
+    /// How many schedules there are.
+    pub async fn count_schedules(&self) -> Result<i64, StoreError> {
+        Ok(sqlx::query_scalar("SELECT COUNT(*) FROM schedules").fetch_one(self.pool()).await?)
+    }
+
     pub async fn create_schedule(&self, s: &Schedule) -> Result<Schedule, StoreError> {
         let row = self
             .retry(|| async move {

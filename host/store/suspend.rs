@@ -205,3 +205,32 @@ impl Store {
         Ok(runs.into_iter().next().expect("the cancelled run is first"))
     }
 }
+
+/// [`Store::deliver_input`]'s statements on `conn`.
+pub(crate) async fn deliver_unnamed_in(store: &Store, conn: &mut sqlx::AnyConnection, run_id: i64, input: &str) -> Result<Run, StoreError> {
+    let row = sqlx::query(sql!(
+        store,
+        "UPDATE runs SET pending_input = $2, updated_at = {now} \
+         WHERE id = $1 AND status = 'waiting_input' AND pending_input IS NULL \
+         AND lease_owner IS NULL RETURNING {runs}"
+    ))
+    .bind(run_id)
+    .bind(input)
+    .fetch_optional(&mut *conn)
+    .await?;
+    let Some(row) = row else {
+        let status: Option<String> = sqlx::query_scalar(sql!(store, "SELECT status FROM runs WHERE id = $1"))
+            .bind(run_id)
+            .fetch_optional(&mut *conn)
+            .await?;
+        let status: RunStatus = status.ok_or(StoreError::RunNotFound(run_id))?.parse()?;
+        return Err(StoreError::Conflict {
+            run_id,
+            status,
+            message: if status == RunStatus::WaitingInput { "input was already delivered" } else { "run is not waiting for input" },
+        });
+    };
+    let run = Run::from_row(&row)?;
+    log::append(store, conn, &run.thread_id, run.id, run.fence, kind::INPUT, &json!({ "input": input })).await?;
+    Ok(run)
+}

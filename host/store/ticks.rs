@@ -265,6 +265,32 @@ impl Store {
         if self.tick_at(tx, &s.id, d.at).await?.is_some() {
             return Ok(None);
         }
+        // A run that outlived its time's record (records go by age, runs
+        // when their tree is done) is that time's run: recorded again, never
+        // started twice.
+        let kept: Option<(i64, String)> = sqlx::query_as(sql!(self, "SELECT id, status FROM runs WHERE schedule_id = $1 AND scheduled_at = $2"))
+            .bind(&s.id)
+            .bind(d.at)
+            .fetch_optional(&mut *tx)
+            .await?;
+        if let Some((id, status)) = kept {
+            let row = sqlx::query(sql!(
+                self,
+                "INSERT INTO schedule_ticks (schedule_id, scheduled_at, outcome, run_id, reason, backfill, recorded_at) \
+                 VALUES ($1, $2, 'started', $3, $4, $5, {now}) \
+                 RETURNING schedule_id, scheduled_at, outcome, run_id, NULL AS run_status, reason, backfill, recorded_at"
+            ))
+            .bind(&s.id)
+            .bind(d.at)
+            .bind(id)
+            .bind(format!("its run {id} outlived its record"))
+            .bind(i64::from(backfill))
+            .fetch_one(&mut *tx)
+            .await?;
+            let mut tick = Tick::from_row(&row)?;
+            tick.run_status = Some(status);
+            return Ok(Some(tick));
+        }
         let (outcome, run, reason) = match self.decide(tx, s, d, overlap, woken).await? {
             Decision::Skip(reason) => (Outcome::Skipped, None, Some(reason)),
             Decision::Buffer => (Outcome::Buffered, None, None),

@@ -347,8 +347,9 @@ both! {
         let status = server.req(reqwest::Method::DELETE, "/v1/limits/tenant%2F1").send().await?.status().as_u16();
         ensure!(status == 204, "delete: {status}");
         server.wait_status(id, "completed").await?;
-        let (_, shown) = server.get("/v1/limits/tenant%2F1").await?;
-        ensure!(shown["concurrency"].is_null() && shown["paused"] == false && shown["queued"] == 0, "{shown}");
+        // Neither a limit nor runs: there is nothing to show.
+        let (status, shown) = server.get("/v1/limits/tenant%2F1").await?;
+        ensure!(status == 404, "{status} {shown}");
         server.stop().await;
         Ok(())
     }
@@ -735,5 +736,26 @@ impl Rng {
         self.0 ^= self.0 >> 7;
         self.0 ^= self.0 << 17;
         self.0 % n.max(1)
+    }
+}
+
+both! {
+    async fn reruns_past_the_replay_cap_are_refused_with_retry_after(db) {
+        let server = Server::start_with(db, None, true, |c| c.max_replays = 1).await?;
+        let (status, _) = server.put_plugin("testkit", plugins::rust_plugin("testkit")?).await?;
+        ensure!(status == 201, "{status}");
+        // Each replay of this prefix spins a while, so the reruns overlap.
+        let (_, run) = server.post("/v1/runs", json!({ "plugin": "testkit", "input": { "steps": 2, "spin": 1u64 << 28 } })).await?;
+        let id = run["id"].as_i64().context("id")?;
+        server.wait_status(id, "completed").await?;
+        let path = format!("/v1/runs/{id}/rerun");
+        let reruns = (0..4).map(|_| server.post(&path, json!({ "from_seq": 2 })));
+        let answers = futures::future::join_all(reruns).await;
+        let statuses: Vec<u16> = answers.iter().map(|a| a.as_ref().map_or(0, |(s, _)| *s)).collect();
+        ensure!(statuses.contains(&201), "{statuses:?}");
+        let busy = answers.iter().flatten().find(|(s, _)| *s == 503);
+        ensure!(busy.is_some_and(|(_, b)| b["error"]["code"] == "busy"), "no rerun past the cap was refused: {statuses:?}");
+        server.stop().await;
+        Ok(())
     }
 }

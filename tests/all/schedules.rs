@@ -412,10 +412,56 @@ async fn every_time_once_daily(store: &Store) -> Result<Vec<Tick>> {
 
 /// The API on `db`, with its base URL, a client and the sender that stops it.
 pub async fn api(db: &TestDb) -> Result<(String, reqwest::Client, tokio::sync::watch::Sender<bool>)> {
+    api_with(db, leasehold::api::ApiConfig::default()).await
+}
+
+/// [`api`] with `config`.
+pub async fn api_with(db: &TestDb, config: leasehold::api::ApiConfig) -> Result<(String, reqwest::Client, tokio::sync::watch::Sender<bool>)> {
     leasehold::effects::http::install_tls();
     let rt = crate::plugins::runtime()?;
     let (stop, shutdown) = tokio::sync::watch::channel(false);
-    let state = leasehold::api::AppState::new(db.store.clone(), rt, leasehold::api::ApiConfig::default(), shutdown.clone());
+    let state = leasehold::api::AppState::new(db.store.clone(), rt, config, shutdown.clone());
     let base = crate::harness::serve_api(state, shutdown).await?;
     Ok((base, reqwest::Client::new(), stop))
+}
+
+both! {
+    async fn a_backfill_after_retention_neither_fails_nor_runs_a_time_twice(db) {
+        let store = &db.store;
+        noop_plugin(store).await?;
+        let t0 = store.now_ms().await? - 10_000;
+        let s = store.create_schedule(&every("kept", 1000, Overlap::AllowAll, t0 - 1000)).await?;
+        let first = store.backfill(&s, &[t0], Overlap::AllowAll).await?;
+        ensure!(first.len() == 1 && first[0].run_id.is_some(), "{first:?}");
+        // The record goes by age; its run (still queued) stays.
+        sqlx::query("UPDATE schedule_ticks SET recorded_at = recorded_at - 3600000").execute(store.pool()).await?;
+        ensure!(store.forget_old_ticks(60_000, 100).await? == 1);
+        let again = store.backfill(&s, &[t0], Overlap::AllowAll).await?;
+        ensure!(again.len() == 1 && again[0].run_id == first[0].run_id, "{again:?} after {first:?}");
+        ensure!(runs_of(store, "kept").await?.len() == 1, "the time ran twice");
+        // Through the API, a range past the retention period is refused.
+        let config = leasehold::api::ApiConfig { retention: Duration::from_secs(3600), ..leasehold::api::ApiConfig::default() };
+        let (base, http, stop) = api_with(db, config).await?;
+        let now = store.now_ms().await?;
+        let r = http.post(format!("{base}/v1/schedules/kept/backfill")).json(&json!({ "from": now - 7_200_000, "to": now - 1 })).send().await?;
+        let status = r.status();
+        let body: Value = r.json().await?;
+        ensure!(status == 400 && body["error"]["message"].as_str().is_some_and(|m| m.contains("retention")), "{status} {body}");
+        let _ = stop.send(true);
+        Ok(())
+    }
+
+    async fn the_service_refuses_a_schedule_past_its_cap(db) {
+        noop_plugin(&db.store).await?;
+        let config = leasehold::api::ApiConfig { max_schedules: 2, ..leasehold::api::ApiConfig::default() };
+        let (base, http, stop) = api_with(db, config).await?;
+        let mut got = Vec::new();
+        for id in ["a", "b", "c"] {
+            let r = http.post(format!("{base}/v1/schedules")).json(&json!({ "id": id, "plugin": "noop", "input": {}, "interval": "1h" })).send().await?;
+            got.push(r.status().as_u16());
+        }
+        ensure!(got == [201, 201, 409], "{got:?}");
+        let _ = stop.send(true);
+        Ok(())
+    }
 }

@@ -287,3 +287,47 @@ async fn half_sent_requests_are_closed_and_connections_are_capped() -> Result<()
     }
     Ok(())
 }
+
+/// The answer links' route needs no token, so anyone with a link can send
+/// it a body one byte at a time: the request timeout bounds that too, and
+/// the service stays up for everyone else.
+#[tokio::test]
+async fn slow_bodies_to_the_public_answer_route_time_out_and_the_service_stays_up() -> Result<()> {
+    use tokio::io::AsyncWriteExt;
+    let dir = tempfile::tempdir()?;
+    let port = free_port()?;
+    let base = format!("http://127.0.0.1:{port}");
+    let _serve = insecure_serve(dir.path(), port, &["--max-connections", "6", "--request-timeout-ms", "1500"])?;
+    let http = reqwest::Client::builder().pool_max_idle_per_host(0).build()?;
+    wait_healthy(&http, &base, Duration::from_secs(60)).await?;
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let mut slow = tokio::task::JoinSet::new();
+    for _ in 0..8 {
+        let mut stopped = stopped.clone();
+        slow.spawn(async move {
+            let Ok(mut s) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await else { return };
+            let head = "POST /v1/answers/0123456789abcdef HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n";
+            if s.write_all(head.as_bytes()).await.is_err() {
+                return;
+            }
+            // A byte every 300 ms until the test ends or the server hangs up.
+            loop {
+                tokio::select! {
+                    _ = stopped.wait_for(|s| *s) => return,
+                    _ = tokio::time::sleep(Duration::from_millis(300)) => {}
+                }
+                if s.write_all(b" ").await.is_err() {
+                    return;
+                }
+            }
+        });
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let asked = Instant::now();
+    let answer = tokio::time::timeout(Duration::from_secs(15), http.get(format!("{base}/healthz")).send()).await;
+    let _ = stop.send(true);
+    let status = answer.map_err(|_| anyhow::anyhow!("/healthz did not answer within 15 s under slow answer bodies"))??.status();
+    ensure!(status == 200, "{status} after {:?}", asked.elapsed());
+    while slow.join_next().await.is_some() {}
+    Ok(())
+}

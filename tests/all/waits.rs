@@ -164,10 +164,16 @@ both! {
         ensure!(page.status() == 200, "the link's page: {}", page.status());
         let html = page.text().await?;
         ensure!(html.contains("answer-form"), "the link's page has no form");
-        ensure!(html.contains(r#"<p id="answer-prompt" class="prompt">Ship &lt;v2&gt; &amp; tell &quot;ops&quot;?</p>"#), "the page shows no escaped prompt: {html}");
+        ensure!(html.contains(r#"<blockquote id="answer-prompt" class="prompt" data-source="plugin">Ship &lt;v2&gt; &amp; tell &quot;ops&quot;?</blockquote>"#), "the page shows no escaped prompt: {html}");
+        ensure!(html.contains("The plugin <code>approval</code> asks"), "the prompt is not marked as the plugin's: {html}");
+        let page = http.get(&link).send().await?;
+        ensure!(page.headers().get("cache-control").and_then(|v| v.to_str().ok()) == Some("no-store"), "{:?}", page.headers().get("cache-control"));
         let answer = |input: &str| http.post(&link).json(&json!({ "input": input })).send();
         let r = answer("ok").await?;
         ensure!(r.status() == 200, "first use: {} {}", r.status(), r.text().await?);
+        // Its wait has its input: the page no longer shows the prompt.
+        let html = http.get(&link).send().await?.text().await?;
+        ensure!(!html.contains("answer-prompt"), "the page still shows the prompt of a wait that has its answer: {html}");
         let r = answer("again").await?;
         ensure!(r.status() == 410, "second use: {} {}", r.status(), r.text().await?);
         let r = http.post(format!("{base}/v1/answers/{}", "0".repeat(64))).json(&json!({ "input": "x" })).send().await?;
@@ -186,6 +192,80 @@ both! {
             .await?;
         ensure!(r.status() == 400, "a bad name: {}", r.status());
         let _ = stop.send(true);
+        Ok(())
+    }
+}
+
+both! {
+    async fn answer_links_past_the_hosts_rate_are_refused_with_429(db) {
+        let (stop, shutdown) = tokio::sync::watch::channel(false);
+        let rt = plugins::runtime()?;
+        let config = leasehold::api::ApiConfig { answers_per_second: 1, answers_burst: 3, ..leasehold::api::ApiConfig::default() };
+        let state = leasehold::api::AppState::new(db.store.clone(), rt, config, shutdown.clone());
+        let base = crate::harness::serve_api(state, shutdown).await?;
+        let http = reqwest::Client::new();
+        let made_up = format!("{base}/v1/answers/{}", "0".repeat(64));
+        for i in 0..3 {
+            let r = http.post(&made_up).json(&json!({ "input": "x" })).send().await?;
+            ensure!(r.status() == 410, "request {i}: {}", r.status());
+        }
+        let r = http.post(&made_up).json(&json!({ "input": "x" })).send().await?;
+        ensure!(r.status() == 429, "past the burst: {}", r.status());
+        let wait: u64 = r.headers().get("retry-after").and_then(|v| v.to_str().ok()).and_then(|v| v.parse().ok()).unwrap_or(0);
+        let body: Value = r.json().await?;
+        ensure!(wait >= 1 && body["error"]["code"] == "rate_limited", "retry-after {wait}, {body}");
+        let _ = stop.send(true);
+        Ok(())
+    }
+}
+
+/// A made-up answer token is refused from a read: it never waits for
+/// SQLite's one writer.
+#[tokio::test]
+async fn a_made_up_answer_token_never_waits_for_the_writer() -> Result<()> {
+    crate::harness::run_on(leasehold::store::Backend::Sqlite, async |db| {
+        let (stop, shutdown) = tokio::sync::watch::channel(false);
+        let rt = plugins::runtime()?;
+        let state = leasehold::api::AppState::new(db.store.clone(), rt, leasehold::api::ApiConfig::default(), shutdown.clone());
+        let base = crate::harness::serve_api(state, shutdown).await?;
+        let held = db.store.writer().acquire().await?;
+        let r = tokio::time::timeout(
+            Duration::from_secs(2),
+            reqwest::Client::new().post(format!("{base}/v1/answers/{}", "0".repeat(64))).json(&json!({ "input": "x" })).send(),
+        )
+        .await;
+        drop(held);
+        let status = r.map_err(|_| anyhow::anyhow!("a made-up token waited for the writer"))??.status();
+        ensure!(status == 410, "{status}");
+        let _ = stop.send(true);
+        Ok(())
+    })
+    .await
+}
+
+both! {
+    async fn a_retried_named_delivery_is_delivered_once(db) {
+        use leasehold::store::Delivery;
+        let host = hosts(db, vec![], None).await?;
+        // Waits on `approval`, then sleeps a minute.
+        let id = submit(db, json!({ "sleep_after_ms": 60_000 })).await?;
+        host("host-a").run_once().await?;
+        let s = &db.store;
+        let (_, first) = s.deliver_once(id, Some("approval"), "yes", "d1").await?;
+        let (_, again) = s.deliver_once(id, Some("approval"), "yes", "d1").await?;
+        ensure!(first == Delivery::New && again == Delivery::Repeat, "{first:?} then {again:?}");
+        // The wait takes it; the run sleeps on. A late retry delivers nothing.
+        host("host-a").drain().await?;
+        let (_, late) = s.deliver_once(id, Some("approval"), "yes", "d1").await?;
+        ensure!(late == Delivery::Repeat, "{late:?}");
+        let inbox: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM inbox WHERE run_id = $1").bind(id).fetch_one(s.pool()).await?;
+        ensure!(inbox == 0, "a retried delivery landed again: {inbox} in the inbox");
+        let (_, other) = s.deliver_once(id, Some("approval"), "no", "d1").await?;
+        ensure!(other == Delivery::Mismatch, "{other:?}");
+        let (_, fresh) = s.deliver_once(id, Some("approval"), "later", "d2").await?;
+        ensure!(fresh == Delivery::New, "{fresh:?}");
+        let inputs = s.run_events(id).await?.into_iter().filter(|e| e.kind == "input").count();
+        ensure!(inputs == 2, "{inputs} input events for two deliveries");
         Ok(())
     }
 }
