@@ -189,6 +189,12 @@ pub struct ServeOptions {
     /// The service name traces carry. [default: leasehold]
     #[arg(long, env = "OTEL_SERVICE_NAME")]
     pub otel_service_name: Option<String>,
+    /// Whether guests' `http` calls send a `traceparent` header (their
+    /// call's span), so the services they reach join the run's trace:
+    /// `auto`, only while spans are exported; `always`; `never`.
+    /// [default: auto]
+    #[arg(long, env = "LEASEHOLD_HTTP_TRACEPARENT", value_enum)]
+    pub http_traceparent: Option<HttpTraceparent>,
     /// This host's lease owner id. [default: <hostname>-<pid>]
     #[arg(long, env = "LEASEHOLD_OWNER")]
     pub owner: Option<String>,
@@ -215,6 +221,16 @@ pub struct ServeOptions {
     #[arg(long, hide = true)]
     #[serde(skip)]
     pub test_pause_spawns: Option<leasehold::store::faults::SpawnPause>,
+}
+
+/// When guests' `http` calls send `traceparent` (`--http-traceparent`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum HttpTraceparent {
+    /// Only while this host exports spans.
+    Auto,
+    Always,
+    Never,
 }
 
 /// Resolved settings. `Debug` shows no secret.

@@ -78,8 +78,50 @@ pub fn url(url: &str) -> String {
     out
 }
 
+/// `u` as it may be shown: `scheme://host[:port]/path`, with no user
+/// part, query or fragment (where credentials and tokens go).
+pub fn url_shown(u: &str) -> String {
+    match url::Url::parse(u) {
+        Ok(parsed) if parsed.has_host() => {
+            let port = parsed.port().map(|p| format!(":{p}")).unwrap_or_default();
+            format!("{}://{}{port}{}", parsed.scheme(), parsed.host_str().unwrap_or_default(), parsed.path())
+        }
+        _ => {
+            let cut = u.find(['?', '#']).map_or(u, |i| &u[..i]);
+            match (cut.find("://"), cut.rfind('@')) {
+                (Some(scheme), Some(at)) if at > scheme => format!("{}{}", &cut[..scheme + 3], &cut[at + 1..]),
+                _ => cut.to_string(),
+            }
+        }
+    }
+}
+
+/// `text` with every `http://` or `https://` URL in it shown as
+/// [`url_shown`] shows one: an error message that quotes a URL keeps its
+/// host and path, not its query's tokens.
+pub fn urls(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(i) = rest.find("http://").into_iter().chain(rest.find("https://")).min() {
+        out.push_str(&rest[..i]);
+        let end = rest[i..].find(|c: char| c.is_whitespace() || matches!(c, ')' | '"' | '\'' | '<' | '>' | ',')).map_or(rest.len(), |e| i + e);
+        out.push_str(&url_shown(&rest[i..end]));
+        rest = &rest[end..];
+    }
+    out.push_str(rest);
+    out
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_shown_url_keeps_its_host_and_path_and_no_credentials() {
+        assert_eq!(super::url_shown("https://u:pw9@c.example:8443/v1/traces?key=k3y#f"), "https://c.example:8443/v1/traces");
+        assert_eq!(super::url_shown("http://127.0.0.1:9/x?token=s3cret"), "http://127.0.0.1:9/x");
+        let said = super::urls("error sending request for url (http://127.0.0.1:9/x?token=s3cret): refused, see https://a:b@h/p?q=1");
+        assert_eq!(said, "error sending request for url (http://127.0.0.1:9/x): refused, see https://h/p");
+    }
+
     #[test]
     fn url_hides_the_password_and_keeps_the_rest() {
         assert_eq!(super::url("postgres://u:hunter2@db:5432/x"), "postgres://u:***@db:5432/x");

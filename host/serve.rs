@@ -98,8 +98,9 @@ pub async fn serve_with(cfg: config::Serve, dev: Option<crate::dev::Project>) ->
     if let Some(owner) = &cfg.owner {
         exec_config.owner = owner.clone();
     }
+    exec_config.http_traceparent = cfg.http_traceparent;
     if let Some(traces) = &cfg.traces {
-        tracing::info!(endpoint = %traces.endpoint, "exporting traces over OTLP/HTTP");
+        tracing::info!(endpoint = %leasehold::redact::url_shown(&traces.endpoint), "exporting traces over OTLP/HTTP");
         exec_config.tracer = Some(leasehold::traces::Tracer::start(traces.clone()).map_err(anyhow::Error::msg)?);
     }
     let tracer = exec_config.tracer.clone();

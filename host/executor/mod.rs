@@ -66,6 +66,10 @@ pub struct ExecutorConfig {
     /// Default: none, so none are exported; trace ids are still derived,
     /// logged and passed on.
     pub tracer: Option<crate::traces::Tracer>,
+    /// Whether guests' `http` calls carry a `traceparent` header.
+    /// Default: false (`serve`: only while spans are exported, unless
+    /// `--http-traceparent` says otherwise).
+    pub http_traceparent: bool,
 }
 
 impl Default for ExecutorConfig {
@@ -81,6 +85,7 @@ impl Default for ExecutorConfig {
             clock: Monotonic::default(),
             answer_base: None,
             tracer: None,
+            http_traceparent: false,
         }
     }
 }
@@ -212,7 +217,8 @@ impl Executor {
         let (run_id, fence) = (claimed.run.id, claimed.lease.fence);
         observe_first_start(&self.store, &claimed.run);
         let database = self.store.database_id().await?;
-        let trace = Arc::new(SegmentTrace::new(self.config.tracer.clone(), database, run_id, fence, claimed.run.trace_parent.as_deref()));
+        let (parent, http_header) = (claimed.run.trace_parent.as_deref(), self.config.http_traceparent);
+        let trace = Arc::new(SegmentTrace::new(self.config.tracer.clone(), database, run_id, fence, parent, http_header));
         let described = trace.exporting().then(|| traced::describe(&claimed, &self.config.owner));
         let claimed_at = claimed.run.heartbeat_at.unwrap_or_default();
         // The segment's log lines carry its trace id. At error level, so a
@@ -262,20 +268,14 @@ impl Executor {
     pub async fn run_segment(&self, claimed: Claimed) -> Result<SegmentOutcome, StoreError> {
         let database = self.store.database_id().await?;
         let (run, fence) = (claimed.run.id, claimed.lease.fence);
-        let trace = Arc::new(SegmentTrace::new(None, database, run, fence, claimed.run.trace_parent.as_deref()));
+        let trace = Arc::new(SegmentTrace::new(None, database, run, fence, claimed.run.trace_parent.as_deref(), self.config.http_traceparent));
         self.segment(claimed, &mut Handoff { want: false, got: None, guest_done: None }, &trace).await
     }
 
     async fn segment(&self, claimed: Claimed, next: &mut Handoff, trace: &Arc<SegmentTrace>) -> Result<SegmentOutcome, StoreError> {
         let Claimed { run, lease, charged } = claimed;
-        if run.paused_at.is_some() {
-            // Paused (store::pause): a lease taken over, or a run claimed
-            // before its pause, is given back before its guest starts.
-            return match self.store.suspend(&lease, &Suspend::Takeover).await {
-                Ok(status) => Ok(SegmentOutcome::Suspended(status)),
-                Err(StoreError::LeaseLost(_)) => Ok(SegmentOutcome::LeaseLost),
-                Err(e) => Err(e),
-            };
+        if let Some(given_back) = self.give_back_if_paused(&run, &lease, charged).await? {
+            return Ok(given_back);
         }
         // The lease is renewed from here, measured from the claim (a run
         // that waited in the local queue has less left), until the

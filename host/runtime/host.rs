@@ -472,7 +472,7 @@ impl SegmentState {
             max_result_bytes: self.limits.max_effect_bytes,
             idempotency_key: crate::store::idempotency_key(&self.database_id().await?, self.lease.run_id, call.seq),
             reissue,
-            traceparent: self.trace.as_ref().map(|t| t.call_header(call.seq)),
+            traceparent: self.trace.as_ref().and_then(|t| t.http_header(call.seq)),
         };
         self.in_flight = Some((call.seq, call.name.clone(), None));
         let bytes_before = self.stream.bytes;

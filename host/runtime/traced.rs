@@ -45,7 +45,7 @@ impl Begun {
             }
             Effect::Remote(Remote::Chat { request }) => {
                 attributes.push(("gen_ai.operation.name", "chat".into()));
-                attributes.push(("gen_ai.request.model", request.model().into()));
+                attributes.push(("gen_ai.request.model", crate::traces::bounded(request.model()).into()));
                 (Kind::Client, true)
             }
         };
@@ -68,7 +68,7 @@ impl Begun {
                 }
                 if self.chat {
                     if let Some(model) = v.get("model").and_then(|m| m.as_str()) {
-                        self.attributes.push(("gen_ai.response.model", model.into()));
+                        self.attributes.push(("gen_ai.response.model", crate::traces::bounded(model).into()));
                     }
                     let usage = &v["usage"];
                     let tokens = |keys: [&str; 2]| keys.iter().find_map(|k| usage.get(*k).and_then(|t| t.as_i64()));

@@ -16,7 +16,8 @@ use tokio::sync::mpsc;
 use super::{Span, Value};
 
 /// Where and how spans are exported. Read by [`TraceConfig::from_env`].
-#[derive(Debug, Clone)]
+/// `Debug` shows the endpoint without credentials or query, and no header.
+#[derive(Clone)]
 pub struct TraceConfig {
     /// The collector's traces URL, e.g. `http://127.0.0.1:4318/v1/traces`.
     pub endpoint: String,
@@ -33,6 +34,20 @@ pub struct TraceConfig {
     pub delay: Duration,
     /// One request's timeout. Default 10 s.
     pub timeout: Duration,
+}
+
+impl std::fmt::Debug for TraceConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TraceConfig")
+            .field("endpoint", &crate::redact::url_shown(&self.endpoint))
+            .field("headers", &format_args!("<{} set, not shown>", self.headers.len()))
+            .field("resource", &self.resource)
+            .field("queue", &self.queue)
+            .field("batch", &self.batch)
+            .field("delay", &self.delay)
+            .field("timeout", &self.timeout)
+            .finish()
+    }
 }
 
 impl TraceConfig {
@@ -77,7 +92,7 @@ impl TraceConfig {
         };
         match url::Url::parse(&url) {
             Ok(u) if matches!(u.scheme(), "http" | "https") && u.host().is_some() => {}
-            _ => return Err(format!("the OTLP endpoint {url:?} is not an http:// or https:// URL")),
+            _ => return Err(format!("the OTLP endpoint {:?} is not an http:// or https:// URL", crate::redact::url_shown(&url))),
         }
         for var in ["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"] {
             if let Some(p) = env(var) {
@@ -255,7 +270,7 @@ async fn export_loop(config: TraceConfig, client: reqwest::Client, mut rx: mpsc:
             }
             Err(e) => {
                 metrics.trace_spans_dropped_export.fetch_add(n, Relaxed);
-                tracing::warn!(error = %e, spans = n, "could not send a batch of spans to the OTLP collector; they are dropped");
+                tracing::warn!(error = %e.without_url(), spans = n, "could not send a batch of spans to the OTLP collector; they are dropped");
             }
         }
     }

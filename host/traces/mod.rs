@@ -119,12 +119,17 @@ pub struct SegmentTrace {
     /// span starts.
     returned_ns: AtomicU64,
     links: Mutex<Vec<Link>>,
+    /// Whether its `http` calls send `traceparent` (see [`SegmentTrace::new`]).
+    http_header: bool,
 }
 
 impl SegmentTrace {
     /// The segment under `fence` of `run`, whose stored `traceparent` is
     /// `parent`. `tracer`: where its spans go; none, none are exported.
-    pub fn new(tracer: Option<Tracer>, database: Arc<str>, run: i64, fence: i64, parent: Option<&str>) -> SegmentTrace {
+    /// `http_header`: whether its `http` calls send a `traceparent` (their
+    /// call's span), so a service they reach joins the trace; without it
+    /// no outside service learns the run's trace and span ids.
+    pub fn new(tracer: Option<Tracer>, database: Arc<str>, run: i64, fence: i64, parent: Option<&str>, http_header: bool) -> SegmentTrace {
         let parent = parent.and_then(Parent::parse);
         SegmentTrace {
             tracer,
@@ -138,7 +143,13 @@ impl SegmentTrace {
             start_ns: now_ns(),
             returned_ns: AtomicU64::new(0),
             links: Mutex::new(Vec::new()),
+            http_header,
         }
+    }
+
+    /// The `traceparent` an `http` call `seq` sends, if the segment sends one.
+    pub fn http_header(&self, seq: i64) -> Option<String> {
+        self.http_header.then(|| self.call_header(seq))
     }
 
     /// Whether spans are exported.
@@ -246,10 +257,37 @@ impl SegmentTrace {
     }
 }
 
+/// A span's error message: URLs without their queries or credentials
+/// (`redact::urls`), at most [`MAX_MESSAGE`] bytes.
 fn cut(s: &str) -> String {
-    let mut end = s.len().min(MAX_MESSAGE);
+    cut_at(&crate::redact::urls(s), MAX_MESSAGE)
+}
+
+/// Attribute values a guest chooses (a model's name) are cut to this many
+/// bytes.
+pub const MAX_ATTRIBUTE: usize = 128;
+
+/// `s` cut to [`MAX_ATTRIBUTE`] bytes, at a character boundary.
+pub fn bounded(s: &str) -> String {
+    cut_at(s, MAX_ATTRIBUTE)
+}
+
+fn cut_at(s: &str, max: usize) -> String {
+    let mut end = s.len().min(max);
     while !s.is_char_boundary(end) {
         end -= 1;
     }
     s[..end].to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_span_error_keeps_no_url_query_and_a_chosen_name_is_bounded() {
+        let said = super::cut("http: request failed: error sending request for url (http://127.0.0.1:9/x?token=s3cret)");
+        assert!(!said.contains("s3cret") && said.contains("127.0.0.1:9/x"), "{said}");
+        let long = "m".repeat(5000);
+        assert_eq!(super::bounded(&long).len(), super::MAX_ATTRIBUTE);
+        assert_eq!(super::bounded("é".repeat(100).as_str()).len(), 128, "cut at a character boundary");
+    }
 }

@@ -490,3 +490,83 @@ fn waterfall(spans: &[Got]) -> String {
         (t1 - t0) as f64 / 1e6
     )
 }
+
+/// The trace config's `Debug` (which a settings dump or a log line may
+/// show) holds no header and no credential of the collector's URL.
+#[test]
+fn the_trace_config_shows_no_header_and_no_credentials() {
+    let env = |k: &str| match k {
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT" => Some("https://u:pw9@c.example/v1/traces?key=k3y".to_string()),
+        "OTEL_EXPORTER_OTLP_HEADERS" => Some("x-api-key=s3cret".to_string()),
+        _ => None,
+    };
+    let config = TraceConfig::from_env(None, None, env).expect("a config").expect("an endpoint");
+    let shown = format!("{config:?}");
+    for secret in ["s3cret", "x-api-key", "pw9", "k3y"] {
+        assert!(!shown.contains(secret), "{secret} shows in {shown}");
+    }
+    assert!(shown.contains("c.example/v1/traces"), "{shown}");
+}
+
+/// A submit's log line names the trace its run goes on in: the
+/// submitter's, or the run's own.
+#[tokio::test]
+async fn a_submit_logs_the_trace_its_run_goes_on_in() -> Result<()> {
+    crate::harness::run_on(leasehold::store::Backend::Sqlite, async |db| {
+        let dir = tempfile::tempdir()?;
+        std::fs::write(dir.path().join("testkit.wasm"), plugins::rust_plugin("testkit")?)?;
+        let mut args = ServeArgs::new(db.url(), dir.path(), "logger".into())?;
+        args.env = vec![("LEASEHOLD_LOG".into(), "warn,leasehold::api=info".into())];
+        let host = ServeProc::spawn(&args)?;
+        let http = crate::serve_proc::client(reqwest::Client::builder())?;
+        host.wait_healthy(&http, Duration::from_secs(60)).await?;
+        let submit = async |traceparent: Option<String>| -> Result<i64> {
+            let mut req = http.post(format!("{}/v1/runs", host.base)).json(&json!({ "plugin": "testkit", "input": { "steps": 1 } }));
+            if let Some(t) = traceparent {
+                req = req.header("traceparent", t);
+            }
+            let run: serde_json::Value = req.send().await?.json().await?;
+            run["id"].as_i64().context("a run id")
+        };
+        let under = submit(Some(format!("00-{PARENT_TRACE}-{PARENT_SPAN}-01"))).await?;
+        let own = submit(None).await?;
+        let database = db.store.database_id().await?;
+        let want = [(under, PARENT_TRACE.to_string()), (own, ids::run_trace(&database, own).to_string())];
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let log = std::fs::read_to_string(&args.log).unwrap_or_default();
+            let line = |id: i64| log.lines().find(|l| l.contains("run submitted") && l.contains(&format!("run_id={id} "))).map(str::to_string);
+            if want.iter().all(|(id, _)| line(*id).is_some()) {
+                for (id, trace) in &want {
+                    let l = line(*id).unwrap_or_default();
+                    ensure!(l.contains(&format!("trace_id={trace}")), "run {id}'s submit line lacks trace {trace}: {l}");
+                }
+                return Ok(());
+            }
+            ensure!(Instant::now() < deadline, "no submit lines in the log:\n{log}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+}
+
+both! {
+    async fn an_http_call_carries_traceparent_only_when_the_host_sends_it(db) {
+        let sink = Sink::start().await?;
+        let rt = plugins::runtime()?;
+        let mut limits = plugins::test_limits();
+        limits.http_allow = vec![sink.allow()];
+        rt.add_plugin("testkit", &plugins::rust_plugin("testkit")?, limits)?;
+        let input = json!({ "mode": "script", "ops": [{ "op": "http", "url": sink.url }] }).to_string();
+        for sends in [false, true] {
+            db.store.create_run(&NewRun::new("testkit", input.clone())).await?;
+            let config = ExecutorConfig { owner: "h".into(), model: None, http_traceparent: sends, ..ExecutorConfig::default() };
+            Executor::new(db.store.clone(), rt.clone(), config).drain().await?;
+        }
+        let hits = sink.hits();
+        ensure!(hits.len() == 2, "{} calls", hits.len());
+        ensure!(hits[0].traceparent.is_empty(), "a host exporting nothing sent traceparent {}", hits[0].traceparent);
+        ensure!(hits[1].traceparent.starts_with("00-"), "a host asked to send it sent {:?}", hits[1].traceparent);
+        Ok(())
+    }
+}
