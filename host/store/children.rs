@@ -107,7 +107,43 @@ macro_rules! with_ids {
     };
 }
 
+/// How often the orphan sweep reads every open child, not only those of
+/// parents that ended lately: 10 minutes.
+pub const ORPHAN_SWEEP_EVERY_MS: i64 = 600_000;
+
+/// The orphan sweep's reads: every open child of a parent that failed,
+/// was aborted or was cancelled (`$1`: at most); and those whose parent
+/// ended since `$1` (`$2`: at most), through `runs_ended`.
+fn orphans_sql(store: &Store) -> [&'static str; 2] {
+    const ALL: &str = "SELECT c.id FROM runs c JOIN runs p ON p.id = c.parent_id \
+         WHERE c.parent_id IS NOT NULL AND c.status NOT IN ('completed','failed','aborted','cancelled') \
+         AND (p.status = 'cancelled' OR (p.status IN ('failed','aborted') AND c.detached = 0)) \
+         ORDER BY c.id LIMIT $1";
+    match store.backend() {
+        Backend::Sqlite => [
+            ALL,
+            "SELECT c.id FROM runs p INDEXED BY runs_ended JOIN runs c ON c.parent_id = p.id \
+             WHERE p.status IN ('cancelled','failed','aborted') AND p.finished_at >= $1 \
+             AND c.parent_id IS NOT NULL AND c.status NOT IN ('completed','failed','aborted','cancelled') \
+             AND (p.status = 'cancelled' OR c.detached = 0) ORDER BY c.id LIMIT $2",
+        ],
+        Backend::Postgres => [
+            ALL,
+            "SELECT c.id FROM runs p JOIN runs c ON c.parent_id = p.id \
+             WHERE p.status IN ('cancelled','failed','aborted') AND p.finished_at >= $1 \
+             AND c.parent_id IS NOT NULL AND c.status NOT IN ('completed','failed','aborted','cancelled') \
+             AND (p.status = 'cancelled' OR c.detached = 0) ORDER BY c.id LIMIT $2",
+        ],
+    }
+}
+
 impl Store {
+    /// See [`orphans_sql`] (for the suite's plan checks).
+    #[doc(hidden)]
+    pub fn orphans_sql(&self) -> [&'static str; 2] {
+        orphans_sql(self)
+    }
+
     /// Spawns a child of the run `lease` holds, as the committed ledger
     /// row of `call` (its result is the child's id), guarded by (owner,
     /// fence): the child and the row are written together or not at all,
@@ -406,17 +442,31 @@ impl Store {
     /// parent's close does not do this in its own statement; this sweep
     /// (the reaper's, each tick) does, so it holds across any host's
     /// death. Returns how many runs it cancelled.
+    ///
+    /// Each pass reads the children of parents that ended since a minute
+    /// before the last pass that found them all (`runs_ended`), so a tick
+    /// costs what ended lately, not every open child; the first pass, and
+    /// one every [`ORPHAN_SWEEP_EVERY`], read them all (a parent's end that
+    /// committed late, from a frozen host, is found there).
     pub async fn cancel_orphans(&self, limit: i64) -> Result<usize, StoreError> {
-        let ids: Vec<i64> = sqlx::query_scalar(sql!(
-            self,
-            "SELECT c.id FROM runs c JOIN runs p ON p.id = c.parent_id \
-             WHERE c.parent_id IS NOT NULL AND c.status NOT IN ('completed','failed','aborted','cancelled') \
-             AND (p.status = 'cancelled' OR (p.status IN ('failed','aborted') AND c.detached = 0)) \
-             ORDER BY c.id LIMIT $1"
-        ))
-        .bind(limit)
-        .fetch_all(self.pool())
-        .await?;
+        use std::sync::atomic::Ordering;
+        let now = self.now_ms().await?;
+        let (since, full_at) = (self.sweeps.orphans_since.load(Ordering::Relaxed), self.sweeps.orphans_all_at.load(Ordering::Relaxed));
+        let full = since == 0 || now - full_at >= ORPHAN_SWEEP_EVERY_MS;
+        let [all, recent] = self.orphans_sql();
+        let ids: Vec<i64> = if full {
+            sqlx::query_scalar(all).bind(limit).fetch_all(self.pool()).await?
+        } else {
+            sqlx::query_scalar(recent).bind(since).bind(limit).fetch_all(self.pool()).await?
+        };
+        if (ids.len() as i64) < limit {
+            // Found every orphan of parents ended before `now`: later passes
+            // read from a minute before, for closes stamped but not yet seen.
+            self.sweeps.orphans_since.store(now - 60_000, Ordering::Relaxed);
+            if full {
+                self.sweeps.orphans_all_at.store(now, Ordering::Relaxed);
+            }
+        }
         let mut cancelled = 0;
         for id in ids {
             let runs = self

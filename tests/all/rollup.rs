@@ -84,3 +84,35 @@ both! {
         Ok(())
     }
 }
+
+/// On SQLite the rollup's counts and the reaper's orphan sweep read
+/// indexes, never the whole `runs` table (each tick of every host runs
+/// them; a scan there grows with every run kept).
+#[tokio::test]
+async fn the_rollup_and_the_orphan_sweep_read_indexes_not_the_runs_table() -> anyhow::Result<()> {
+    use sqlx::Row;
+    crate::harness::run_on(leasehold::store::Backend::Sqlite, async |db| {
+        let s = &db.store;
+        let plan = async |sql: &str, binds: usize| -> anyhow::Result<String> {
+            let mut q = sqlx::query(sqlx::AssertSqlSafe(format!("EXPLAIN QUERY PLAN {sql}")));
+            for _ in 0..binds {
+                q = q.bind(1_i64);
+            }
+            let rows = q.fetch_all(s.pool()).await?;
+            Ok(rows.iter().map(|r| r.try_get::<String, _>(3).unwrap_or_default()).collect::<Vec<_>>().join("\n"))
+        };
+        let [finished, queued, running] = leasehold::store::rollup::count_sql(s);
+        let [_, recent] = s.orphans_sql();
+        for (sql, binds) in [(finished, 2), (queued, 0), (running, 0), (recent, 2)] {
+            let p = plan(sql, binds).await?;
+            let scans = p.lines().any(|l| {
+                let l = l.trim();
+                l.starts_with("SCAN ") && !l.contains("USING")
+            });
+            anyhow::ensure!(!scans, "{sql}\nreads the runs table whole:\n{p}");
+        }
+        anyhow::ensure!(plan(recent, 2).await?.contains("runs_ended"), "the sweep does not start from recently ended parents");
+        Ok(())
+    })
+    .await
+}
