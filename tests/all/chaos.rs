@@ -276,13 +276,12 @@ fn plan(s: &Settings, backend: Backend) -> (Vec<(u64, Fault)>, Vec<Kind>) {
     (schedule, load)
 }
 
-/// The most charged calls that reached a sink in any one second, and how
-/// many more that is than `per_minute` allows in a second (one more on its
-/// boundary). A keyed re-issue is not charged, so only the first arrival
-/// of each idempotency key counts.
+/// The most calls that reached a sink in any one second, and how many more
+/// that is than `per_minute` allows in a second (one more on its
+/// boundary). Every arrival counts: a keyed re-issue is a request the
+/// provider counts, and is charged like one.
 fn rate_excess(hits: &[crate::sink::Hit], per_minute: i64) -> (usize, i64) {
-    let mut seen = HashSet::new();
-    let mut at: Vec<Instant> = hits.iter().filter(|h| h.key.is_empty() || seen.insert(h.key.clone())).map(|h| h.at).collect();
+    let mut at: Vec<Instant> = hits.iter().map(|h| h.at).collect();
     at.sort_unstable();
     let (mut most, mut end) = (0, 0);
     for start in 0..at.len() {
@@ -397,7 +396,7 @@ impl Drop for PgCluster {
 ///   (`chaos_takeovers`): a steal is a takeover of a lease not yet expired;
 /// * a lease expiry written outside `[now - 1 s, now + TTL + 1 s]`
 ///   (`chaos_leases`) was computed from some other clock: a skewed host's.
-const AUDIT_SQLITE: &str = "
+pub(crate) const AUDIT_SQLITE: &str = "
 CREATE TABLE chaos_stale (tbl TEXT, run_id INTEGER, row_fence INTEGER, run_fence INTEGER, seq INTEGER);
 CREATE TABLE chaos_takeovers (run_id INTEGER, old_owner TEXT, old_fence INTEGER, new_owner TEXT, expires_in_ms INTEGER, taken_at INTEGER);
 CREATE TABLE chaos_leases (run_id INTEGER, owner TEXT, expires_in_ms INTEGER);
@@ -426,7 +425,7 @@ CREATE TRIGGER chaos_lease AFTER UPDATE OF lease_expires_at ON runs
         NEW.lease_expires_at - CAST(unixepoch('subsec') * 1000 AS INTEGER)); END;
 ";
 
-const AUDIT_POSTGRES: &str = "
+pub(crate) const AUDIT_POSTGRES: &str = "
 CREATE TABLE chaos_stale (tbl TEXT, run_id BIGINT, row_fence BIGINT, run_fence BIGINT, seq BIGINT);
 CREATE TABLE chaos_takeovers (run_id BIGINT, old_owner TEXT, old_fence BIGINT, new_owner TEXT, expires_in_ms BIGINT, taken_at BIGINT);
 CREATE TABLE chaos_leases (run_id BIGINT, owner TEXT, expires_in_ms BIGINT);
@@ -542,7 +541,7 @@ impl<'a> Cluster<'a> {
             format!("--test-clock-skew-ms={}", SKEWS_MS[host]),
             "--segment-budget-ms=2000".into(),
             "--shutdown-grace-ms=1000".into(),
-            "--spawn-allow=testkit".into(),
+            "--spawn-allow=fanout=testkit".into(),
         ];
         // Each host's local queue: serve's default on every host; in the
         // long mode (1,000 runs or more) a mix: the default, none, and a

@@ -13,6 +13,7 @@ mod bench_submit;
 mod budgets;
 mod children;
 mod chaos;
+mod chaos_mix;
 mod concurrency;
 mod concurrency_keys;
 mod crash;
