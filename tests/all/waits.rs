@@ -181,6 +181,15 @@ both! {
         host("host-a").drain().await?;
         let run = db.store.get_run(id).await?;
         ensure!(run.output.as_deref() == Some(r#"{"input":"ok"}"#), "output {:?}: {:?}", run.output, run.error);
+        // A link whose run was cancelled shows no prompt: its wait is over.
+        let gone = submit(db, json!({ "notify_url": notify.url, "prompt": "Still there?" })).await?;
+        host("host-a").run_once().await?;
+        let hits = notify.hits();
+        let body: Value = serde_json::from_str(&hits.last().context("a second notification")?.body)?;
+        let second = body["link"].as_str().context("no link")?.to_string();
+        db.store.cancel(gone).await?;
+        let html = http.get(&second).send().await?.text().await?;
+        ensure!(!html.contains("answer-prompt"), "a cancelled run's link still shows its prompt: {html}");
         // The named delivery through the API, which needs the token.
         let r = http.post(format!("{base}/v1/runs/{id}/input")).json(&json!({ "name": "approval", "input": "x" })).send().await?;
         ensure!(r.status() == 401, "without the token: {}", r.status());
