@@ -514,6 +514,9 @@ pub async fn backfill(
     let Ok(_one) = s.backfills.clone().try_acquire_owned() else {
         return Err(ApiError::busy("another backfill runs on this host; try again shortly"));
     };
+    // Times from the schedule's next tick on are the ticker's to record
+    // (so a run of missed times it records never covers a backfilled one).
+    let to = if sched.paused { to } else { sched.next_at.map_or(to, |next| to.min(next - 1)) };
     let spec = Spec::of(&sched).map_err(ApiError::bad_request)?;
     let most = s.config.max_backfill_ticks;
     let mut times = Vec::new();

@@ -14,9 +14,13 @@ use super::{Spec, format_span};
 use crate::store::ticks::{Due, Outcome, jitter};
 use crate::store::{Store, StoreError};
 
-/// Most times one pass records for one schedule: a long downtime's missed
-/// ticks are recorded over several passes.
+/// Most times one pass records for one schedule, one record each (times
+/// not missed: started, skipped or buffered by their overlap policy).
 pub const MAX_TICKS: usize = 1000;
+
+/// Most missed times one pass walks into one record: a day of a schedule
+/// of every second is one pass (86,400), a longer downtime a few.
+pub const MAX_MISSED_WALK: i64 = 100_000;
 
 /// Ticker settings. Every field documents its default.
 #[derive(Debug, Clone)]
@@ -64,7 +68,7 @@ pub async fn tick_at(store: &Store, config: &TickerConfig, now: i64) -> Result<P
             Err(e) => {
                 tracing::warn!(schedule = %s.id, error = %e, "a schedule's times do not read; it stops");
                 let at = s.next_at.unwrap_or(now);
-                (vec![Due { at, missed: Some(format!("the schedule does not read: {e}")), jitter_ms: 0 }], None)
+                (vec![Due::at(at, Some(format!("the schedule does not read: {e}")), 0)], None)
             }
         };
         match store.tick_schedule(&s, &dues, next_at).await {
@@ -79,7 +83,7 @@ pub async fn tick_at(store: &Store, config: &TickerConfig, now: i64) -> Result<P
                 for t in &ticks {
                     match t.outcome {
                         Outcome::Started => pass.started += 1,
-                        Outcome::Skipped => pass.skipped += 1,
+                        Outcome::Skipped => pass.skipped += t.times as usize,
                         Outcome::Buffered => pass.buffered += 1,
                     }
                 }
@@ -106,18 +110,31 @@ pub async fn tick(store: &Store, config: &TickerConfig) -> Result<Pass, StoreErr
     tick_at(store, config, now).await
 }
 
-/// Schedule `s`'s times from its `next_at` up to `now` (at most
-/// [`MAX_TICKS`]), each marked missed if older than its catch-up window,
-/// and the `next_at` after them.
+/// Schedule `s`'s times from its `next_at` up to `now`, and the
+/// `next_at` after them: first the run of those older than its catch-up
+/// window, as one missed record (at most [`MAX_MISSED_WALK`] of them a
+/// pass), then the rest, each its own (at most [`MAX_TICKS`]).
 fn due_times(s: &crate::store::Schedule, spec: &Spec, now: i64) -> (Vec<Due>, Option<i64>) {
     let mut dues = Vec::new();
     let mut at = s.next_at;
+    let missed = |t: i64| now - t > s.catchup_window_ms;
+    if let Some(first) = at.filter(|t| *t <= now && missed(*t)) {
+        let (mut last, mut times) = (first, 1);
+        at = spec.next_after(first);
+        while let Some(t) = at.filter(|t| missed(*t) && times < MAX_MISSED_WALK) {
+            (last, times) = (t, times + 1);
+            at = spec.next_after(t);
+        }
+        let late = now - first;
+        let reason = format!("{} late, past the catch-up window of {}", format_span(late), format_span(s.catchup_window_ms));
+        dues.push(Due { at: first, missed: Some(reason), jitter_ms: 0, through: (times > 1).then_some(last), times });
+        if at.is_some_and(|t| missed(t)) {
+            // The walk's cap: the next pass goes on from here.
+            return (dues, at);
+        }
+    }
     while let Some(t) = at.filter(|t| *t <= now && dues.len() < MAX_TICKS) {
-        let late = now - t;
-        let missed = (late > s.catchup_window_ms).then(|| {
-            format!("{} late, past the catch-up window of {}", format_span(late), format_span(s.catchup_window_ms))
-        });
-        dues.push(Due { at: t, missed, jitter_ms: jitter(s, t) });
+        dues.push(Due::at(t, None, jitter(s, t)));
         at = spec.next_after(t);
     }
     (dues, at)

@@ -61,6 +61,11 @@ pub struct Tick {
     pub backfill: bool,
     /// When it was recorded (the database's clock).
     pub recorded_at: i64,
+    /// A run of missed times recorded as one: the last of them (null: this
+    /// record is `scheduled_at` alone).
+    pub through_at: Option<i64>,
+    /// How many times this record holds: 1, or a run of missed times'.
+    pub times: i64,
 }
 
 impl Tick {
@@ -74,6 +79,8 @@ impl Tick {
             reason: row.try_get("reason")?,
             backfill: row.try_get::<i64, _>("backfill")? != 0,
             recorded_at: row.try_get("recorded_at")?,
+            through_at: row.try_get("through_at")?,
+            times: row.try_get("times")?,
         })
     }
 }
@@ -87,6 +94,17 @@ pub struct Due {
     pub missed: Option<String>,
     /// How long its run waits before it may be claimed (ms).
     pub jitter_ms: i64,
+    /// A run of missed times recorded as one (`missed` set): the last of
+    /// them, and how many. `None` and 1 for one time.
+    pub through: Option<i64>,
+    pub times: i64,
+}
+
+impl Due {
+    /// Time `at`, alone.
+    pub fn at(at: i64, missed: Option<String>, jitter_ms: i64) -> Due {
+        Due { at, missed, jitter_ms, through: None, times: 1 }
+    }
 }
 
 impl Store {
@@ -144,12 +162,14 @@ impl Store {
                 }
                 let (mut ticks, mut woken) = (Vec::with_capacity(times.len()), Vec::new());
                 for &at in times {
-                    let d = Due { at, missed: None, jitter_ms: 0 };
+                    let d = Due::at(at, None, 0);
                     match self.fire(&mut tx, s, &d, overlap, true, &mut woken).await? {
                         Some(t) => ticks.push(t),
                         None => ticks.extend(self.tick_at(&mut tx, &s.id, at).await?),
                     }
                 }
+                // Times inside one run of missed times return its record once.
+                ticks.dedup_by_key(|t| t.scheduled_at);
                 tx.commit().await?;
                 self.wake_all(&woken);
                 Ok(ticks)
@@ -219,7 +239,7 @@ impl Store {
     pub async fn ticks(&self, id: &str, before: i64, limit: i64) -> Result<Vec<Tick>, StoreError> {
         let rows = sqlx::query(sql!(
             self,
-            "SELECT t.schedule_id, t.scheduled_at, t.outcome, t.run_id, r.status AS run_status, t.reason, t.backfill, t.recorded_at \
+            "SELECT t.schedule_id, t.scheduled_at, t.outcome, t.run_id, r.status AS run_status, t.reason, t.backfill, t.recorded_at, t.through_at, t.times \
              FROM schedule_ticks t LEFT JOIN runs r ON r.id = t.run_id \
              WHERE t.schedule_id = $1 AND t.scheduled_at < $2 ORDER BY t.scheduled_at DESC LIMIT $3"
         ))
@@ -278,7 +298,7 @@ impl Store {
                 self,
                 "INSERT INTO schedule_ticks (schedule_id, scheduled_at, outcome, run_id, reason, backfill, recorded_at) \
                  VALUES ($1, $2, 'started', $3, $4, $5, {now}) \
-                 RETURNING schedule_id, scheduled_at, outcome, run_id, NULL AS run_status, reason, backfill, recorded_at"
+                 RETURNING schedule_id, scheduled_at, outcome, run_id, NULL AS run_status, reason, backfill, recorded_at, through_at, times"
             ))
             .bind(&s.id)
             .bind(d.at)
@@ -298,9 +318,9 @@ impl Store {
         };
         let row = sqlx::query(sql!(
             self,
-            "INSERT INTO schedule_ticks (schedule_id, scheduled_at, outcome, run_id, reason, backfill, recorded_at) \
-             VALUES ($1, $2, $3, $4, $5, $6, {now}) \
-             RETURNING schedule_id, scheduled_at, outcome, run_id, NULL AS run_status, reason, backfill, recorded_at"
+            "INSERT INTO schedule_ticks (schedule_id, scheduled_at, outcome, run_id, reason, backfill, recorded_at, through_at, times) \
+             VALUES ($1, $2, $3, $4, $5, $6, {now}, $7, $8) \
+             RETURNING schedule_id, scheduled_at, outcome, run_id, NULL AS run_status, reason, backfill, recorded_at, through_at, times"
         ))
         .bind(&s.id)
         .bind(d.at)
@@ -308,6 +328,8 @@ impl Store {
         .bind(run.as_ref().map(|r| r.id))
         .bind(reason)
         .bind(i64::from(backfill))
+        .bind(d.through)
+        .bind(d.times)
         .fetch_one(&mut *tx)
         .await?;
         let mut tick = Tick::from_row(&row)?;
@@ -376,7 +398,7 @@ impl Store {
         let row = sqlx::query(sql!(
             self,
             "UPDATE schedule_ticks SET outcome = 'started', run_id = $3 WHERE schedule_id = $1 AND scheduled_at = $2 \
-             RETURNING schedule_id, scheduled_at, outcome, run_id, NULL AS run_status, reason, backfill, recorded_at"
+             RETURNING schedule_id, scheduled_at, outcome, run_id, NULL AS run_status, reason, backfill, recorded_at, through_at, times"
         ))
         .bind(&s.id)
         .bind(at)
@@ -398,17 +420,21 @@ impl Store {
         .await?)
     }
 
+    /// The record that holds time `at` of schedule `id`: its own, or a run
+    /// of missed times that covers it.
     async fn tick_at(&self, tx: &mut AnyConnection, id: &str, at: i64) -> Result<Option<Tick>, StoreError> {
         let row = sqlx::query(sql!(
             self,
-            "SELECT t.schedule_id, t.scheduled_at, t.outcome, t.run_id, r.status AS run_status, t.reason, t.backfill, t.recorded_at \
-             FROM schedule_ticks t LEFT JOIN runs r ON r.id = t.run_id WHERE t.schedule_id = $1 AND t.scheduled_at = $2"
+            "SELECT t.schedule_id, t.scheduled_at, t.outcome, t.run_id, r.status AS run_status, t.reason, t.backfill, t.recorded_at, t.through_at, t.times \
+             FROM schedule_ticks t LEFT JOIN runs r ON r.id = t.run_id WHERE t.schedule_id = $1 AND t.scheduled_at <= $2 \
+             ORDER BY t.scheduled_at DESC LIMIT 1"
         ))
         .bind(id)
         .bind(at)
         .fetch_optional(&mut *tx)
         .await?;
-        row.as_ref().map(Tick::from_row).transpose()
+        let tick = row.as_ref().map(Tick::from_row).transpose()?;
+        Ok(tick.filter(|t| t.scheduled_at == at || t.through_at.is_some_and(|through| through >= at)))
     }
 
     /// Writes schedule `s`'s run for time `at` (on the plugin's current

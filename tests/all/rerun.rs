@@ -124,3 +124,27 @@ both! {
         Ok(())
     }
 }
+
+both! {
+    async fn a_reruns_live_part_draws_what_the_old_run_drew_there(db) {
+        // The documented rule: a rerun goes on with the old run's random
+        // stream, so on the same version it reproduces, not re-rolls.
+        let rt = plugins::runtime()?;
+        rt.add_plugin("testkit", &plugins::rust_plugin("testkit")?, plugins::test_limits())?;
+        let input = json!({ "mode": "script", "ops": [
+            { "op": "put-random", "key": "a" }, { "op": "random", "bytes": 16 }, { "op": "put-random", "key": "b" },
+        ] });
+        let id = db.store.create_run(&NewRun::new("testkit", input.to_string())).await?.0.id;
+        worker(db, &rt).drain().await?;
+        let old = db.store.get_run(id).await?;
+        ensure!(old.status == RunStatus::Completed, "{:?}", old.error);
+        let (base, stop) = api(db, &rt).await?;
+        let (status, new) = send(&base, &format!("/v1/runs/{id}/rerun"), Some(json!({ "from_seq": 1 }))).await?;
+        ensure!(status == 201, "{status} {new}");
+        worker(db, &rt).drain().await?;
+        let rerun = db.store.get_run(new["id"].as_i64().unwrap_or_default()).await?;
+        ensure!(rerun.status == RunStatus::Completed && rerun.output == old.output, "{:?} / {:?}", rerun.output, old.output);
+        let _ = stop.send(true);
+        Ok(())
+    }
+}

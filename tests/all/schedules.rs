@@ -74,7 +74,14 @@ async fn every_time_once(store: &Store, id: &str, every_ms: i64) -> Result<Vec<T
     ensure!(!ticks.is_empty(), "no ticks at all");
     let first = ticks[0].scheduled_at;
     let expected: Vec<i64> = (0..).map(|i| first + i * every_ms).take_while(|t| *t < s.next_at.unwrap()).collect();
-    let got: Vec<i64> = ticks.iter().map(|t| t.scheduled_at).collect();
+    // A run of missed times is one record: each of its times counts.
+    let got: Vec<i64> = ticks
+        .iter()
+        .flat_map(|t| (0..t.times).map(move |i| t.scheduled_at + i * every_ms))
+        .collect();
+    for t in ticks.iter().filter(|t| t.times > 1) {
+        ensure!(t.through_at == Some(t.scheduled_at + (t.times - 1) * every_ms), "a span's end: {t:?}");
+    }
     ensure!(got == expected, "ticks {got:?}, expected every time from {first} to {:?}", s.next_at);
     let runs = runs_of(store, id).await?;
     let started: BTreeMap<i64, i64> = ticks.iter().filter(|t| t.outcome == Outcome::Started).map(|t| (t.scheduled_at, t.run_id.unwrap())).collect();
@@ -236,17 +243,36 @@ both! {
         ensure!(pass.skipped == 4 && pass.started == 6, "{pass:?}");
         let ticks = every_time_once(&db.store, "catch-up", 1000).await?;
         let at = |k: i64| ticks.iter().find(|t| t.scheduled_at == t0 + k * 1000).unwrap();
-        for k in 4..=7 {
-            let t = at(k);
-            ensure!(t.outcome == Outcome::Skipped, "{t:?}");
-            let reason = t.reason.as_deref().unwrap_or("");
-            ensure!(reason.starts_with("missed: ") && reason.ends_with("past the catch-up window of 5s"), "{reason}");
-        }
-        ensure!(at(4).reason.as_deref() == Some("missed: 9s late, past the catch-up window of 5s"), "{:?}", at(4));
+        // The four missed times are one record.
+        let missed = at(4);
+        ensure!(missed.outcome == Outcome::Skipped && missed.times == 4 && missed.through_at == Some(t0 + 7000), "{missed:?}");
+        ensure!(missed.reason.as_deref() == Some("missed: 9s late, past the catch-up window of 5s"), "{missed:?}");
+        ensure!(ticks.len() == 3 + 1 + 6, "{} records", ticks.len());
         for k in (1..=3).chain(8..=13) {
             ensure!(at(k).outcome == Outcome::Started, "{:?}", at(k));
         }
         ensure!(db.store.schedule("catch-up").await?.unwrap().next_at == Some(t0 + 14_000));
+        Ok(())
+    }
+
+    async fn a_day_of_downtime_is_one_record_and_the_schedule_catches_up_in_one_pass(db) {
+        noop_plugin(&db.store).await?;
+        let t0 = 1_800_000_000_000;
+        let mut s = every("day", 1000, Overlap::AllowAll, t0);
+        s.catchup_window_ms = 5000;
+        db.store.create_schedule(&s).await?;
+        let config = TickerConfig::default();
+        ticker::tick_at(&db.store, &config, t0 + 1000).await?;
+        let now = t0 + 86_400_000;
+        let pass = ticker::tick_at(&db.store, &config, now).await?;
+        ensure!(pass.skipped == 86_393 && pass.started == 6, "{pass:?}");
+        let ticks = every_time_once(&db.store, "day", 1000).await?;
+        ensure!(ticks.len() == 8, "{} records for a day of downtime", ticks.len());
+        ensure!(db.store.schedule("day").await?.unwrap().next_at == Some(now + 1000));
+        // A backfill of a time inside the run returns its one record.
+        let s = db.store.schedule("day").await?.unwrap();
+        let got = db.store.backfill(&s, &[t0 + 50_000, t0 + 60_000], Overlap::AllowAll).await?;
+        ensure!(got.len() == 1 && got[0].times == 86_393, "{got:?}");
         Ok(())
     }
 
