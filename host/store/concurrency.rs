@@ -86,17 +86,17 @@ fn flag(row: &sqlx::any::AnyRow, column: &str) -> Result<bool, StoreError> {
 
 /// The conflict clause of a submit's key upsert (`excluded.concurrency`:
 /// the least default limit of the plugins of the batch's runs with that
-/// key): the key takes turns from now and, if no operator ever set its
-/// limit (`updated_at` 0; `set_limit` and `remove_limit` set it), takes
-/// that default. Writes nothing for a key already active with nothing to
-/// change, the usual case.
+/// key): the key takes turns from now (a dormant one wakes) and, if no
+/// operator ever set its limit (`updated_at` 0; `set_limit` and
+/// `remove_limit` set it), takes that default. Writes nothing for a key
+/// already active and awake with nothing to change, the usual case.
 #[macro_export]
 #[doc(hidden)]
 macro_rules! key_default {
     () => {
-        "ON CONFLICT (key) DO UPDATE SET active = true, \
+        "ON CONFLICT (key) DO UPDATE SET active = true, due_at = NULL, \
          concurrency = COALESCE(concurrency_keys.concurrency, CASE WHEN concurrency_keys.updated_at = 0 THEN excluded.concurrency END) \
-         WHERE NOT concurrency_keys.active \
+         WHERE NOT concurrency_keys.active OR concurrency_keys.due_at IS NOT NULL \
          OR (concurrency_keys.concurrency IS NULL AND concurrency_keys.updated_at = 0 AND excluded.concurrency IS NOT NULL)"
     };
 }
@@ -266,10 +266,19 @@ impl Store {
 /// with its one statement, as before keys. Its first statement writes,
 /// so the transaction holds the write lock from the start.
 pub(crate) async fn claim_lanes_sqlite(store: &Store, conn: &mut AnyConnection, want: i64) -> Result<Option<Vec<i64>>, StoreError> {
+    // Dormant keys whose time has come take turns again.
+    sqlx::query(sql!(
+        store,
+        "UPDATE concurrency_keys SET due_at = NULL WHERE key IN (SELECT key FROM concurrency_keys \
+         INDEXED BY concurrency_keys_due WHERE active AND NOT paused AND due_at IS NOT NULL AND due_at <= {now} LIMIT $1)"
+    ))
+    .bind(want)
+    .execute(&mut *conn)
+    .await?;
     let keys = sqlx::query(sql!(
         store,
         "UPDATE concurrency_keys SET turn = {now} WHERE key IN (SELECT key FROM concurrency_keys \
-         INDEXED BY concurrency_keys_turn WHERE active AND NOT paused ORDER BY turn, key LIMIT $1) \
+         INDEXED BY concurrency_keys_ready WHERE active AND NOT paused AND due_at IS NULL ORDER BY turn, key LIMIT $1) \
          RETURNING key, concurrency"
     ))
     .bind(want)
@@ -322,11 +331,8 @@ pub(crate) async fn claim_lanes_sqlite(store: &Store, conn: &mut AnyConnection, 
         let Some((room, take, got)) = chosen.remove(key) else { continue };
         let got: Vec<i64> = got.into_iter().take(wanted as usize).collect();
         lanes[i] = (room - got.len() as i64, got.len() as i64 == take && room > got.len() as i64);
-        if got.is_empty() && take > 0 && !has_claimable(store, conn, key).await? {
-            sqlx::query(sql!(store, "UPDATE concurrency_keys SET active = false WHERE key = $1"))
-                .bind(key)
-                .execute(&mut *conn)
-                .await?;
+        if got.is_empty() && take > 0 {
+            put_to_sleep(store, conn, key).await?;
         }
         ids.extend(got);
     }
@@ -387,14 +393,30 @@ pub(crate) async fn activate(store: &Store, conn: &mut AnyConnection, key: &str,
     Ok(())
 }
 
-/// Whether `key` has a claimable run at all (leased, asleep or ready).
-async fn has_claimable(store: &Store, conn: &mut AnyConnection, key: &str) -> Result<bool, StoreError> {
-    let found: Option<i64> = sqlx::query_scalar(sql!(
+/// SQLite: `key`, served and found with nothing to take now, leaves the
+/// turns until its earliest claimable run is due (at most [`DORMANT_MS`]
+/// on), or for good (`active` false) if it has none: claims stop visiting
+/// it meanwhile (migration 0030 / 0033; PostgreSQL's claim does the same).
+async fn put_to_sleep(store: &Store, conn: &mut AnyConnection, key: &str) -> Result<(), StoreError> {
+    sqlx::query(sql!(
         store,
-        concat!("SELECT 1 FROM runs INDEXED BY runs_claim WHERE ", crate::claimable!(), " AND concurrency_key = $1 LIMIT 1")
+        concat!(
+            "UPDATE concurrency_keys SET active = (x.m IS NOT NULL), \
+             due_at = CASE WHEN x.m > {now} THEN MIN(x.m, {now} + 30000) END \
+             FROM (SELECT MIN(",
+            crate::eligible_at!(),
+            ") AS m FROM runs INDEXED BY runs_claim WHERE concurrency_key = $1 AND ",
+            crate::claimable!(),
+            ") AS x WHERE key = $1"
+        )
     ))
     .bind(key)
-    .fetch_optional(&mut *conn)
+    .execute(&mut *conn)
     .await?;
-    Ok(found.is_some())
+    Ok(())
 }
+
+/// Longest a dormant key sleeps before a claim looks at it again: 30 s. A
+/// wake it missed (a submit by a host of the previous release) costs that
+/// much at worst.
+pub const DORMANT_MS: i64 = 30_000;

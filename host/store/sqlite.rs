@@ -43,7 +43,11 @@ macro_rules! claim_select {
 /// (`store::concurrency::claim_lanes_sqlite`).
 macro_rules! no_turns {
     () => {
-        "NOT EXISTS (SELECT 1 FROM concurrency_keys INDEXED BY concurrency_keys_turn WHERE active AND NOT paused)"
+        concat!(
+            "NOT EXISTS (SELECT 1 FROM concurrency_keys INDEXED BY concurrency_keys_ready WHERE active AND NOT paused AND due_at IS NULL) ",
+            "AND NOT EXISTS (SELECT 1 FROM concurrency_keys INDEXED BY concurrency_keys_due ",
+            "WHERE active AND NOT paused AND due_at IS NOT NULL AND due_at <= ", now_bound!(), ")"
+        )
     };
 }
 

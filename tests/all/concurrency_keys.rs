@@ -225,6 +225,45 @@ both! {
         Ok(())
     }
 
+    async fn keys_whose_runs_all_sleep_leave_the_turns_and_one_due_is_claimed_at_once(db) {
+        let s = &db.store;
+        let mut sleepers = Vec::new();
+        for k in 0..30 {
+            sleepers.extend(keyed(s, &format!("d{k:02}"), 1).await?);
+        }
+        let soon = keyed(s, "zz-soon", 1).await?[0];
+        let mut claimed = Vec::new();
+        loop {
+            let got = s.claim_batch("w", TTL, 64).await?;
+            if got.is_empty() {
+                break;
+            }
+            claimed.extend(got);
+        }
+        ensure!(claimed.len() == 31, "claimed {}", claimed.len());
+        for c in &claimed {
+            let delay_ms = if c.run.id == soon { 1_500 } else { 3_600_000 };
+            s.suspend(&c.lease, &Suspend::Sleep { delay_ms }).await?;
+        }
+        ensure!(claim_ids(s, 64).await?.is_empty(), "a sleeping run was claimed");
+        // The claim found each key with nothing due: all leave the turns.
+        let ready: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM concurrency_keys WHERE active AND NOT paused AND due_at IS NULL")
+            .fetch_one(s.pool())
+            .await?;
+        ensure!(ready == 0, "{ready} keys with nothing due still take turns");
+        // Time alone wakes the key whose run is due: a claim of one takes it.
+        tokio::time::sleep(Duration::from_millis(1_600)).await;
+        ensure!(claim_ids(s, 1).await? == vec![soon], "the due run waited for the turns to reach its key");
+        // A wake (a sleep cut short) brings a dormant key back at once.
+        let woken = sleepers[5];
+        sqlx::query("UPDATE runs SET not_before = 0 WHERE id = $1").bind(woken).execute(s.writer()).await?;
+        ensure!(claim_ids(s, 1).await? == vec![woken], "a woken run waited for its dormant key");
+        // A submit to a dormant key wakes it too.
+        let fresh = keyed(s, "d07", 1).await?[0];
+        ensure!(claim_ids(s, 1).await? == vec![fresh], "a submit waited for its dormant key");
+        Ok(())
+    }
+
     async fn a_paused_key_runs_nothing_until_resumed(db) {
         let s = &db.store;
         s.set_limit("held", None, true).await?;

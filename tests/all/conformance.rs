@@ -1218,7 +1218,7 @@ fn sqlite_claim_walks_the_index(plan: &str) -> bool {
     let per_priority = plan.contains("SEARCH runs USING INDEX runs_claim (concurrency_key=? AND priority=? AND <expr><?)");
     let full_scans = plan
         .lines()
-        .filter(|l| l.contains("SCAN ") && !["USING INDEX runs_claim", "USING INDEX runs_priority", "USING INDEX concurrency_keys_turn", "SCAN lv", "SCAN (subquery", "CONSTANT ROW"].iter().any(|ok| l.contains(ok)))
+        .filter(|l| l.contains("SCAN ") && !["USING INDEX runs_claim", "USING INDEX runs_priority", "USING INDEX concurrency_keys_turn", "USING INDEX concurrency_keys_ready", "SCAN lv", "SCAN (subquery", "CONSTANT ROW"].iter().any(|ok| l.contains(ok)))
         .count();
     per_priority && !plan.contains("TEMP B-TREE") && full_scans == 0
 }
