@@ -25,14 +25,22 @@ macro_rules! claim_set {
 /// priority whose runs are all asleep or leased costs one probe. One scan
 /// ordered by (priority, eligible time) would instead step over every
 /// not-yet-eligible run of the higher priorities on each claim.
+///
+/// Takeovers come first: a run of the lane whose lease ran out (its host
+/// died) is taken before any queued run, whatever their priorities, oldest
+/// expiry first (a paused one is left to the reaper, which parks it); the
+/// priorities' read then steps over running runs.
 macro_rules! claim_select {
     ($limit:literal, $lane:literal) => {
         concat!(
             "WITH RECURSIVE lv(p) AS (SELECT * FROM (", next_priority!($lane, "1 = 1"), ") ",
             "UNION ALL SELECT (", next_priority!($lane, "priority < lv.p"), ") FROM lv WHERE lv.p IS NOT NULL) ",
+            "SELECT id FROM (SELECT id FROM runs INDEXED BY runs_lease WHERE status = 'running' AND lease_expires_at < ", now_bound!(),
+            " AND concurrency_key = ", $lane, " AND attempt < max_attempts AND paused_at IS NULL ORDER BY lease_expires_at LIMIT ", $limit, ") ",
+            "UNION ALL SELECT id FROM (",
             "SELECT id FROM runs INDEXED BY runs_claim WHERE concurrency_key = ", $lane, " AND priority IN (SELECT 0 UNION ALL SELECT p FROM lv) AND ",
-            crate::claimable!(), " AND ", crate::eligible_at!(), " <= ", now_bound!(), " AND attempt < max_attempts",
-            " ORDER BY priority DESC, ", crate::eligible_at!(), ", id LIMIT ", $limit
+            crate::claimable!(), " AND ", crate::eligible_at!(), " <= ", now_bound!(), " AND attempt < max_attempts AND status <> 'running'",
+            " ORDER BY priority DESC, ", crate::eligible_at!(), ", id LIMIT ", $limit, ") LIMIT ", $limit
         )
     };
 }
@@ -165,8 +173,9 @@ pub(super) const CLAIM_OF: &str = concat!(
 /// key: its `room` (its limit less the running runs whose lease is live,
 /// or `$2` without a limit), its `take` (the room, at most `$2`), and up
 /// to `take` of its claimable runs in lane order, one row each (one row
-/// with a null `id` for a key with room and no run). Within a key, runs
-/// go by priority then eligible time (not read one priority at a time:
+/// with a null `id` for a key with room and no run). Within a key,
+/// takeovers (runs whose lease ran out) go first, then runs by priority
+/// then eligible time (not read one priority at a time:
 /// a key's own leased or sleeping runs of a higher priority are stepped
 /// over, never another key's).
 pub(super) const KEYS_ROUND: &str = concat!(
@@ -175,10 +184,13 @@ pub(super) const KEYS_ROUND: &str = concat!(
     "AND concurrency_key = value ->> 0 AND lease_expires_at >= {now}) END AS room FROM json_each($1)), ",
     "t AS (SELECT key, room, MIN(room, $2) AS take FROM k WHERE room > 0) ",
     "SELECT key, room, take, id FROM (SELECT t.key, t.room, t.take, r.id, row_number() OVER ",
-    "(PARTITION BY t.key ORDER BY r.priority DESC, ", "(CASE WHEN r.status = 'running' THEN r.lease_expires_at + 1 ELSE r.not_before END)",
-    ", r.id) AS rn FROM t LEFT JOIN runs r ON r.id IN (SELECT id FROM runs INDEXED BY runs_claim WHERE concurrency_key = t.key AND ",
-    crate::claimable!(), " AND ", crate::eligible_at!(), " <= ", now_bound!(), " AND attempt < max_attempts ",
-    "ORDER BY concurrency_key, priority DESC, ", crate::eligible_at!(), ", id LIMIT $2)) WHERE rn <= take"
+    "(PARTITION BY t.key ORDER BY r.status = 'running' DESC, r.priority DESC, ", "(CASE WHEN r.status = 'running' THEN r.lease_expires_at + 1 ELSE r.not_before END)",
+    ", r.id) AS rn FROM t LEFT JOIN runs r ON r.id IN (SELECT id FROM (SELECT id FROM runs INDEXED BY runs_key_running ",
+    "WHERE status = 'running' AND concurrency_key <> '' AND concurrency_key = t.key AND lease_expires_at < ", now_bound!(),
+    " AND attempt < max_attempts AND paused_at IS NULL ORDER BY concurrency_key, lease_expires_at LIMIT $2) ",
+    "UNION ALL SELECT id FROM (SELECT id FROM runs INDEXED BY runs_claim WHERE concurrency_key = t.key AND ",
+    crate::claimable!(), " AND ", crate::eligible_at!(), " <= ", now_bound!(), " AND attempt < max_attempts AND status <> 'running' ",
+    "ORDER BY concurrency_key, priority DESC, ", crate::eligible_at!(), ", id LIMIT $2))) WHERE rn <= take"
 );
 
 /// One lane's claimable runs, `$2` of them, for the claim's choice: `$1`

@@ -148,11 +148,12 @@ both! {
     async fn a_lease_that_ran_out_is_never_renewed_nor_written_once_its_slot_is_given_away(db) {
         let s = &db.store;
         s.set_limit("k", Some(1), false).await?;
-        let (first, _) = s.create_run(&NewRun { concurrency_key: Some("k".into()), ..NewRun::new("p", "{}") }).await?;
+        // On its one attempt: once its lease runs out it is not taken over,
+        // so the slot goes to the next run.
+        let (first, _) = s.create_run(&NewRun { max_attempts: Some(1), concurrency_key: Some("k".into()), ..NewRun::new("p", "{}") }).await?;
         let a = s.claim_batch("frozen", TTL, 1).await?.pop().expect("the key's first run");
         ensure!(a.run.id == first.id);
-        // The next run outranks the dead lease's takeover, so the slot goes to it.
-        let (next, _) = s.create_run(&NewRun { priority: 5, concurrency_key: Some("k".into()), ..NewRun::new("p", "{}") }).await?;
+        let (next, _) = s.create_run(&NewRun { concurrency_key: Some("k".into()), ..NewRun::new("p", "{}") }).await?;
         ensure!(claim_ids(s, 5).await?.is_empty(), "a second run took the key's one live slot");
         // The host of the first run freezes past its lease: the slot is free.
         db.backdate_lease(first.id, TTL.as_millis() as i64 + 1_000).await?;

@@ -2,7 +2,7 @@
 //! one priority, runs go in the order they became eligible; a priority
 //! whose runs are asleep or leased holds nothing back.
 
-use anyhow::{Result, ensure};
+use anyhow::{Context, Result, ensure};
 use leasehold::store::{NewRun, Store};
 use serde_json::json;
 
@@ -112,6 +112,36 @@ both! {
         ensure!(batch.iter().map(|(r, _)| r.priority).collect::<Vec<_>>() == [1000, -1000], "{batch:?}");
         let shown = serde_json::to_value(&batch[0].0)?;
         ensure!(shown["priority"] == json!(1000), "the run as the API shows it: {shown}");
+        Ok(())
+    }
+}
+
+both! {
+    async fn a_dead_runs_lease_is_taken_over_before_a_higher_priority_backlog(db) {
+        let s = &db.store;
+        let dead_lease = crate::harness::TTL.as_millis() as i64 + 1_000;
+        // Without a key.
+        let old = s.create_run(&NewRun::new("p", "{}")).await?.0.id;
+        ensure!(s.claim("dead", crate::harness::TTL).await?.context("the run")?.lease.run_id == old);
+        for _ in 0..3 {
+            s.create_run(&NewRun { priority: 10, ..NewRun::new("p", "{}") }).await?;
+        }
+        db.backdate_lease(old, dead_lease).await?;
+        let got = s.claim("b", crate::harness::TTL).await?.context("a run")?;
+        ensure!(got.run.id == old, "the takeover waited behind priority 10: claimed {}", got.run.id);
+        while let Some(c) = s.claim("b", crate::harness::TTL).await? {
+            s.close(&c.lease, &leasehold::store::Outcome::Completed { output: String::new() }).await?;
+        }
+        // In a key's lane.
+        let keyed = |priority| NewRun { priority, concurrency_key: Some("k".into()), ..NewRun::new("p", "{}") };
+        let old = s.create_run(&keyed(0)).await?.0.id;
+        ensure!(s.claim("dead", crate::harness::TTL).await?.context("the keyed run")?.lease.run_id == old);
+        for _ in 0..3 {
+            s.create_run(&keyed(10)).await?;
+        }
+        db.backdate_lease(old, dead_lease).await?;
+        let got = s.claim("b", crate::harness::TTL).await?.context("a keyed run")?;
+        ensure!(got.run.id == old, "the key's takeover waited behind its priority 10: claimed {}", got.run.id);
         Ok(())
     }
 }
