@@ -120,44 +120,75 @@ macro_rules! subtree {
     };
 }
 
-/// What the subtree under `$1` has spent (the usage, in tokens, and the
-/// cost, in nano-dollars, over its committed `model.chat` rows) and what
-/// its calls with no outcome yet, of open runs, hold: one statement, so
-/// one snapshot. Read in two, a sibling's call that settled between them
-/// was in neither (no longer held, not yet spent).
-fn sums_sql(store: &Store) -> &'static str {
-    macro_rules! held {
-        () => {
+/// The same for a root: its tree, through `runs_root`, with no walk.
+macro_rules! tree {
+    () => {
+        "WITH sub(id) AS (SELECT CAST($1 AS BIGINT) UNION ALL SELECT id FROM runs WHERE root_id = $1) "
+    };
+}
+
+/// What the subtree `sub` has spent (the usage, in tokens, and the cost,
+/// in nano-dollars, over its committed `model.chat` rows, read through
+/// `effects_chat`, not its whole ledger) and what its calls with no
+/// outcome yet, of open runs, hold: one statement, so one snapshot. Read
+/// in two, a sibling's call that settled between them was in neither (no
+/// longer held, not yet spent).
+macro_rules! spent_and_held {
+    (sqlite, $sub:expr, $held:expr) => {
+        concat!(
+            $sub,
+            "SELECT spent.t, spent.u, held.t, held.u FROM \
+             (SELECT CAST(COALESCE(SUM(json_extract(e.result, '$.usage.total_tokens')), 0) AS INTEGER) AS t, \
+             CAST(COALESCE(SUM(json_extract(e.result, '$.cost_usd_nanos')), 0) AS INTEGER) AS u FROM effects e INDEXED BY effects_chat \
+             WHERE e.run_id IN (SELECT id FROM sub) AND e.name = 'model.chat' AND e.state = 'committed') AS spent, ",
+            $held
+        )
+    };
+    (postgres, $sub:expr, $held:expr) => {
+        concat!(
+            $sub,
+            "SELECT spent.t, spent.u, held.t, held.u FROM \
+             (SELECT COALESCE(SUM((e.result::jsonb -> 'usage' ->> 'total_tokens')::bigint), 0)::bigint AS t, \
+             COALESCE(SUM((e.result::jsonb ->> 'cost_usd_nanos')::bigint), 0)::bigint AS u FROM effects e \
+             WHERE e.run_id IN (SELECT id FROM sub) AND e.name = 'model.chat' AND e.state = 'committed') AS spent, ",
+            $held
+        )
+    };
+}
+
+/// Tokens and nano-dollars held in `sub` by calls with no outcome yet, of
+/// open runs; `tree`: a root's, through `budget_holds_root`.
+macro_rules! held {
+    (sub) => {
+        concat!(
             "(SELECT CAST(COALESCE(SUM(h.tokens), 0) AS BIGINT) AS t, CAST(COALESCE(SUM(h.usd_nanos), 0) AS BIGINT) AS u \
-             FROM budget_holds h JOIN sub ON sub.id = h.run_id \
-             JOIN runs r ON r.id = h.run_id LEFT JOIN effects e ON e.run_id = h.run_id AND e.seq = h.seq \
-             WHERE r.status NOT IN ('completed','failed','aborted','cancelled') \
-             AND (e.state IS NULL OR e.state IN ('started','in_doubt'))) AS held"
-        };
-    }
-    match store.backend() {
-        Backend::Sqlite => sql!(
-            store,
-            concat!(
-                subtree!(),
-                "SELECT spent.t, spent.u, held.t, held.u FROM \
-                 (SELECT CAST(COALESCE(SUM(json_extract(e.result, '$.usage.total_tokens')), 0) AS INTEGER) AS t, \
-                 CAST(COALESCE(SUM(json_extract(e.result, '$.cost_usd_nanos')), 0) AS INTEGER) AS u FROM effects e \
-                 WHERE e.run_id IN (SELECT id FROM sub) AND e.name = 'model.chat' AND e.state = 'committed') AS spent, ",
-                held!()
-            )
-        ),
-        Backend::Postgres => sql!(
-            store,
-            concat!(
-                subtree!(),
-                "SELECT spent.t, spent.u, held.t, held.u FROM \
-                 (SELECT COALESCE(SUM((e.result::jsonb -> 'usage' ->> 'total_tokens')::bigint), 0)::bigint AS t, \
-                 COALESCE(SUM((e.result::jsonb ->> 'cost_usd_nanos')::bigint), 0)::bigint AS u FROM effects e \
-                 WHERE e.run_id IN (SELECT id FROM sub) AND e.name = 'model.chat' AND e.state = 'committed') AS spent, ",
-                held!()
-            )
-        ),
+             FROM budget_holds h JOIN sub ON sub.id = h.run_id ",
+            held!(rest)
+        )
+    };
+    (tree) => {
+        concat!(
+            "(SELECT CAST(COALESCE(SUM(h.tokens), 0) AS BIGINT) AS t, CAST(COALESCE(SUM(h.usd_nanos), 0) AS BIGINT) AS u \
+             FROM budget_holds h ",
+            held!(rest),
+            " AND h.root_id = $1"
+        )
+    };
+    (rest) => {
+        "JOIN runs r ON r.id = h.run_id LEFT JOIN effects e ON e.run_id = h.run_id AND e.seq = h.seq \
+         WHERE r.status NOT IN ('completed','failed','aborted','cancelled') \
+         AND (e.state IS NULL OR e.state IN ('started','in_doubt'))"
+    };
+}
+
+/// [`spent_and_held!`] for the subtree under `$1`: a root's tree (`root`),
+/// or a child's subtree, walked.
+fn sums_sql(store: &Store, root: bool) -> &'static str {
+    match (store.backend(), root) {
+        (Backend::Sqlite, true) => sql!(store, spent_and_held!(sqlite, tree!(), concat!(held!(tree), ") AS held"))),
+        (Backend::Sqlite, false) => sql!(store, spent_and_held!(sqlite, subtree!(), concat!(held!(sub), ") AS held"))),
+        (Backend::Postgres, true) => sql!(store, spent_and_held!(postgres, tree!(), concat!(held!(tree), ") AS held"))),
+        (Backend::Postgres, false) => sql!(store, spent_and_held!(postgres, subtree!(), concat!(held!(sub), ") AS held"))),
     }
 }
 
@@ -165,7 +196,8 @@ fn sums_sql(store: &Store) -> &'static str {
 const HOLDERS: &str = "WITH RECURSIVE up(id, parent_id, budget_tokens, budget_usd_nanos) AS \
      (SELECT id, parent_id, budget_tokens, budget_usd_nanos FROM runs WHERE id = $1 \
      UNION ALL SELECT r.id, r.parent_id, r.budget_tokens, r.budget_usd_nanos FROM runs r JOIN up ON r.id = up.parent_id) \
-     SELECT id, budget_tokens, budget_usd_nanos FROM up WHERE budget_tokens IS NOT NULL OR budget_usd_nanos IS NOT NULL ORDER BY id";
+     SELECT id, parent_id, budget_tokens, budget_usd_nanos FROM up \
+     WHERE budget_tokens IS NOT NULL OR budget_usd_nanos IS NOT NULL ORDER BY id";
 
 /// Spent or held, in both units.
 #[derive(Debug, Clone, Copy)]
@@ -175,8 +207,16 @@ struct Sums {
 }
 
 impl Store {
-    async fn sums(&self, conn: &mut sqlx::AnyConnection, holder: i64) -> Result<(Sums, Sums), StoreError> {
-        let r = sqlx::query(sums_sql(self)).bind(holder).fetch_one(&mut *conn).await?;
+    /// [`sums_sql`] for a root (for the suite's plan checks).
+    #[doc(hidden)]
+    pub fn spend_sql(&self) -> &'static str {
+        sums_sql(self, true)
+    }
+
+    /// What `holder`'s subtree has spent and holds; `root`: it is a root,
+    /// so its tree is read through `runs_root` with no walk.
+    async fn sums(&self, conn: &mut sqlx::AnyConnection, holder: i64, root: bool) -> Result<(Sums, Sums), StoreError> {
+        let r = sqlx::query(sums_sql(self, root)).bind(holder).fetch_one(&mut *conn).await?;
         Ok((Sums { tokens: r.try_get(0)?, usd_nanos: r.try_get(1)? }, Sums { tokens: r.try_get(2)?, usd_nanos: r.try_get(3)? }))
     }
 
@@ -191,6 +231,7 @@ impl Store {
         }
         for h in &holders {
             let holder: i64 = h.try_get("id")?;
+            let root = h.try_get::<Option<i64>, _>("parent_id")?.is_none();
             let read = match (self.backend(), lock) {
                 (Backend::Postgres, true) => sql!(self, "SELECT budget_tokens, budget_usd_nanos FROM runs WHERE id = $1 FOR UPDATE"),
                 _ => sql!(self, "SELECT budget_tokens, budget_usd_nanos FROM runs WHERE id = $1"),
@@ -199,7 +240,7 @@ impl Store {
             if limits.is_none() {
                 continue;
             }
-            let (spent, held) = self.sums(&mut *conn, holder).await?;
+            let (spent, held) = self.sums(&mut *conn, holder, root).await?;
             // Checked: an overflow is over any budget.
             let over = |spent: i64, held: i64, more: i64, limit: i64| spent.checked_add(held).and_then(|s| s.checked_add(more)).is_none_or(|s| s > limit);
             if let Some(limit) = limits.tokens
@@ -218,7 +259,7 @@ impl Store {
     }
 
     async fn budget_on(&self, conn: &mut sqlx::AnyConnection, holder: i64, limits: BudgetLimits) -> Result<Budget, StoreError> {
-        let (spent, held) = self.sums(&mut *conn, holder).await?;
+        let (spent, held) = self.sums(&mut *conn, holder, false).await?;
         Ok(Budget {
             holder_id: holder,
             tokens: limits.tokens,

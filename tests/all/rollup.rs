@@ -116,3 +116,22 @@ async fn the_rollup_and_the_orphan_sweep_read_indexes_not_the_runs_table() -> an
     })
     .await
 }
+
+/// A budget hold reads its tree's spend under the root's lock: through the
+/// tree's index and the ledgers' committed chat calls, never a scan of
+/// `runs` or of every ledger row in the tree.
+#[tokio::test]
+async fn a_budget_hold_reads_its_trees_chat_calls_not_its_ledgers() -> anyhow::Result<()> {
+    use sqlx::Row;
+    crate::harness::run_on(leasehold::store::Backend::Sqlite, async |db| {
+        let s = &db.store;
+        let rows = sqlx::query(sqlx::AssertSqlSafe(format!("EXPLAIN QUERY PLAN {}", s.spend_sql()))).bind(1_i64).fetch_all(s.pool()).await?;
+        let plan: Vec<String> = rows.iter().map(|r| r.try_get::<String, _>(3).unwrap_or_default()).collect();
+        let plan = plan.join("\n");
+        anyhow::ensure!(plan.contains("effects_chat") && plan.contains("runs_root"), "{plan}");
+        let tables = ["SCAN runs", "SCAN r", "SCAN e", "SCAN effects", "SCAN h", "SCAN budget_holds"];
+        anyhow::ensure!(!plan.lines().any(|l| tables.contains(&l.trim()) || tables.iter().any(|t| l.trim().starts_with(&format!("{t} ")) && !l.contains("USING"))), "a scan:\n{plan}");
+        Ok(())
+    })
+    .await
+}
