@@ -26,6 +26,7 @@ pub mod ledger;
 pub(crate) mod ledger_writes;
 mod local;
 pub mod log;
+mod migrations;
 mod notify;
 mod orphans;
 mod pause;
@@ -437,44 +438,6 @@ impl Store {
             }
             Err(_) => Err(StoreError::Unknown(format!("no answer within {timeout:?}"))),
         }
-    }
-
-    /// Applies the embedded migrations for this backend (forward-only). On
-    /// PostgreSQL on a connection of its own, without the lock timeout of
-    /// the host's sessions: the migrator waits for another host's
-    /// migration to finish (an advisory lock).
-    ///
-    /// A database that a newer release has migrated further is accepted:
-    /// its migrations keep this release working (expand, then contract a
-    /// release later), so a host of this release may still start during
-    /// a rolling upgrade. It says so in its log.
-    pub async fn migrate(&self) -> Result<(), StoreError> {
-        let mut migrator = match self.backend {
-            Backend::Sqlite => sqlx::migrate!("migrations/sqlite"),
-            Backend::Postgres => sqlx::migrate!("migrations/postgres"),
-        };
-        migrator.set_ignore_missing(true);
-        let known = migrator.iter().map(|m| m.version).max().unwrap_or(0);
-        match self.backend {
-            Backend::Sqlite => migrator.run(&self.writer).await?,
-            Backend::Postgres => {
-                let pool = AnyPoolOptions::new().max_connections(1).connect(self.url()).await?;
-                let migrated = migrator.run(&pool).await;
-                pool.close().await;
-                migrated?;
-            }
-        }
-        // The writer: an in-memory SQLite database (offline replay) is the
-        // writer's connection alone.
-        let applied: Option<i64> = sqlx::query_scalar("SELECT MAX(version) FROM _sqlx_migrations").fetch_one(&self.writer).await?;
-        if let Some(applied) = applied.filter(|v| *v > known) {
-            tracing::warn!(
-                applied,
-                known,
-                "the database was migrated by a newer release; this host runs as a previous release until it is upgraded"
-            );
-        }
-        Ok(())
     }
 
     pub fn backend(&self) -> Backend {
