@@ -47,8 +47,17 @@ impl TestDb {
         match backend {
             Backend::Sqlite => {
                 let dir = tempfile::tempdir()?;
-                let url = format!("sqlite://{}", dir.path().join("test.db").display());
+                let file = dir.path().join("test.db");
+                if migrate {
+                    // A copy of a migrated database, not 30 migrations under
+                    // synchronous=FULL each test.
+                    std::fs::copy(sqlite_template().await?, &file)?;
+                }
+                let url = format!("sqlite://{}", file.display());
                 let store = Store::connect_with(&url, options()).await?;
+                if migrate {
+                    fresh_deployment(&store).await?;
+                }
                 Ok(TestDb { store, backend, url, cleanup: Cleanup::Sqlite(dir) })
             }
             Backend::Postgres => {
@@ -66,13 +75,18 @@ impl TestDb {
                 })?;
                 // The name is ours (not input); identifiers cannot be bound.
                 let name = format!("leasehold_test_{}", uuid::Uuid::new_v4().simple());
-                sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+                // A copy of a migrated template, not 35 migrations each test.
+                let template = if migrate { format!(" TEMPLATE {}", pg_template(&admin).await?) } else { String::new() };
+                sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}{template}")))
                     .execute(admin.pool())
                     .await?;
                 let mut url = url::Url::parse(&admin_url)?;
                 url.set_path(&name);
                 let url = url.to_string();
                 let store = Store::connect_with(&url, options()).await?;
+                if migrate {
+                    fresh_deployment(&store).await?;
+                }
                 Ok(TestDb { store, backend, url, cleanup: Cleanup::Postgres { admin, name } })
             }
         }
@@ -137,6 +151,9 @@ pub async fn key(store: &Store, run_id: i64, seq: i64) -> Result<String> {
 /// under load.
 pub fn init_logs() {
     static ONCE: std::sync::Once = std::sync::Once::new();
+    // The process's TLS provider, which every HTTP client needs: under
+    // nextest each test is a process of its own.
+    leasehold::effects::http::install_tls();
     ONCE.call_once(|| {
         if let Ok(filter) = std::env::var("LEASEHOLD_TEST_LOG") {
             let _ = tracing_subscriber::fmt()
@@ -178,6 +195,103 @@ pub async fn wait_for_count(db: &TestDb, count: &'static str, what: &str) -> Res
     }
 }
 
+/// Waits (up to 30 s) until `count` sessions on `db` (PostgreSQL) wait on a
+/// lock: a statement a test blocked is blocked, not merely sent.
+pub async fn until_lock_waiter(db: &TestDb, count: i64) -> Result<()> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .fetch_one(db.store.pool())
+        .await?;
+        if waiting >= count {
+            return Ok(());
+        }
+        anyhow::ensure!(std::time::Instant::now() < deadline, "{waiting} sessions wait on a lock after 30 s, not {count}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Waits (up to 30 s) until no statement of another session runs on `db`:
+/// what a killed process had sent has landed or gone (PostgreSQL; on
+/// SQLite a dead process writes nothing more).
+pub async fn until_quiet(db: &TestDb) -> Result<()> {
+    if db.backend == Backend::Sqlite {
+        return Ok(());
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let active: i64 = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database() AND state <> 'idle' AND pid <> pg_backend_pid()",
+        )
+        .fetch_one(db.store.pool())
+        .await?;
+        if active == 0 {
+            return Ok(());
+        }
+        anyhow::ensure!(std::time::Instant::now() < deadline, "{active} sessions still busy after 30 s");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A copy of a template has the template's deployment id: each test
+/// database gets its own, as a migrated database does.
+async fn fresh_deployment(store: &Store) -> Result<()> {
+    sqlx::query("UPDATE deployment SET id = $1").bind(uuid::Uuid::new_v4().simple().to_string()).execute(store.writer()).await?;
+    Ok(())
+}
+
+/// A migrated SQLite database for this build's migrations, made once (by
+/// whichever test process comes first) under `target/test-templates/`.
+async fn sqlite_template() -> Result<std::path::PathBuf> {
+    static MADE: tokio::sync::OnceCell<std::path::PathBuf> = tokio::sync::OnceCell::const_new();
+    MADE.get_or_try_init(|| async {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/test-templates");
+        std::fs::create_dir_all(&dir)?;
+        let path = dir.join(format!("sqlite-{}.db", Store::migrations_digest(Backend::Sqlite)));
+        if !path.exists() {
+            let scratch = tempfile::tempdir_in(&dir)?;
+            let file = scratch.path().join("template.db");
+            let store = Store::connect_with(&format!("sqlite://{}", file.display()), StoreOptions::default()).await?;
+            sqlx::raw_sql("PRAGMA wal_checkpoint(TRUNCATE)").execute(store.writer()).await?;
+            store.shutdown().await;
+            // Whole or not at all: another process may be making it too.
+            std::fs::rename(&file, &path)?;
+        }
+        anyhow::Ok(path)
+    })
+    .await
+    .cloned()
+}
+
+/// The name of a migrated PostgreSQL database for this build's
+/// migrations, made once on the server (whichever test process comes
+/// first, under an advisory lock) and kept for later runs; each test's
+/// database is a copy (`CREATE DATABASE … TEMPLATE`).
+async fn pg_template(admin: &Store) -> Result<String> {
+    let name = format!("leasehold_tpl_{}", Store::migrations_digest(Backend::Postgres));
+    let mut conn = admin.pool().acquire().await?;
+    sqlx::query("SELECT pg_advisory_lock(7411)").execute(&mut *conn).await?;
+    let made = async {
+        let exists: Option<i32> = sqlx::query_scalar("SELECT 1 FROM pg_database WHERE datname = $1").bind(&name).fetch_optional(&mut *conn).await?;
+        if exists.is_none() {
+            let scratch = format!("leasehold_tplnew_{}", uuid::Uuid::new_v4().simple());
+            sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {scratch}"))).execute(&mut *conn).await?;
+            let mut url = url::Url::parse(&admin_url())?;
+            url.set_path(&scratch);
+            let store = Store::connect_with(url.as_str(), StoreOptions { max_connections: Some(2), ..Default::default() }).await?;
+            store.shutdown().await;
+            sqlx::query(sqlx::AssertSqlSafe(format!("ALTER DATABASE {scratch} RENAME TO {name}"))).execute(&mut *conn).await?;
+        }
+        anyhow::Ok(())
+    }
+    .await;
+    sqlx::query("SELECT pg_advisory_unlock(7411)").execute(&mut *conn).await?;
+    made?;
+    Ok(name)
+}
+
 /// Runs `body` against a fresh database of `backend`, then drops it.
 pub async fn run_on(backend: Backend, body: impl AsyncFnOnce(&TestDb) -> Result<()>) -> Result<()> {
     init_logs();
@@ -211,3 +325,24 @@ macro_rules! both {
     )*};
 }
 pub(crate) use both;
+
+/// A test of one backend's behaviour alone (`postgres` or `sqlite`): the
+/// report names only the backend it tests.
+macro_rules! only {
+    ($backend:ident: $( $(#[$meta:meta])* async fn $name:ident($db:ident) $body:block )*) => {$(
+        $(#[$meta])*
+        mod $name {
+            #[allow(unused_imports)]
+            use super::*;
+            async fn body($db: &$crate::harness::TestDb) -> ::anyhow::Result<()> $body
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $backend() -> ::anyhow::Result<()> {
+                $crate::harness::run_on($crate::harness::only!(@backend $backend), body).await
+            }
+        }
+    )*};
+    (@backend postgres) => { ::leasehold::Backend::Postgres };
+    (@backend sqlite) => { ::leasehold::Backend::Sqlite };
+}
+pub(crate) use only;
