@@ -1,4 +1,6 @@
-//! Guest components for tests, built once per test process.
+//! Guest components for tests. `scripts/test` builds them once for the
+//! whole suite and says so in `LEASEHOLD_TEST_PLUGINS_BUILT=1`; without
+//! it (a bare `cargo test`), each test process builds them once.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -11,6 +13,13 @@ fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
 }
 
+/// Whether `scripts/build-plugins` has built every Rust guest for this
+/// run (under nextest each test is a process of its own: a `cargo build`
+/// per test would serialise them on cargo's lock).
+fn prebuilt() -> bool {
+    std::env::var_os("LEASEHOLD_TEST_PLUGINS_BUILT").is_some_and(|v| v == "1")
+}
+
 /// Builds `plugins/<name>` (a Rust guest) for wasm32-wasip2 and returns the
 /// component's bytes.
 pub fn rust_plugin(name: &str) -> Result<Vec<u8>> {
@@ -20,6 +29,13 @@ pub fn rust_plugin(name: &str) -> Result<Vec<u8>> {
         return Ok(bytes.clone());
     }
     let target_dir = root().join("target/plugins");
+    let file = format!("{}.wasm", name.replace('-', "_"));
+    let path: PathBuf = target_dir.join("wasm32-wasip2/release").join(file);
+    if prebuilt() {
+        let bytes = std::fs::read(&path).with_context(|| format!("reading {} (built by scripts/build-plugins)", path.display()))?;
+        built.push((name.to_string(), bytes.clone()));
+        return Ok(bytes);
+    }
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let out = Command::new(cargo)
         .args(["build", "--release", "--target", "wasm32-wasip2", "--manifest-path"])
@@ -35,8 +51,6 @@ pub fn rust_plugin(name: &str) -> Result<Vec<u8>> {
             String::from_utf8_lossy(&out.stderr)
         );
     }
-    let file = format!("{}.wasm", name.replace('-', "_"));
-    let path: PathBuf = target_dir.join("wasm32-wasip2/release").join(file);
     let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
     built.push((name.to_string(), bytes.clone()));
     Ok(bytes)
@@ -107,6 +121,11 @@ pub fn testkit_v2() -> Result<Vec<u8>> {
         return Ok(bytes.clone());
     }
     let target_dir = root().join("target/plugins/v2");
+    let path = target_dir.join("wasm32-wasip2/release/testkit.wasm");
+    if prebuilt() {
+        let bytes = std::fs::read(&path).with_context(|| format!("reading {} (built by scripts/build-plugins)", path.display()))?;
+        return Ok(BUILT.get_or_init(|| bytes).clone());
+    }
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let out = Command::new(cargo)
         .args(["build", "--release", "--target", "wasm32-wasip2", "--features", "v2", "--manifest-path"])
@@ -118,7 +137,6 @@ pub fn testkit_v2() -> Result<Vec<u8>> {
     if !out.status.success() {
         bail!("building plugins/testkit --features v2 failed:\n{}", String::from_utf8_lossy(&out.stderr));
     }
-    let path = target_dir.join("wasm32-wasip2/release/testkit.wasm");
     let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
     Ok(BUILT.get_or_init(|| bytes).clone())
 }

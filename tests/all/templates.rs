@@ -4,7 +4,6 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
@@ -21,18 +20,37 @@ fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// Generates, builds and self-tests the project for `lang` once per test
-/// process; returns its component and how long `new` to a passed test took.
+/// Generates, builds and self-tests the project for `lang` once per run of
+/// the suite (`LEASEHOLD_TEST_RUN`, set by `scripts/test`; without it, once
+/// per test process) and build of `leasehold` (whose binary holds the
+/// templates): the first test process to ask does it, under a lock, and
+/// keeps the component and the time it took in `target/templates-test/`;
+/// the others (nextest runs each test as a process) read them. Returns the component and how long `new`
+/// to a passed test took. The Rust project builds into `target/plugins`,
+/// so its compiled dependencies are the example plugins' and are kept
+/// across runs.
 fn project(lang: &str) -> Result<(Vec<u8>, Duration)> {
-    static BUILT: Mutex<Vec<(String, Vec<u8>, Duration)>> = Mutex::new(Vec::new());
-    let mut built = BUILT.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some((_, bytes, took)) = built.iter().find(|(l, _, _)| l == lang) {
-        return Ok((bytes.clone(), *took));
-    }
     let dir = root().join("target/templates-test");
     std::fs::create_dir_all(&dir)?;
+    let bin = std::fs::metadata(env!("CARGO_BIN_EXE_leasehold"))?;
+    let run = std::env::var("LEASEHOLD_TEST_RUN").unwrap_or_else(|_| format!("pid{}", std::process::id()));
+    let stamp = format!("{run}-{}-{}", bin.len(), bin.modified()?.duration_since(std::time::UNIX_EPOCH)?.as_nanos());
+    let lock = std::fs::File::create(dir.join(format!("{lang}.lock")))?;
+    lock.lock()?;
+    let (done, took_file) = (dir.join(format!("{lang}-{stamp}.wasm")), dir.join(format!("{lang}-{stamp}.took-ms")));
+    if let (Ok(bytes), Ok(ms)) = (std::fs::read(&done), std::fs::read_to_string(&took_file)) {
+        return Ok((bytes, Duration::from_millis(ms.trim().parse()?)));
+    }
+    // Earlier runs' components.
+    for entry in std::fs::read_dir(&dir)? {
+        let path = entry?.path();
+        let file = path.file_name().and_then(|f| f.to_str()).unwrap_or_default();
+        if file.starts_with(&format!("{lang}-")) && !file.starts_with(&format!("{lang}-{stamp}")) {
+            let _ = std::fs::remove_file(&path);
+        }
+    }
     let name = format!("hello-{lang}");
-    let project: PathBuf = dir.join(&name);
+    let project: PathBuf = dir.join(std::process::id().to_string()).join(&name);
     let _ = std::fs::remove_dir_all(&project);
     let started = Instant::now();
     let out = Command::new(env!("CARGO_BIN_EXE_leasehold"))
@@ -50,6 +68,7 @@ fn project(lang: &str) -> Result<(Vec<u8>, Duration)> {
         .env("LEASEHOLD_NODE_MODULES", root().join("plugins/agent-js/node_modules"))
         .env("LEASEHOLD_CACHE_DIR", root().join("target/component-cache"))
         .env("LEASEHOLD_LOG", "error")
+        .env("CARGO_TARGET_DIR", root().join("target/plugins"))
         .output()
         .with_context(|| format!("running {}/test.sh", project.display()))?;
     let took = started.elapsed();
@@ -60,8 +79,12 @@ fn project(lang: &str) -> Result<(Vec<u8>, Duration)> {
         String::from_utf8_lossy(&out.stderr)
     );
     let bytes = std::fs::read(project.join(format!("{name}.wasm")))?;
+    let _ = std::fs::remove_dir_all(project.parent().unwrap_or(&project));
     eprintln!("templates: {lang}: new -> passed test in {took:?}, component {} bytes", bytes.len());
-    built.push((lang.to_string(), bytes.clone(), took));
+    std::fs::write(&took_file, took.as_millis().to_string())?;
+    let tmp = dir.join(format!("{lang}-{stamp}.wasm.{}", std::process::id()));
+    std::fs::write(&tmp, &bytes)?;
+    std::fs::rename(&tmp, &done)?;
     Ok((bytes, took))
 }
 
