@@ -1,7 +1,8 @@
 //! Upgrades (docs/operations.md, "Upgrades"). From the previous release
 //! (its binary built by `scripts/previous-release`, which `scripts/test`
-//! runs first), its hosts stopped first: every run finishes, those in
-//! flight as the upgrade begins too. For the
+//! runs first), rolled: this release's host joins beside the previous
+//! release's, both serve, and every run finishes, those in flight as the
+//! upgrade begins too. For the
 //! next release: a host of this release keeps working when columns are
 //! added under it, and starts on a database a newer release migrated.
 
@@ -115,24 +116,25 @@ both! {
         // Runs in flight and queued as the upgrade begins.
         let in_flight = submit(&http, &old_args, &old.base, &(10..40).map(steps).collect::<Vec<_>>()).await?;
 
-        // The previous release's hosts are stopped first (SIGTERM: they
-        // hand their runs over). Its statements return `*`: after the
-        // migration, a connection that prepared one before fails it. On
-        // PostgreSQL ("cached plan must not change result type") its
-        // segments died and runs were retried up to aborted; on SQLite
-        // its driver's worker panicked, once holding the file's write
-        // lock, and both hosts stalled (docs/operations.md, "Upgrades").
-        stop(&mut old, &old_args).await?;
+        let old_version: i64 = sqlx::query_scalar("SELECT MAX(version) FROM _sqlx_migrations").fetch_one(fresh.store.pool()).await?;
+        let old_before = completed_segments(&http, &old.base).await?;
+
+        // A rolling upgrade: this release's host joins while the previous
+        // release's goes on serving, and migrates the database under it.
         let new_args = ServeArgs::new(fresh.url(), dir.path(), "new".into())?;
         let new = ServeProc::spawn(&new_args)?;
         new.wait_healthy(&http, Duration::from_secs(60)).await.with_context(|| {
             format!("this release's host: {}", std::fs::read_to_string(&new_args.log).unwrap_or_default())
         })?;
         let latest: i64 = sqlx::query_scalar("SELECT MAX(version) FROM _sqlx_migrations").fetch_one(fresh.store.pool()).await?;
-        ensure!(latest >= 14, "this release did not migrate the database further (at {latest})");
+        ensure!(latest > old_version, "this release did not migrate the database further (at {latest}, the previous release at {old_version})");
 
         let mut after = in_flight;
         for round in 0..4 {
+            // Both hosts take runs, the previous release's on the schema
+            // this release migrated.
+            let runs: Vec<Value> = (0..10).map(|i| steps(100 * (round + 1) + i)).collect();
+            after.extend(submit(&http, &old_args, &old.base, &runs).await?);
             // The new kinds too: a priority, a key.
             let mut fancy: Vec<Value> = (0..10).map(|i| steps(1000 * (round + 1) + i)).collect();
             fancy[0]["priority"] = json!(5);
@@ -142,7 +144,18 @@ both! {
         }
         all_finished(&fresh.store, &after, Duration::from_secs(120)).await?;
         all_completed(&fresh.store, &after).await?;
-        ensure!(completed_segments(&http, &new.base).await? > 0, "this release's host completed nothing");
+        let by_old = completed_segments(&http, &old.base).await? - old_before;
+        let by_new = completed_segments(&http, &new.base).await?;
+        let old_log = std::fs::read_to_string(&old_args.log).unwrap_or_default();
+        ensure!(
+            by_old > 0 && by_new > 0,
+            "the hosts did not both serve: the previous release completed {by_old} segments, this one {by_new}; the previous release's log:\n{old_log}"
+        );
+        // Then the previous release's host is rolled: SIGTERM, a clean exit.
+        stop(&mut old, &old_args).await?;
+        let last = submit(&http, &new_args, &new.base, &(5000..5010).map(steps).collect::<Vec<_>>()).await?;
+        all_finished(&fresh.store, &last, Duration::from_secs(60)).await?;
+        all_completed(&fresh.store, &last).await?;
         drop(old);
         drop(new);
         fresh.cleanup().await?;
