@@ -10,7 +10,8 @@ use std::time::Duration;
 use crate::store::Store;
 use crate::store::segments::SegmentRecord;
 
-/// How long a record waits for others to share its write: 1 s.
+/// How long a record waits for others to share its write by default: 1 s
+/// (`ExecutorConfig::segment_log_every`).
 pub const EVERY: Duration = Duration::from_secs(1);
 /// Records one write holds at most; a full batch is written at once.
 const BATCH: usize = 1000;
@@ -20,6 +21,7 @@ const BATCH: usize = 1000;
 pub struct SegmentLog {
     store: Store,
     held: Arc<Mutex<Held>>,
+    every: Duration,
 }
 
 #[derive(Default)]
@@ -30,11 +32,12 @@ struct Held {
 }
 
 impl SegmentLog {
-    pub fn new(store: Store) -> SegmentLog {
-        SegmentLog { store, held: Arc::default() }
+    /// A log whose records wait up to `every` for each other.
+    pub fn new(store: Store, every: Duration) -> SegmentLog {
+        SegmentLog { store, held: Arc::default(), every }
     }
 
-    /// Holds `row` for the next write: within [`EVERY`], or at once when
+    /// Holds `row` for the next write: within `every`, or at once when
     /// the batch is full.
     pub fn record(&self, row: SegmentRecord) {
         let mut held = self.held.lock().expect("segment log lock");
@@ -47,7 +50,7 @@ impl SegmentLog {
             held.armed = true;
             let log = self.clone();
             tokio::spawn(async move {
-                tokio::time::sleep(EVERY).await;
+                tokio::time::sleep(log.every).await;
                 log.held.lock().expect("segment log lock").armed = false;
                 log.flush().await;
             });

@@ -9,6 +9,7 @@ use anyhow::{Context, Result, ensure};
 use leasehold::api::{ApiConfig, AppState};
 use leasehold::executor::{Executor, ExecutorConfig};
 use leasehold::pool::{PoolConfig, WorkerPool};
+use leasehold::store::NewRun;
 use serde_json::{Value, json};
 use tokio::sync::watch;
 
@@ -384,13 +385,25 @@ both! {
         let server = Server::start(db, None).await?;
         let (status, first) = server.get("/v1/stats").await?;
         ensure!(status == 200, "{status} {first}");
-        // Less than the counts' 2 s cache, so the second answer is cached.
+        // A run submitted within the counts' 2 s cache: the second answer
+        // does not count it yet, and its `now` is still the database's.
+        db.store.create_run(&NewRun::new("testkit", "{}")).await?;
         tokio::time::sleep(Duration::from_millis(600)).await;
         let (_, second) = server.get("/v1/stats").await?;
         let db_now = db.store.now_ms().await?;
         let now = second["now"].as_i64().context("now")?;
-        ensure!(second["runs"] == first["runs"], "{first} {second}");
+        ensure!(second["runs"] == first["runs"], "the counts were not cached: {first} {second}");
         ensure!((db_now - now).abs() < 300, "stats say now is {now}, {} ms from the database's {db_now}", db_now - now);
+        // Past the cache, the run is counted.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let (_, third) = server.get("/v1/stats").await?;
+            if third["runs"] != first["runs"] {
+                break;
+            }
+            ensure!(std::time::Instant::now() < deadline, "the counts never moved: {first} {third}");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
         server.stop().await;
         Ok(())
     }
@@ -571,20 +584,28 @@ both! {
         let server = Server::start_with(db, None, true, |c| c.stream_poll = Duration::from_secs(3600)).await?;
         let (status, body) = server.put_plugin("testkit", plugins::rust_plugin("testkit")?).await?;
         ensure!(status == 201, "{body}");
-        let (_, run) = server.post("/v1/runs", json!({ "plugin": "testkit", "input": { "mode": "wait" } })).await?;
+        // The turn emits, then waits for its input.
+        let ops = json!([{ "op": "emit", "text": "hi" }, { "op": "wait", "prompt": "name?" }]);
+        let (_, run) = server.post("/v1/runs", json!({ "plugin": "testkit", "input": { "mode": "script", "ops": ops } })).await?;
         let thread = run["thread_id"].as_str().unwrap().to_string();
         let id = run["id"].as_i64().unwrap();
+        // The input goes in once the stream has read the emit: only a
+        // wake-up can then bring it the answer.
+        let read_some = tokio::sync::Notify::new();
         let waiting = async {
             server.wait_status(id, "waiting_input").await?;
-            tokio::time::sleep(Duration::from_millis(200)).await;
+            read_some.notified().await;
             let (status, _) = server.post(&format!("/v1/runs/{id}/input"), json!({ "input": "Ada" })).await?;
             ensure!(status == 200);
             Ok::<_, anyhow::Error>(())
         };
         let path = format!("/v1/threads/{thread}/events");
-        let reading = read_sse(&server, &path, None, |e| e["kind"] == "message");
+        let reading = read_sse(&server, &path, None, |e| {
+            read_some.notify_one();
+            e["kind"] == "message"
+        });
         let (events, ()) = tokio::try_join!(reading, waiting)?;
-        ensure!(events.last().is_some_and(|e| e["payload"]["output"] == "hello Ada"), "{events:?}");
+        ensure!(events.last().is_some_and(|e| e["payload"]["output"].as_str().is_some_and(|o| o.contains("Ada"))), "{events:?}");
         server.stop().await;
         Ok(())
     }

@@ -9,7 +9,7 @@ use anyhow::{Result, ensure};
 use leasehold::store::{EffectCall, EffectClass, LocalOp, NewRun, Outcome, RunStatus, Store, Suspend};
 use leasehold::reaper::{self, ReapReport, ReaperConfig};
 
-use crate::harness::{TTL, TestDb, both, run_on};
+use crate::harness::{TTL, TestDb, both, only, run_on};
 
 async fn submit(store: &Store, max_attempts: i64) -> Result<i64> {
     let mut new = NewRun::new("p", "{}");
@@ -52,52 +52,6 @@ both! {
         Ok(())
     }
 
-    async fn a_renewal_after_the_database_dropped_its_sessions_is_not_lost_to_a_dead_connection(db) {
-        // After a PostgreSQL restart every idle pooled session is dead, and
-        // the pool finds out only by using it. A segment past its local
-        // deadline asks once before it gives its run up: that ask failed on
-        // a dead session, so a zombie in the chaos suite gave its run up
-        // with no refusal seen, and a live host would give a good lease up.
-        let s = &db.store;
-        submit(s, 3).await?;
-        let a = s.claim("a", TTL).await?.ok_or_else(|| anyhow::anyhow!("nothing to claim"))?;
-        // Renewals' sessions are open and idle.
-        s.renew(&a.lease, TTL).await?;
-        if db.backend == leasehold::store::Backend::Postgres {
-            use sqlx::Connection;
-            let mut outside = sqlx::PgConnection::connect(db.url()).await?;
-            let ended: Vec<bool> = sqlx::query_scalar(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
-                 WHERE datname = current_database() AND pid <> pg_backend_pid()",
-            )
-            .fetch_all(&mut outside)
-            .await?;
-            ensure!(!ended.is_empty(), "no session to end");
-            outside.close().await?;
-        }
-        let renewed = s.renew(&a.lease, TTL).await;
-        ensure!(renewed.is_ok(), "the renewal failed: {renewed:?}");
-        Ok(())
-    }
-
-    async fn the_sqlite_writer_keeps_a_small_page_cache_and_its_temporary_files_in_memory(db) {
-        // The writer keeps SQLite's 2 MiB: a larger cache is walked whole
-        // by every commit that split a b-tree page. Without temp_store it
-        // spilled statement journals to a file in /var/tmp. Readers keep
-        // more for pages read while the database is quiet.
-        if db.backend != leasehold::store::Backend::Sqlite {
-            return Ok(());
-        }
-        let s = &db.store;
-        let writer: (i64, i64) = (
-            sqlx::query_scalar("PRAGMA cache_size").fetch_one(s.writer()).await?,
-            sqlx::query_scalar("PRAGMA temp_store").fetch_one(s.writer()).await?,
-        );
-        ensure!(writer == (-2000, 2), "writer: cache_size, temp_store = {writer:?}");
-        let reader: i64 = sqlx::query_scalar("PRAGMA cache_size").fetch_one(s.pool()).await?;
-        ensure!(reader == -16384, "reader cache_size {reader}");
-        Ok(())
-    }
 
     async fn a_deliberate_suspension_never_uses_up_an_attempt(db) {
         // max_attempts bounds consecutive failed segments. A segment that
@@ -251,6 +205,52 @@ both! {
     }
 }
 
+only! { postgres:
+    async fn a_renewal_after_the_database_dropped_its_sessions_is_not_lost_to_a_dead_connection(db) {
+        // After a PostgreSQL restart every idle pooled session is dead, and
+        // the pool finds out only by using it. A segment past its local
+        // deadline asks once before it gives its run up: that ask failed on
+        // a dead session, so a zombie in the chaos suite gave its run up
+        // with no refusal seen, and a live host would give a good lease up.
+        let s = &db.store;
+        submit(s, 3).await?;
+        let a = s.claim("a", TTL).await?.ok_or_else(|| anyhow::anyhow!("nothing to claim"))?;
+        // Renewals' sessions are open and idle.
+        s.renew(&a.lease, TTL).await?;
+        use sqlx::Connection;
+        let mut outside = sqlx::PgConnection::connect(db.url()).await?;
+        let ended: Vec<bool> = sqlx::query_scalar(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+             WHERE datname = current_database() AND pid <> pg_backend_pid()",
+        )
+        .fetch_all(&mut outside)
+        .await?;
+        ensure!(!ended.is_empty(), "no session to end");
+        outside.close().await?;
+        let renewed = s.renew(&a.lease, TTL).await;
+        ensure!(renewed.is_ok(), "the renewal failed: {renewed:?}");
+        Ok(())
+    }
+}
+
+only! { sqlite:
+    async fn the_sqlite_writer_keeps_a_small_page_cache_and_its_temporary_files_in_memory(db) {
+        // The writer keeps SQLite's 2 MiB: a larger cache is walked whole
+        // by every commit that split a b-tree page. Without temp_store it
+        // spilled statement journals to a file in /var/tmp. Readers keep
+        // more for pages read while the database is quiet.
+        let s = &db.store;
+        let writer: (i64, i64) = (
+            sqlx::query_scalar("PRAGMA cache_size").fetch_one(s.writer()).await?,
+            sqlx::query_scalar("PRAGMA temp_store").fetch_one(s.writer()).await?,
+        );
+        ensure!(writer == (-2000, 2), "writer: cache_size, temp_store = {writer:?}");
+        let reader: i64 = sqlx::query_scalar("PRAGMA cache_size").fetch_one(s.pool()).await?;
+        ensure!(reader == -16384, "reader cache_size {reader}");
+        Ok(())
+    }
+}
+
 /// PostgreSQL only: SQLite has one writer and no row locks, and its
 /// busy timeout already bounds every wait for the file lock.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -348,6 +348,8 @@ async fn a_lease_handed_out_after_a_lock_wait_is_as_long_as_it_says() -> Result<
         let close = tokio::spawn(async move {
             store.close_and_claim(&held.lease, &[], &[], &Outcome::Completed { output: "a".into() }, Some(("w", TTL))).await
         });
+        // The close is seen waiting on the lock, then left waiting a second.
+        crate::harness::until_lock_waiter(db, 1).await?;
         tokio::time::sleep(Duration::from_millis(1_000)).await;
         sqlx::raw_sql("ROLLBACK").execute(&mut holder).await?;
         let next = close.await??.ok_or_else(|| anyhow::anyhow!("the close claimed nothing"))?;

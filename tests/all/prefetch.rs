@@ -297,7 +297,11 @@ both! {
     async fn a_run_a_close_claims_after_shutdown_began_is_given_back_not_started(db) {
         // One worker, no local queue: A's close claims B in its own
         // statement, after the shutdown has begun.
-        let a = submit_sleepers(&db.store, 1, 1_000).await?[0];
+        // A emits, then sleeps: its emit says its segment has started, past
+        // the slot's look at the stop (a stop seen first has the close
+        // claim nothing, and the test would test nothing).
+        let input = serde_json::json!({ "mode": "script", "ops": [{ "op": "emit", "text": "started" }, { "op": "wasi-sleep", "ms": 1_000 }] });
+        let a = db.store.create_run(&NewRun::new("testkit", input.to_string())).await?.0.id;
         let b = db.store.create_run(&NewRun::new("testkit", r#"{"steps": 0}"#)).await?.0.id;
         let runtime = plugins::runtime()?;
         leasehold::plugins::register(&db.store, &runtime, "testkit", plugins::rust_plugin("testkit")?, PluginSettings::default()).await?;
@@ -305,14 +309,15 @@ both! {
         let exec = Arc::new(Executor::new(db.store.clone(), runtime, config));
         let pool = WorkerPool::start(db.store.clone(), exec, PoolConfig { workers: 1, poll: Duration::from_millis(50), claim_batch: 1, prefetch: 0 });
         let deadline = Instant::now() + Duration::from_secs(20);
-        while db.store.get_run(a).await?.lease_owner.as_deref() != Some("stopping") {
-            ensure!(Instant::now() < deadline, "the pool never took A");
+        while db.store.get_run(a).await?.partial != "started" {
+            ensure!(Instant::now() < deadline, "A never started");
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         pool.shutdown(Duration::from_secs(10)).await;
         ensure!(db.store.get_run(a).await?.status == RunStatus::Completed, "A did not finish in the grace period");
         let run = db.store.get_run(b).await?;
         ensure!(run.status != RunStatus::Completed, "B was started after the shutdown began: {run:?}");
+        ensure!(run.fence >= 1, "B was never claimed (the close claimed nothing to give back): {run:?}");
         ensure!(run.lease_owner.is_none() && run.attempt == 0, "B was not given back with its attempt: {run:?}");
         Ok(())
     }

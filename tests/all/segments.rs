@@ -54,7 +54,9 @@ both! {
         use leasehold::pool::{PoolConfig, WorkerPool};
         let rt = plugins::runtime()?;
         rt.add_plugin("testkit", &plugins::rust_plugin("testkit")?, plugins::test_limits())?;
-        let exec = std::sync::Arc::new(Executor::new(db.store.clone(), rt, ExecutorConfig { owner: "host-s".into(), ..ExecutorConfig::default() }));
+        // An hour: only the shutdown can write the record.
+        let config = ExecutorConfig { owner: "host-s".into(), segment_log_every: std::time::Duration::from_secs(3600), ..ExecutorConfig::default() };
+        let exec = std::sync::Arc::new(Executor::new(db.store.clone(), rt, config));
         let pool = WorkerPool::start(db.store.clone(), exec, PoolConfig { workers: 1, poll: std::time::Duration::from_millis(20), claim_batch: 1, prefetch: 0 });
         let run = db.store.create_run(&NewRun::new("testkit", json!({ "steps": 1 }).to_string())).await?.0.id;
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
@@ -62,7 +64,7 @@ both! {
             ensure!(std::time::Instant::now() < deadline, "the run never completed");
             tokio::time::sleep(std::time::Duration::from_millis(5)).await;
         }
-        // Well inside the log's second: only the shutdown can have written it.
+        ensure!(db.store.segments(run).await?.is_empty(), "the record was written before the shutdown");
         pool.shutdown(std::time::Duration::from_secs(5)).await;
         let segments = db.store.segments(run).await?;
         ensure!(segments.len() == 1 && segments[0].owner == "host-s", "{segments:?}");
