@@ -62,7 +62,8 @@ both! {
         // the segment's next write: here there is none for seconds.
         let runtime = runtime_with_budget(Duration::from_secs(120))?;
         let exec = Executor::new(db.store.clone(), runtime.clone(), worker("worker-a"));
-        let id = submit(&db.store, serde_json::json!({ "mode": "emit-then-spin", "spins": 1u64 << 32 })).await?;
+        // 2^30 spins: about 2 s here (some 5 x 10^8 a second).
+        let id = submit(&db.store, serde_json::json!({ "mode": "emit-then-spin", "spins": 1u64 << 30 })).await?;
         let task = tokio::spawn(async move { exec.run_once().await });
         let deadline = std::time::Instant::now() + Duration::from_secs(60);
         loop {
@@ -86,7 +87,7 @@ both! {
         // not until the segment's next write: here there is none for seconds.
         let runtime = runtime_with_budget(Duration::from_secs(120))?;
         let exec = Executor::new(db.store.clone(), runtime.clone(), worker("worker-a"));
-        let id = submit(&db.store, serde_json::json!({ "mode": "put-then-spin", "spins": 1u64 << 32 })).await?;
+        let id = submit(&db.store, serde_json::json!({ "mode": "put-then-spin", "spins": 1u64 << 30 })).await?;
         let task = tokio::spawn(async move { exec.run_once().await });
         let deadline = std::time::Instant::now() + Duration::from_secs(60);
         loop {
@@ -340,7 +341,8 @@ both! {
             ..ExecutorConfig::default()
         };
         let exec = Executor::new(db.store.clone(), runtime, config);
-        let id = submit(&db.store, serde_json::json!({ "mode": "spin-then-put", "spins": 1u64 << 33 })).await?;
+        // 2^30 spins: about 2 s here, four leases.
+        let id = submit(&db.store, serde_json::json!({ "mode": "spin-then-put", "spins": 1u64 << 30 })).await?;
         let started = std::time::Instant::now();
         let out = exec.run_once().await?;
         ensure!(out == Some((id, SegmentOutcome::Completed)), "{out:?} after {:?}", started.elapsed());
@@ -369,7 +371,7 @@ both! {
             ..ExecutorConfig::default()
         };
         let exec = Executor::new(db.store.clone(), runtime, config);
-        let id = submit(&db.store, serde_json::json!({ "mode": "spin-then-put", "spins": 1u64 << 33 })).await?;
+        let id = submit(&db.store, serde_json::json!({ "mode": "spin-then-put", "spins": 1u64 << 30 })).await?;
         let task = tokio::spawn(async move { exec.run_once().await });
         let deadline = std::time::Instant::now() + Duration::from_secs(30);
         while db.store.get_run(id).await?.status != RunStatus::Running {

@@ -60,6 +60,8 @@ impl ServeArgs<'_> {
 pub struct ServeProc {
     pub child: Child,
     pub base: String,
+    /// Its stderr.
+    log: PathBuf,
 }
 
 impl ServeProc {
@@ -94,16 +96,28 @@ impl ServeProc {
             .stderr(log)
             .spawn()
             .context("starting leasehold serve")?;
-        Ok(ServeProc { child, base: format!("http://{}:{}", a.listen_ip, a.port) })
+        Ok(ServeProc { child, base: format!("http://{}:{}", a.listen_ip, a.port), log: a.log.clone() })
     }
 
     pub fn pid(&self) -> u32 {
         self.child.id()
     }
 
-    /// Polls `/healthz` until it answers 200.
+    /// Polls `/healthz` until it answers 200; fails at once, with the
+    /// host's log, if the host exits first.
     pub async fn wait_healthy(&self, http: &reqwest::Client, timeout: Duration) -> Result<()> {
-        wait_healthy(http, &self.base, timeout).await
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Ok(r) = http.get(format!("{}/healthz", self.base)).send().await
+                && r.status() == 200
+            {
+                return Ok(());
+            }
+            let log = || std::fs::read_to_string(&self.log).unwrap_or_default();
+            ensure!(!exited(self.pid()), "the host at {} exited before it was healthy; its log:\n{}", self.base, log());
+            ensure!(Instant::now() < deadline, "{} never became healthy within {timeout:?}; its log:\n{}", self.base, log());
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 }
 
@@ -134,11 +148,37 @@ pub const TEST_TOKEN: &str = "leasehold-test-token-0123456789";
 
 /// An HTTP client that sends [`TEST_TOKEN`], with `builder`'s settings.
 pub fn client(builder: reqwest::ClientBuilder) -> Result<reqwest::Client> {
+    leasehold::effects::http::install_tls();
     let mut headers = reqwest::header::HeaderMap::new();
     headers.insert(reqwest::header::AUTHORIZATION, format!("Bearer {TEST_TOKEN}").parse()?);
     Ok(builder.default_headers(headers).build()?)
 }
 
+/// Whether process `pid` (a child not yet waited for) has exited: gone,
+/// or a zombie.
+fn exited(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the command's closing parenthesis.
+        Ok(stat) => stat.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with(['Z', 'X'])),
+        Err(_) => true,
+    }
+}
+
+/// A port free on 127.0.0.1 now, below the kernel's ephemeral range
+/// (32768 on): no outgoing connection is given it between this check and
+/// the host's bind. Each test process starts at its own place in the
+/// range, so processes side by side rarely try the same port.
 pub fn free_port() -> Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    use std::sync::atomic::{AtomicU32, Ordering};
+    const LOW: u32 = 20_000;
+    const SPAN: u32 = 12_000;
+    static NEXT: AtomicU32 = AtomicU32::new(u32::MAX);
+    let _ = NEXT.compare_exchange(u32::MAX, (std::process::id().wrapping_mul(7919)) % SPAN, Ordering::Relaxed, Ordering::Relaxed);
+    for _ in 0..SPAN {
+        let port = (LOW + NEXT.fetch_add(1, Ordering::Relaxed) % SPAN) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return Ok(port);
+        }
+    }
+    anyhow::bail!("no free port in {LOW}..{}", LOW + SPAN)
 }

@@ -264,6 +264,7 @@ async fn half_sent_requests_are_closed_and_connections_are_capped() -> Result<()
     let _serve = insecure_serve(dir.path(), port, &["--header-read-timeout-ms", "2000", "--max-connections", "4"])?;
     // No keep-alive: the health check's connection closes, and does not
     // count against the cap below.
+    leasehold::effects::http::install_tls();
     let http = reqwest::Client::builder().pool_max_idle_per_host(0).build()?;
     wait_healthy(&http, &base, Duration::from_secs(60)).await?;
     let opened = Instant::now();
@@ -298,6 +299,7 @@ async fn slow_bodies_to_the_public_answer_route_time_out_and_the_service_stays_u
     let port = free_port()?;
     let base = format!("http://127.0.0.1:{port}");
     let _serve = insecure_serve(dir.path(), port, &["--max-connections", "6", "--request-timeout-ms", "1500"])?;
+    leasehold::effects::http::install_tls();
     let http = reqwest::Client::builder().pool_max_idle_per_host(0).build()?;
     wait_healthy(&http, &base, Duration::from_secs(60)).await?;
     let (stop, stopped) = tokio::sync::watch::channel(false);
