@@ -146,6 +146,72 @@ async fn with_testkit(db: &TestDb, token: Option<&str>) -> Result<Server> {
 }
 
 both! {
+    async fn leases_name_each_holder_its_runs_and_the_runs_taken_over(db) {
+        let server = Server::start_with(db, None, false, |_| {}).await?;
+        let s = &db.store;
+        let ids: Vec<i64> = s.create_runs(&(0..3).map(|i| NewRun::new("testkit", i.to_string())).collect::<Vec<_>>()).await?.iter().map(|(r, _)| r.id).collect();
+        let a = s.claim("host-a", crate::harness::TTL).await?.context("a claim")?;
+        let b = s.claim("host-b", crate::harness::TTL).await?.context("a claim")?;
+        // host-b's lease runs out; host-c takes the run over (fence 2).
+        db.backdate_lease(b.run.id, 3_600_000).await?;
+        let c = s.claim("host-c", crate::harness::TTL).await?.context("a takeover")?;
+        ensure!(c.run.id == b.run.id && c.lease.fence == 2, "{c:?}");
+        let (status, leases) = server.get("/v1/leases").await?;
+        ensure!(status == 200, "{status} {leases}");
+        let now = db.store.now_ms().await?;
+        ensure!((now - leases["now"].as_i64().unwrap_or(0)).abs() < 5_000, "{leases}");
+        let holders: Vec<(String, Vec<(i64, i64)>)> = leases["holders"]
+            .as_array()
+            .context("holders")?
+            .iter()
+            .map(|h| (h["owner"].as_str().unwrap_or("").to_string(), h["runs"].as_array().map(|r| r.iter().map(|r| (r["id"].as_i64().unwrap_or(0), r["fence"].as_i64().unwrap_or(0))).collect()).unwrap_or_default()))
+            .collect();
+        let want = vec![("host-a".to_string(), vec![(a.run.id, 1)]), ("host-c".to_string(), vec![(c.run.id, 2)])];
+        let mut got = holders.clone();
+        got.sort();
+        ensure!(got == want, "holders {holders:?}, not {want:?}");
+        let taken: Vec<i64> = leases["takeovers"].as_array().context("takeovers")?.iter().filter_map(|t| t["id"].as_i64()).collect();
+        ensure!(taken == vec![c.run.id], "takeovers {taken:?} of {ids:?}");
+        ensure!(leases["fenced_writes_rejected"].is_u64() && leases["leases_lost"].is_u64(), "{leases}");
+        server.stop().await;
+        Ok(())
+    }
+
+    async fn a_runs_children_come_in_pages_and_an_unknown_run_is_a_404(db) {
+        let server = Server::start_with(db, None, false, |_| {}).await?;
+        let s = &db.store;
+        let ids: Vec<i64> = s.create_runs(&(0..6).map(|i| NewRun::new("testkit", i.to_string())).collect::<Vec<_>>()).await?.iter().map(|(r, _)| r.id).collect();
+        // Five children of the first run, as a spawn writes them.
+        let parent = ids[0];
+        for child in &ids[1..] {
+            sqlx::query("UPDATE runs SET parent_id = $1, root_id = $1 WHERE id = $2").bind(parent).bind(child).execute(s.pool()).await?;
+        }
+        let mut seen = Vec::new();
+        let mut path = format!("/v1/runs/{parent}/children?limit=2");
+        loop {
+            let (status, page) = server.get(&path).await?;
+            ensure!(status == 200, "{status} {page}");
+            let runs = page["runs"].as_array().context("runs")?;
+            ensure!(runs.len() <= 2, "a page of {} past its limit of 2", runs.len());
+            seen.extend(runs.iter().filter_map(|r| r["id"].as_i64()));
+            match page["next_cursor"].as_i64() {
+                Some(cursor) => path = format!("/v1/runs/{parent}/children?limit=2&cursor={cursor}"),
+                None => break,
+            }
+            ensure!(seen.len() <= 5, "the pages go on past the five children: {seen:?}");
+        }
+        let newest_first: Vec<i64> = ids[1..].iter().rev().copied().collect();
+        ensure!(seen == newest_first, "children {seen:?}, not {newest_first:?}");
+        let (status, body) = server.get("/v1/runs/999999/children").await?;
+        ensure!(status == 404 && body["error"]["code"] == "not_found", "{status} {body}");
+        let (status, body) = server.get(&format!("/v1/runs/{parent}/children?limit=0")).await?;
+        ensure!(status == 400, "{status} {body}");
+        server.stop().await;
+        Ok(())
+    }
+}
+
+both! {
     async fn a_submitted_turn_streams_its_events_and_completes(db) {
         let server = with_testkit(db, None).await?;
         let (status, plugins) = server.get("/v1/plugins").await?;

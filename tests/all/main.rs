@@ -12,6 +12,7 @@ mod bench_fairness;
 mod bench_submit;
 mod budgets;
 mod children;
+mod cli;
 mod chaos;
 mod chaos_mix;
 mod concurrency;

@@ -152,6 +152,32 @@ both! {
         Ok(())
     }
 
+    async fn a_jittered_schedules_runs_wait_a_share_of_the_jitter_the_same_on_every_host(db) {
+        noop_plugin(&db.store).await?;
+        let t0 = 1_800_000_000_000;
+        let mut s = every("jittered", 1000, Overlap::AllowAll, t0);
+        s.jitter_ms = 10_000;
+        db.store.create_schedule(&s).await?;
+        let config = TickerConfig::default();
+        for k in 1..=20 {
+            ticker::tick_at(&db.store, &config, t0 + 1000 * k).await?;
+        }
+        let ticks = all_ticks(&db.store, "jittered").await?;
+        ensure!(ticks.len() == 20, "{} ticks", ticks.len());
+        let mut waits = std::collections::BTreeSet::new();
+        for t in &ticks {
+            let run = db.store.get_run(t.run_id.context("a started tick's run")?).await?;
+            // Each run waits 0 to 10 s past its start, by a hash of the
+            // schedule and the time: what any host would have chosen.
+            let waited = run.not_before - run.created_at;
+            let want = leasehold::store::ticks::jitter(&s, t.scheduled_at);
+            ensure!(waited == want && (0..=10_000).contains(&waited), "the run for {} waits {waited} ms, not {want}", t.scheduled_at);
+            waits.insert(waited);
+        }
+        ensure!(waits.len() > 10, "20 ticks spread over only {} waits: {waits:?}", waits.len());
+        Ok(())
+    }
+
     async fn overlap_policies_decide_a_tick_while_the_last_run_is_open(db) {
         noop_plugin(&db.store).await?;
         let t0 = 1_800_000_000_000;

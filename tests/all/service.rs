@@ -324,12 +324,129 @@ async fn slow_bodies_to_the_public_answer_route_time_out_and_the_service_stays_u
             }
         });
     }
+    // One more slow body, read back: past the request timeout (1.5 s) it
+    // is answered 503 with the API's JSON error.
+    let timed_out = tokio::spawn(async move {
+        use tokio::io::AsyncReadExt;
+        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+        let head = "POST /v1/answers/0123456789abcdef HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{";
+        s.write_all(head.as_bytes()).await?;
+        // Until the JSON body has ended, or the server hung up.
+        let mut answer = Vec::new();
+        let read = async {
+            let mut buf = [0u8; 4096];
+            while !String::from_utf8_lossy(&answer).contains("}}") {
+                let n = s.read(&mut buf).await?;
+                if n == 0 {
+                    break;
+                }
+                answer.extend_from_slice(&buf[..n]);
+            }
+            anyhow::Ok(())
+        };
+        tokio::time::timeout(Duration::from_secs(15), read).await??;
+        anyhow::Ok(String::from_utf8_lossy(&answer).into_owned())
+    });
     tokio::time::sleep(Duration::from_millis(500)).await;
     let asked = Instant::now();
     let answer = tokio::time::timeout(Duration::from_secs(15), http.get(format!("{base}/healthz")).send()).await;
     let _ = stop.send(true);
     let status = answer.map_err(|_| anyhow::anyhow!("/healthz did not answer within 15 s under slow answer bodies"))??.status();
     ensure!(status == 200, "{status} after {:?}", asked.elapsed());
+    let answer = timed_out.await??;
+    ensure!(answer.starts_with("HTTP/1.1 503") && answer.contains(r#""code":"timeout""#), "a body slower than the request timeout got: {answer}");
     while slow.join_next().await.is_some() {}
     Ok(())
+}
+
+/// `--sqlite-synchronous normal` trades durability for speed: the host
+/// says so in its log, on SQLite only, and not without the flag.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_synchronous_normal_warns_of_what_a_crash_may_lose() -> Result<()> {
+    crate::harness::init_logs();
+    let http = crate::serve_proc::client(reqwest::Client::builder())?;
+    for (flag, warned) in [(Some("normal"), true), (Some("full"), false), (None, false)] {
+        let dir = tempfile::tempdir()?;
+        let url = format!("sqlite://{}", dir.path().join("db.sqlite").display());
+        let mut args = crate::serve_proc::ServeArgs::new(&url, dir.path(), "sync".into())?;
+        if let Some(mode) = flag {
+            args.extra = vec!["--sqlite-synchronous".into(), mode.into()];
+        }
+        let host = crate::serve_proc::ServeProc::spawn(&args)?;
+        host.wait_healthy(&http, Duration::from_secs(60)).await?;
+        let log = std::fs::read_to_string(&args.log)?;
+        ensure!(log.contains("a power loss or OS crash may lose the last commits") == warned, "{flag:?}: warned {}: {log}", !warned);
+    }
+    Ok(())
+}
+
+/// `--public-url`: the answer links guests make start with it, the API
+/// takes requests addressed to its host (and still refuses others), and a
+/// URL that is not http(s) stops the host with a message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_public_url_makes_the_answer_links_and_is_an_allowed_host() -> Result<()> {
+    crate::harness::run_on(leasehold::Backend::Sqlite, async |db| {
+        let sink = crate::sink::Sink::start().await?;
+        let dir = tempfile::tempdir()?;
+        std::fs::write(dir.path().join("approval.wasm"), crate::plugins::rust_plugin("approval")?)?;
+        let http = crate::serve_proc::client(reqwest::Client::builder())?;
+        let mut args = crate::serve_proc::ServeArgs::new(db.url(), dir.path(), "public".into())?;
+        args.http_allow = vec![sink.allow()];
+        let public = "https://leasehold.example.test:8443";
+        args.extra = vec!["--public-url".into(), format!("{public}/")];
+        let host = crate::serve_proc::ServeProc::spawn(&args)?;
+        host.wait_healthy(&http, Duration::from_secs(60)).await?;
+        let run: serde_json::Value = http
+            .post(format!("{}/v1/runs", host.base))
+            .json(&serde_json::json!({ "plugin": "approval", "input": { "notify_url": sink.url } }))
+            .send()
+            .await?
+            .json()
+            .await?;
+        let id = run["id"].as_i64().with_context(|| format!("{run}"))?;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let link = loop {
+            if let Some(hit) = sink.hits().first() {
+                let body: serde_json::Value = serde_json::from_str(&hit.body)?;
+                break body["link"].as_str().context("a link")?.to_string();
+            }
+            ensure!(Instant::now() < deadline, "no link reached the sink");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        ensure!(link.starts_with(&format!("{public}/v1/answers/")), "the link {link} is not under {public}");
+        // Answered through the host's own address, as a proxy in front of
+        // it would forward it, with the public host in the Host header.
+        let path = link.strip_prefix(public).unwrap_or_default();
+        let answered = reqwest::Client::new()
+            .post(format!("{}{path}", host.base))
+            .header("Host", "leasehold.example.test:8443")
+            .json(&serde_json::json!({ "input": "yes" }))
+            .send()
+            .await?;
+        ensure!(answered.status().is_success(), "{}: {}", answered.status(), answered.text().await?);
+        let other = reqwest::Client::new().get(format!("{}/healthz", host.base)).header("Host", "elsewhere.example").send().await?;
+        ensure!(other.status() == 421, "a request for another host: {}", other.status());
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let run: serde_json::Value = http.get(format!("{}/v1/runs/{id}", host.base)).send().await?.json().await?;
+            if run["status"] == "completed" {
+                ensure!(run["output"].as_str().is_some_and(|o| o.contains("yes")), "{run}");
+                break;
+            }
+            ensure!(Instant::now() < deadline, "the answered run did not complete: {run}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // Not http(s): the host does not start.
+        let dir = tempfile::tempdir()?;
+        let out = leasehold()
+            .args(["serve", "--database-url", &format!("sqlite://{}", dir.path().join("x.db").display()), "--insecure"])
+            .args(["--listen", &format!("127.0.0.1:{}", free_port()?), "--plugins-dir", "none", "--public-url", "ftp://leasehold.example.test"])
+            .arg("--cache-dir")
+            .arg(cache_dir())
+            .output()?;
+        let err = String::from_utf8_lossy(&out.stderr);
+        ensure!(!out.status.success() && err.contains("--public-url must be an http or https URL"), "{:?}: {err}", out.status);
+        Ok(())
+    })
+    .await
 }
