@@ -11,6 +11,19 @@ fn migrator(backend: Backend) -> sqlx::migrate::Migrator {
     }
 }
 
+/// How many times a PostgreSQL migration that lost a deadlock is tried.
+const MIGRATION_TRIES: u32 = 5;
+
+/// A deadlock (40P01) or a lock timeout (55P03): the migration's
+/// transaction was rolled back and may simply be run again.
+fn lost_to_a_lock(e: &sqlx::migrate::MigrateError) -> bool {
+    use sqlx::migrate::MigrateError;
+    let (MigrateError::Execute(sqlx::Error::Database(d)) | MigrateError::ExecuteMigration(sqlx::Error::Database(d), _)) = e else {
+        return false;
+    };
+    matches!(d.code().as_deref(), Some("40P01" | "55P03"))
+}
+
 impl Store {
     /// Applies the embedded migrations for this backend (forward-only). On
     /// PostgreSQL on a connection of its own, without the lock timeout of
@@ -21,17 +34,39 @@ impl Store {
     /// its migrations keep this release working (expand, then contract a
     /// release later), so a host of this release may still start during
     /// a rolling upgrade. It says so in its log.
+    ///
+    /// A migration that deadlocks with the statements of hosts still
+    /// running (a previous release's claim holds `runs` and wants a table
+    /// the migration altered) is rolled back whole by PostgreSQL and tried
+    /// again, up to 5 times.
     pub async fn migrate(&self) -> Result<(), StoreError> {
+        self.migrate_to(i64::MAX).await
+    }
+
+    /// [`Store::migrate`] up to and including migration `target`: a
+    /// database as an older release left it, for the upgrade tests.
+    #[doc(hidden)]
+    pub async fn migrate_to(&self, target: i64) -> Result<(), StoreError> {
         let mut migrator = migrator(self.backend);
         migrator.set_ignore_missing(true);
         let known = migrator.iter().map(|m| m.version).max().unwrap_or(0);
         match self.backend {
-            Backend::Sqlite => migrator.run(&self.writer).await?,
+            Backend::Sqlite => migrator.run_to(target, &self.writer).await?,
             Backend::Postgres => {
-                let pool = AnyPoolOptions::new().max_connections(1).connect(self.url()).await?;
-                let migrated = migrator.run(&pool).await;
-                pool.close().await;
-                migrated?;
+                let mut tries = 0;
+                loop {
+                    tries += 1;
+                    let pool = AnyPoolOptions::new().max_connections(1).connect(self.url()).await?;
+                    let migrated = migrator.run_to(target, &pool).await;
+                    pool.close().await;
+                    match migrated {
+                        Err(e) if tries < MIGRATION_TRIES && lost_to_a_lock(&e) => {
+                            tracing::warn!(tries, error = %e, "a migration lost a lock conflict with running hosts; it was rolled back and is tried again");
+                            tokio::time::sleep(std::time::Duration::from_millis(200 * tries as u64)).await;
+                        }
+                        other => break other?,
+                    }
+                }
             }
         }
         // The writer: an in-memory SQLite database (offline replay) is the

@@ -210,3 +210,43 @@ both! {
         Ok(())
     }
 }
+
+/// A migration run while hosts serve can deadlock with them: migration 33
+/// alters `concurrency_keys`, then adds a trigger on `runs`, while a
+/// previous release's claim holds `runs` and wants `concurrency_keys`.
+/// PostgreSQL rolls the migration back; the host tries it again and
+/// starts, rather than exiting with "deadlock detected".
+mod a_migration_that_loses_a_deadlock_to_running_hosts_is_tried_again {
+    use super::*;
+    use crate::harness::until_lock_waiter;
+    use leasehold::Backend;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres() -> Result<()> {
+        crate::harness::init_logs();
+        let db = TestDb::empty(Backend::Postgres).await?;
+        let result = async {
+            db.store.migrate_to(32).await?;
+            // A claim of the previous release: it has taken `runs`...
+            let mut claim = db.store.pool().begin().await?;
+            sqlx::query("UPDATE runs SET status = status WHERE false").execute(&mut *claim).await?;
+            let store = db.store.clone();
+            let migration = tokio::spawn(async move { store.migrate().await });
+            // ...the migration has taken `concurrency_keys` and waits for
+            // `runs`; the claim now wants `concurrency_keys`.
+            until_lock_waiter(&db, 1).await?;
+            let keys = sqlx::query("SELECT COUNT(*) FROM concurrency_keys").execute(&mut *claim).await;
+            // The migration waited first, so its deadlock check found the
+            // cycle first: it was the one rolled back.
+            ensure!(keys.is_ok(), "the claim lost the deadlock instead: {keys:?}");
+            claim.commit().await?;
+            migration.await?.context("the migration after a deadlock")?;
+            let applied: i64 = sqlx::query_scalar("SELECT MAX(version) FROM _sqlx_migrations").fetch_one(db.store.pool()).await?;
+            ensure!(applied >= 35, "migrated to {applied}");
+            anyhow::Ok(())
+        }
+        .await;
+        db.cleanup().await?;
+        result
+    }
+}
