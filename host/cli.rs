@@ -1,11 +1,19 @@
-//! The operator commands that talk to a running `leasehold serve` over its
-//! HTTP API: plugins, submit, runs, events. Output is a table or text for a
-//! terminal; `--json` prints the API's JSON for scripts. An API error is
-//! printed with its code and the command exits non-zero.
+//! The binary's commands. Most talk to a running `leasehold serve` over its
+//! HTTP API: plugins, submit, runs, events, limits, schedules. Output is a
+//! table or text for a terminal; `--json` prints the API's JSON for
+//! scripts. An API error is printed with its code and the command exits
+//! non-zero. Beside them, the plugin author's local commands: `new`
+//! (a project from `templates/`), `run` (one turn on a throwaway
+//! database), `dev` (serve, watching a project) and `replay` (a recorded
+//! ledger against a component).
 
+pub mod dev;
 pub mod limits;
+pub mod new;
+pub mod replay;
 pub mod rerun;
 pub mod resolve;
+pub mod run;
 pub mod schedules;
 mod submit_batch;
 
@@ -96,7 +104,7 @@ pub enum PluginsCommand {
         spawn_allow: String,
         /// --check only.
         #[command(flatten)]
-        offline: crate::replay::Offline,
+        offline: crate::cli::replay::Offline,
     },
 }
 
@@ -290,7 +298,7 @@ impl Api {
 pub async fn plugins(api: &Api, command: PluginsCommand) -> Result<()> {
     match command {
         PluginsCommand::Upgrade { name, file, check: true, offline, .. } => {
-            if !crate::replay::upgrade_check(&name, &file, &offline, api.json).await? {
+            if !crate::cli::replay::upgrade_check(&name, &file, &offline, api.json).await? {
                 std::process::exit(1);
             }
         }
@@ -450,7 +458,7 @@ pub async fn runs(api: &Api, command: RunsCommand) -> Result<()> {
                     _ => break,
                 }
             }
-            let export = crate::replay::Export { format: crate::replay::EXPORT_FORMAT.into(), run, effects };
+            let export = crate::cli::replay::Export { format: crate::cli::replay::EXPORT_FORMAT.into(), run, effects };
             let text = serde_json::to_string_pretty(&export)? + "\n";
             if output.as_os_str() == "-" {
                 print!("{text}");

@@ -13,27 +13,24 @@
 //!   `EffectError` are the effects'; the runtime (Wasmtime, the host
 //!   functions, replay, the sandbox's limits) uses them. [`plugins`] is the
 //!   registry over both.
-//! - The worker: [`executor`] (one segment of a run), [`pool`], [`reaper`],
-//!   [`segment_log`] (each segment's record, written behind it).
+//! - The worker: [`executor`] (one segment of a run), [`pool`], and the
+//!   [`maintenance`] services beside them (the reaper, the cleaner, the
+//!   vacuum, the rollup, the segment log).
 //! - The edges: [`api`] (HTTP), and the binary's CLI and `serve`.
 //! - [`bench`](mod@bench), apart.
 
 pub mod api;
 pub mod bench;
-pub mod cleaner;
 pub mod clock;
 pub mod effects;
 pub mod executor;
+pub mod maintenance;
 pub mod metrics;
 pub mod plugins;
 pub mod pool;
-pub mod reaper;
-pub mod rollup;
 pub mod redact;
 pub mod runtime;
 pub mod schedules;
-pub mod segment_log;
-pub mod vacuum;
 pub mod versions;
 pub mod store;
 pub mod traces;

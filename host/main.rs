@@ -2,11 +2,9 @@
 
 mod cli;
 mod config;
-mod dev;
-mod new;
-mod replay;
-mod run;
 mod serve;
+
+use cli::{dev, new, replay, run};
 
 use std::path::PathBuf;
 

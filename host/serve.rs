@@ -12,10 +12,10 @@ use leasehold::effects::model::ModelConfig;
 use leasehold::executor::{Executor, ExecutorConfig};
 use leasehold::plugins::{self, PluginSettings};
 use leasehold::pool::{PoolConfig, WorkerPool};
-use leasehold::reaper::{self, ReaperConfig};
+use leasehold::maintenance::reaper::{self, ReaperConfig};
 use leasehold::schedules::ticker::TickerConfig;
-use leasehold::cleaner::RetentionConfig;
-use leasehold::vacuum::{self, VacuumConfig};
+use leasehold::maintenance::cleaner::RetentionConfig;
+use leasehold::maintenance::vacuum::{self, VacuumConfig};
 
 /// How often the vacuum loop reads `runs`' dead row count.
 const VACUUM_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
@@ -35,7 +35,7 @@ pub async fn serve(cfg: config::Serve) -> Result<()> {
 }
 
 /// [`serve`], and with `dev`, the `leasehold dev` watcher of a project.
-pub async fn serve_with(cfg: config::Serve, dev: Option<crate::dev::Project>) -> Result<()> {
+pub async fn serve_with(cfg: config::Serve, dev: Option<crate::cli::dev::Project>) -> Result<()> {
     if cfg.test_clock_skew_ms != 0 {
         leasehold::clock::set_skew_ms(cfg.test_clock_skew_ms);
         tracing::warn!(skew_ms = cfg.test_clock_skew_ms, "test setting: this host's wall clock is skewed");
@@ -141,14 +141,14 @@ pub async fn serve_with(cfg: config::Serve, dev: Option<crate::dev::Project>) ->
         ..ApiConfig::default()
     };
     let retention = RetentionConfig { keep: cfg.retention, ..RetentionConfig::default() };
-    let cleaner = tokio::spawn(leasehold::cleaner::run(store.clone(), retention, CLEANER_EVERY, stop_rx.clone()));
+    let cleaner = tokio::spawn(leasehold::maintenance::cleaner::run(store.clone(), retention, CLEANER_EVERY, stop_rx.clone()));
     if cfg.retention.is_zero() {
         tracing::info!("--retention 0: finished runs are kept forever");
     }
-    let rollup = tokio::spawn(leasehold::rollup::run(store.clone(), stop_rx.clone()));
+    let rollup = tokio::spawn(leasehold::maintenance::rollup::run(store.clone(), stop_rx.clone()));
     let ticker = tokio::spawn(leasehold::schedules::ticker::run(store.clone(), TickerConfig::default(), stop_rx.clone()));
     let versions = tokio::spawn(leasehold::versions::run(store.clone(), runtime.clone(), VERSIONS_EVERY, stop_rx.clone()));
-    let watcher = dev.map(|project| tokio::spawn(crate::dev::watch(store.clone(), runtime.clone(), project, stop_rx.clone())));
+    let watcher = dev.map(|project| tokio::spawn(crate::cli::dev::watch(store.clone(), runtime.clone(), project, stop_rx.clone())));
     let state = AppState::new(store.clone(), runtime, api_config, stop_rx.clone());
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await

@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 
 use super::{ApiError, AppState, QueryParams};
-use crate::rollup::WAIT_BOUNDS_MS;
+use crate::maintenance::rollup::WAIT_BOUNDS_MS;
 use crate::store::rollup::MINUTE_MS;
 
 #[derive(Deserialize, IntoParams)]

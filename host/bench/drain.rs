@@ -26,7 +26,7 @@ use sqlx::Row;
 use super::BenchError;
 use crate::executor::Executor;
 use crate::pool::{PoolConfig, WorkerPool};
-use crate::vacuum::VacuumConfig;
+use crate::maintenance::vacuum::VacuumConfig;
 use crate::store::{MAX_SUBMIT_BATCH, NewRun, RunStatus, SqliteSync, Store, StoreError, StoreOptions, sql};
 
 /// The plugin the bench registers: the Rust test plugin.
@@ -193,7 +193,7 @@ impl DrainBench {
         let (stop_vacuum, stop) = tokio::sync::watch::channel(false);
         let vacuums = crate::metrics::global().runs_vacuums.load(std::sync::atomic::Ordering::Relaxed);
         let config = VacuumConfig { dead_rows: self.pg_vacuum_dead_rows, ..VacuumConfig::default() };
-        let vacuum = tokio::spawn(crate::vacuum::run(store.clone(), config, Duration::from_secs(1), stop));
+        let vacuum = tokio::spawn(crate::maintenance::vacuum::run(store.clone(), config, Duration::from_secs(1), stop));
         self.wait_drained(store).await?;
         let _ = stop_vacuum.send(true);
         let _ = vacuum.await;

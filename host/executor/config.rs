@@ -63,7 +63,7 @@ impl Default for ExecutorConfig {
             answer_base: None,
             tracer: None,
             http_traceparent: false,
-            segment_log_every: crate::segment_log::EVERY,
+            segment_log_every: crate::maintenance::segment_log::EVERY,
         }
     }
 }

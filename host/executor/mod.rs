@@ -26,7 +26,6 @@ use crate::traces::SegmentTrace;
 mod config;
 mod renewer;
 mod settle;
-mod traced;
 mod upgrade;
 
 pub use config::ExecutorConfig;
@@ -53,7 +52,7 @@ pub struct Executor {
     reserved: Arc<[std::net::SocketAddr]>,
     stop: Arc<StopSignal>,
     /// Each segment's record, written behind it (`store::segments`).
-    segment_log: crate::segment_log::SegmentLog,
+    segment_log: crate::maintenance::segment_log::SegmentLog,
 }
 
 /// Tells running guests to stop at once (shutdown after the grace period).
@@ -66,7 +65,7 @@ struct StopSignal {
 impl Executor {
     pub fn new(store: Store, runtime: Arc<Runtime>, config: ExecutorConfig) -> Executor {
         let reserved = config.reserved.clone().into();
-        let segment_log = crate::segment_log::SegmentLog::new(store.clone(), config.segment_log_every);
+        let segment_log = crate::maintenance::segment_log::SegmentLog::new(store.clone(), config.segment_log_every);
         Executor { store, runtime, config, reserved, stop: Arc::default(), segment_log }
     }
 
@@ -161,17 +160,21 @@ impl Executor {
         let database = self.store.database_id().await?;
         let (parent, http_header) = (claimed.run.trace_parent.as_deref(), self.config.http_traceparent);
         let trace = Arc::new(SegmentTrace::new(self.config.tracer.clone(), database, run_id, fence, parent, http_header));
-        let described = trace.exporting().then(|| traced::describe(&claimed, &self.config.owner));
+        let described = trace.exporting().then(|| crate::traces::segment::describe(&claimed, &self.config.owner));
         let claimed_at = claimed.run.heartbeat_at.unwrap_or_default();
         // The segment's log lines carry its trace id. At error level, so a
         // host logging only warnings still names the segment in them.
         let span = tracing::error_span!("segment", run_id, fence, trace_id = %trace.trace);
         let outcome = self.segment(claimed, &mut next, &trace).instrument(span).await;
+        let (outcome_said, error) = said(&outcome);
         if let Some(described) = described {
-            traced::finish(&trace, described, &outcome);
+            let suspended = match &outcome {
+                Ok(SegmentOutcome::Suspended(status)) => Some(status.as_str()),
+                _ => None,
+            };
+            crate::traces::segment::finish(&trace, described, suspended, &outcome_said, error.as_deref());
         }
         let (owner, ended_at) = (self.config.owner.clone(), claimed_at + started.elapsed().as_millis() as i64);
-        let outcome_said = traced::said(&outcome).0;
         self.segment_log.record(SegmentRecord { run_id, fence, owner, started_at: claimed_at, ended_at, outcome: outcome_said });
         if let Ok(SegmentOutcome::LeaseLost) = &outcome {
             // An operator sees which runs a paused or partitioned host gave up.
@@ -537,6 +540,19 @@ fn observe_first_start(store: &Store, run: &crate::store::Run) {
     if let (true, Some(started)) = (run.fence == first, run.started_at) {
         let wait = (started - run.created_at).max(0);
         crate::metrics::global().submit_to_start.0.observe_value(wait as f64 / 1000.0);
-        crate::rollup::observe_wait(store, started, wait);
+        crate::maintenance::rollup::observe_wait(store, started, wait);
+    }
+}
+
+/// The outcome as the segment's span and its log record say it, and the
+/// error the span's status carries, if any.
+fn said(outcome: &Result<SegmentOutcome, StoreError>) -> (String, Option<String>) {
+    match outcome {
+        Ok(SegmentOutcome::Completed) => ("completed".to_string(), None),
+        Ok(SegmentOutcome::Failed(kind)) => (format!("failed: {}", kind.as_str()), Some(format!("the turn failed: {}", kind.as_str()))),
+        Ok(SegmentOutcome::Suspended(status)) => (format!("suspended: {}", status.as_str()), None),
+        Ok(SegmentOutcome::LeaseLost) => ("lease_lost".to_string(), Some("the lease was lost".to_string())),
+        Ok(SegmentOutcome::Abandoned(why)) => ("abandoned".to_string(), Some(format!("abandoned: {why}"))),
+        Err(e) => ("abandoned".to_string(), Some(format!("abandoned: {e}"))),
     }
 }

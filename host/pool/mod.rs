@@ -121,6 +121,13 @@ impl WorkerPool {
         self.local.behind.load(Ordering::Relaxed)
     }
 
+    /// The pool's last claim found nothing more, and it now waits for a
+    /// wake-up (a submit, a NOTIFY), its poll or a slot to free: idle, as
+    /// far as claiming goes.
+    pub fn waiting_for_work(&self) -> bool {
+        self.local.waiting_for_work.load(Ordering::Relaxed)
+    }
+
     /// How many runs the local queue aims to hold now, with the claims on
     /// their way: a second of the workers' measured pace, at most
     /// `prefetch` (0 without a queue). Reading it moves the pace on.
@@ -222,6 +229,7 @@ async fn dispatch(store: Store, exec: Arc<Executor>, config: PoolConfig, local: 
                     // frees takes them.
                     let queued = local.len() > 0;
                     let stale = local.stale_in();
+                    local.waiting_for_work.store(true, Ordering::Relaxed);
                     tokio::select! {
                         _ = store.work_signal().notified() => {}
                         _ = slots.clone().acquire_owned(), if queued => {}
@@ -229,6 +237,7 @@ async fn dispatch(store: Store, exec: Arc<Executor>, config: PoolConfig, local: 
                         _ = tokio::time::sleep(stale.unwrap_or_default()), if stale.is_some() => {}
                         _ = stopping.changed() => {}
                     }
+                    local.waiting_for_work.store(false, Ordering::Relaxed);
                 }
             }
             Err(e) => {

@@ -49,6 +49,9 @@ pub(super) struct Local {
     pub(super) room_grew: tokio::sync::Notify,
     /// Closes behind their slots now.
     pub(super) behind: std::sync::atomic::AtomicUsize,
+    /// The last claim found less than it asked for, and the pool now waits
+    /// for a wake-up, its poll or a free slot.
+    pub(super) waiting_for_work: std::sync::atomic::AtomicBool,
 }
 
 impl Local {
@@ -68,6 +71,7 @@ impl Local {
             }),
             closing: Arc::new(Semaphore::new(closing_max as usize)),
             closing_max,
+            waiting_for_work: Default::default(),
             room_grew: tokio::sync::Notify::new(),
             behind: Default::default(),
         }

@@ -129,7 +129,7 @@ impl SegmentState {
     /// effects performed, never one replayed.
     pub(super) async fn perform_timed(&mut self, call: crate::store::EffectCall, effect: effects::Effect, reissue: bool) -> wasmtime::Result<Result<String, EffectError>> {
         let (name, seq, started) = (call.name.clone(), call.seq, std::time::Instant::now());
-        let span = self.trace.as_ref().filter(|t| t.exporting()).and_then(|_| super::traced::Begun::of(&effect, reissue));
+        let span = self.trace.as_ref().filter(|t| t.exporting()).and_then(|_| crate::traces::call::Begun::of(&effect, reissue));
         let result = self.perform(call, effect, reissue).await;
         crate::metrics::global().effect(&name, started.elapsed());
         // A call stopped mid-way (a lost lease, a suspension) reports

@@ -23,7 +23,6 @@ mod rates;
 mod remote;
 mod text;
 mod timers;
-mod traced;
 mod wasi;
 
 pub use limits::{GuestErrorKind, Limits};

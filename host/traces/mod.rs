@@ -12,11 +12,14 @@
 //! Span times are this host's wall clock, as every OpenTelemetry SDK's:
 //! they order nothing in the protocol.
 //!
-//! A leaf beside `metrics`: the executor and the runtime use it.
+//! This module owns what a span says: a segment's ([`segment`]) and an
+//! effect's ([`call`]); the executor and the runtime only report them.
 
+pub mod call;
 pub mod export;
 pub mod ids;
 mod otlp;
+pub mod segment;
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};

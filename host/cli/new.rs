@@ -34,38 +34,38 @@ pub struct NewArgs {
 type File = (&'static str, &'static str, bool);
 
 const COMMON: &[File] = &[
-    ("wit/turn.wit", include_str!("../wit/turn.wit"), false),
-    ("test.sh", include_str!("../templates/common/test.sh"), true),
-    ("README.md", include_str!("../templates/common/README.md"), false),
+    ("wit/turn.wit", include_str!("../../wit/turn.wit"), false),
+    ("test.sh", include_str!("../../templates/common/test.sh"), true),
+    ("README.md", include_str!("../../templates/common/README.md"), false),
 ];
 
 const RUST: &[File] = &[
-    ("Cargo.toml", include_str!("../templates/rust/Cargo.toml"), false),
-    ("build.sh", include_str!("../templates/rust/build.sh"), true),
-    ("src/lib.rs", include_str!("../templates/rust/src/lib.rs"), false),
-    ("src/helpers.rs", include_str!("../templates/rust/src/helpers.rs"), false),
+    ("Cargo.toml", include_str!("../../templates/rust/Cargo.toml"), false),
+    ("build.sh", include_str!("../../templates/rust/build.sh"), true),
+    ("src/lib.rs", include_str!("../../templates/rust/src/lib.rs"), false),
+    ("src/helpers.rs", include_str!("../../templates/rust/src/helpers.rs"), false),
     (".gitignore", "target/\n*.wasm\n", false),
 ];
 
 const PYTHON: &[File] = &[
-    ("build.sh", include_str!("../templates/python/build.sh"), true),
-    ("app.py", include_str!("../templates/python/app.py"), false),
-    ("helpers.py", include_str!("../templates/python/helpers.py"), false),
+    ("build.sh", include_str!("../../templates/python/build.sh"), true),
+    ("app.py", include_str!("../../templates/python/app.py"), false),
+    ("helpers.py", include_str!("../../templates/python/helpers.py"), false),
     (".gitignore", "target/\n*.wasm\n.venv/\n__pycache__/\n", false),
 ];
 
 const JS: &[File] = &[
-    ("build.sh", include_str!("../templates/js/build.sh"), true),
-    ("app.js", include_str!("../templates/js/app.js"), false),
-    ("helpers.js", include_str!("../templates/js/helpers.js"), false),
-    ("package.json", include_str!("../templates/js/package.json"), false),
+    ("build.sh", include_str!("../../templates/js/build.sh"), true),
+    ("app.js", include_str!("../../templates/js/app.js"), false),
+    ("helpers.js", include_str!("../../templates/js/helpers.js"), false),
+    ("package.json", include_str!("../../templates/js/package.json"), false),
     (".gitignore", "target/\n*.wasm\nnode_modules/\n", false),
 ];
 
 const C: &[File] = &[
-    ("build.sh", include_str!("../templates/c/build.sh"), true),
-    ("turn.c", include_str!("../templates/c/turn.c"), false),
-    ("leasehold.h", include_str!("../templates/c/leasehold.h"), false),
+    ("build.sh", include_str!("../../templates/c/build.sh"), true),
+    ("turn.c", include_str!("../../templates/c/turn.c"), false),
+    ("leasehold.h", include_str!("../../templates/c/leasehold.h"), false),
     (".gitignore", "target/\n*.wasm\n", false),
 ];
 
