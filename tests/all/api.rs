@@ -2,141 +2,15 @@
 //! and the reaper's store, on both backends. Requests go over TCP with
 //! reqwest, as a client's would.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
-use leasehold::api::{ApiConfig, AppState};
-use leasehold::executor::{Executor, ExecutorConfig};
-use leasehold::pool::{PoolConfig, WorkerPool};
+use leasehold::api::ApiConfig;
 use leasehold::store::NewRun;
 use serde_json::{Value, json};
-use tokio::sync::watch;
 
-use crate::harness::{TestDb, both};
+use crate::harness::{Server, TestDb, both};
 use crate::plugins;
-
-struct Server {
-    base: String,
-    http: reqwest::Client,
-    token: Option<String>,
-    pool: Option<WorkerPool>,
-    stop: watch::Sender<bool>,
-}
-
-impl Server {
-    async fn start(db: &TestDb, token: Option<&str>) -> Result<Server> {
-        Server::start_with(db, token, true, |_| {}).await
-    }
-
-    /// [`Server::start`], with `tune` applied to the API's settings, and
-    /// without a worker pool unless `pool`.
-    async fn start_with(db: &TestDb, token: Option<&str>, pool: bool, tune: impl FnOnce(&mut ApiConfig)) -> Result<Server> {
-        let runtime = plugins::runtime()?;
-        let store = db.store.clone();
-        let config = ExecutorConfig { owner: "api-test".into(), lease_ttl: Duration::from_secs(30), renew_every: None, model: None, reserved: vec![], ..ExecutorConfig::default() };
-        let exec = Arc::new(Executor::new(store.clone(), runtime.clone(), config));
-        let pool = pool.then(|| {
-            WorkerPool::start(store.clone(), exec, PoolConfig { workers: 2, poll: Duration::from_millis(200), ..PoolConfig::default() })
-        });
-        let (stop, shutdown) = watch::channel(false);
-        let mut config = ApiConfig {
-            token: token.map(Into::into),
-            max_body_bytes: 64 << 10,
-            stream_poll: Duration::from_millis(20),
-            ..ApiConfig::default()
-        };
-        tune(&mut config);
-        let state = AppState::new(store, runtime, config, shutdown.clone());
-        let base = crate::harness::serve_api(state, shutdown).await?;
-        leasehold::effects::http::install_tls();
-        Ok(Server { base, http: reqwest::Client::new(), token: token.map(str::to_string), pool, stop })
-    }
-
-    fn req(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
-        let b = self.http.request(method, format!("{}{path}", self.base));
-        match &self.token {
-            Some(t) => b.bearer_auth(t),
-            None => b,
-        }
-    }
-
-    /// Sends and returns (status, JSON body). Every answer must be JSON.
-    async fn send(&self, b: reqwest::RequestBuilder) -> Result<(u16, Value)> {
-        let resp = b.send().await?;
-        let status = resp.status().as_u16();
-        let text = resp.text().await?;
-        let body = serde_json::from_str(&text).with_context(|| format!("{status} with a non-JSON body: {text:?}"))?;
-        Ok((status, body))
-    }
-
-    async fn get(&self, path: &str) -> Result<(u16, Value)> {
-        self.send(self.req(reqwest::Method::GET, path)).await
-    }
-
-    async fn post(&self, path: &str, body: Value) -> Result<(u16, Value)> {
-        self.send(self.req(reqwest::Method::POST, path).json(&body)).await
-    }
-
-    async fn put_plugin(&self, name: &str, bytes: Vec<u8>) -> Result<(u16, Value)> {
-        self.send(self.req(reqwest::Method::PUT, &format!("/v1/plugins/{name}")).body(bytes)).await
-    }
-
-    /// Waits until run `id` has `status`.
-    async fn wait_status(&self, id: i64, status: &str) -> Result<Value> {
-        let deadline = std::time::Instant::now() + Duration::from_secs(30);
-        loop {
-            let (_, run) = self.get(&format!("/v1/runs/{id}")).await?;
-            if run["status"] == status {
-                return Ok(run);
-            }
-            ensure!(std::time::Instant::now() < deadline, "run {id} never reached {status}: {run}");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-
-    async fn stop(mut self) {
-        let _ = self.stop.send(true);
-        if let Some(pool) = self.pool.take() {
-            pool.shutdown(Duration::from_secs(5)).await;
-        }
-    }
-}
-
-/// Reads server-sent events from `path` until `until` holds for one, and
-/// returns them all.
-async fn read_sse(server: &Server, path: &str, last_id: Option<i64>, until: impl Fn(&Value) -> bool) -> Result<Vec<Value>> {
-    use futures::StreamExt;
-    let mut req = server.req(reqwest::Method::GET, path).header("Accept", "text/event-stream");
-    if let Some(id) = last_id {
-        req = req.header("Last-Event-ID", id.to_string());
-    }
-    let resp = req.send().await?;
-    ensure!(resp.status() == 200, "{}", resp.status());
-    ensure!(resp.headers()["content-type"].to_str()?.starts_with("text/event-stream"));
-    let mut body = resp.bytes_stream();
-    let (mut buf, mut events) = (String::new(), Vec::new());
-    let read = async {
-        while let Some(chunk) = body.next().await {
-            buf.push_str(&String::from_utf8_lossy(&chunk?));
-            while let Some(end) = buf.find("\n\n") {
-                let frame: String = buf.drain(..end + 2).collect();
-                let id = frame.lines().find_map(|l| l.strip_prefix("id:")).map(|s| s.trim().to_string());
-                let Some(data) = frame.lines().find_map(|l| l.strip_prefix("data:")) else { continue };
-                let event: Value = serde_json::from_str(data.trim())?;
-                ensure!(id == Some(event["seq"].to_string()), "SSE id {id:?} is not the seq of {event}");
-                let done = until(&event);
-                events.push(event);
-                if done {
-                    return Ok(());
-                }
-            }
-        }
-        anyhow::bail!("the stream ended first")
-    };
-    tokio::time::timeout(Duration::from_secs(30), read).await.context("SSE timed out")??;
-    Ok(events)
-}
 
 async fn with_testkit(db: &TestDb, token: Option<&str>) -> Result<Server> {
     let server = Server::start(db, token).await?;
@@ -220,13 +94,13 @@ both! {
         ensure!(status == 201 && run["status"] == "queued", "{status} {run}");
         let id = run["id"].as_i64().unwrap();
         let thread = run["thread_id"].as_str().unwrap().to_string();
-        let events = read_sse(&server, &format!("/v1/threads/{thread}/events"), None, |e| e["kind"] == "message").await?;
+        let events = server.read_sse(&format!("/v1/threads/{thread}/events"), None, |e| e["kind"] == "message").await?;
         let kinds: Vec<&str> = events.iter().map(|e| e["kind"].as_str().unwrap_or("")).collect();
         ensure!(kinds == ["submitted", "delta", "delta", "delta", "message"], "{kinds:?}");
         ensure!(events.iter().all(|e| e["run_id"] == id && e["fence"].is_i64()), "{events:?}");
         ensure!(events[4]["payload"]["output"] == "did 3 steps" && events[4]["fence"] == 1, "{}", events[4]);
         // Resuming from the third event gives the rest.
-        let rest = read_sse(&server, &format!("/v1/threads/{thread}/events"), Some(3), |e| e["kind"] == "message").await?;
+        let rest = server.read_sse(&format!("/v1/threads/{thread}/events"), Some(3), |e| e["kind"] == "message").await?;
         ensure!(rest.first().map(|e| e["seq"].clone()) == Some(json!(4)) && rest.len() == 2, "{rest:?}");
         let (_, run) = server.get(&format!("/v1/runs/{id}")).await?;
         ensure!(run["status"] == "completed" && run["output"] == "did 3 steps" && run["partial"] == "step 0 step 1 step 2 ");
@@ -402,11 +276,14 @@ both! {
             .send(server.req(reqwest::Method::PUT, "/v1/limits/tenant%2F1").json(&json!({ "concurrency": 1, "paused": true })))
             .await?;
         ensure!(status == 200 && set["key"] == "tenant/1" && set["concurrency"] == 1 && set["paused"] == true, "{status} {set}");
+        let claims = leasehold::metrics::global().claim_latency.count();
         let (status, run) = server.post("/v1/runs", json!({ "plugin": "testkit", "input": { "steps": 1 }, "concurrency_key": "tenant/1" })).await?;
         ensure!(status == 201 && run["concurrency_key"] == "tenant/1", "{status} {run}");
         let id = run["id"].as_i64().context("id")?;
-        // Paused: the pool does not take it.
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        // Paused: the pool looks (two claims: one begun after the submit)
+        // and does not take it.
+        let looked = async || Ok(leasehold::metrics::global().claim_latency.count() >= claims + 2);
+        crate::harness::eventually("the pool never claimed after the submit", looked).await?;
         let (_, shown) = server.get("/v1/limits/tenant%2F1").await?;
         ensure!(shown["queued"] == 1 && shown["running"] == 0, "{shown}");
         let (_, listed) = server.get("/v1/limits").await?;
@@ -592,7 +469,7 @@ both! {
         let id = run["id"].as_i64().unwrap();
         server.wait_status(id, "running").await?;
         let mut server = server;
-        let pool = server.pool.take().unwrap();
+        let pool = server.take_pool().context("a pool")?;
         tokio::time::timeout(Duration::from_secs(20), pool.shutdown(Duration::from_millis(100))).await?;
         let run = db.store.get_run(id).await?;
         ensure!(run.status == leasehold::store::RunStatus::WaitingTakeover && run.lease_owner.is_none(), "{run:?}");
@@ -666,7 +543,7 @@ both! {
             Ok::<_, anyhow::Error>(())
         };
         let path = format!("/v1/threads/{thread}/events");
-        let reading = read_sse(&server, &path, None, |e| {
+        let reading = server.read_sse(&path, None, |e| {
             read_some.notify_one();
             e["kind"] == "message"
         });

@@ -5,7 +5,6 @@
 //! budget is raised. Both backends, a fake model that reports
 //! `USAGE_TOKENS` per answer, half prompt and half answer.
 
-use std::time::{Duration, Instant};
 
 use anyhow::{Result, ensure};
 use leasehold::executor::{Executor, SegmentOutcome};
@@ -111,16 +110,8 @@ both! {
             { "op": "chat", "prompt": "two" }, { "op": "chat", "prompt": "three" },
         ] });
         let id = submit(db, "testkit", ops, 2_010).await?;
-        let a = host("host-a");
-        let dying = tokio::spawn(async move { a.run_once().await });
-        let start = Instant::now();
-        while model.hits().is_empty() || db.store.budget(id).await?.spent == 0 {
-            ensure!(start.elapsed() < Duration::from_secs(20) && !dying.is_finished(), "the first call never settled");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        dying.abort();
-        let _ = dying.await;
-        db.backdate_lease(id, 60_000).await?;
+        // Killed once the first call has settled (charged).
+        crate::harness::kill_when(db, host("host-a"), id, async || Ok(!model.hits().is_empty() && db.store.budget(id).await?.spent > 0)).await?;
         let resumed = host("host-b").run_once().await?;
         ensure!(resumed == Some((id, SegmentOutcome::Suspended(RunStatus::Queued))), "{resumed:?}");
         let run = db.store.get_run(id).await?;
@@ -247,9 +238,8 @@ both! {
     async fn the_api_takes_budgets_in_tokens_dollars_or_both_and_refuses_bad_ones(db) {
         let rt = plugins::runtime()?;
         leasehold::plugins::register(&db.store, &rt, "testkit", plugins::rust_plugin("testkit")?, PluginSettings::default()).await?;
-        let (stop, shutdown) = tokio::sync::watch::channel(false);
-        let state = leasehold::api::AppState::new(db.store.clone(), rt.clone(), leasehold::api::ApiConfig::default(), shutdown.clone());
-        let base = crate::harness::serve_api(state, shutdown).await?;
+        let server = crate::harness::Server::on(db, rt.clone(), leasehold::api::ApiConfig::default()).await?;
+        let base = server.base.clone();
         leasehold::effects::http::install_tls();
         let http = reqwest::Client::new();
         let send = async |path: &str, body: Option<Value>| -> Result<(u16, Value)> {
@@ -279,7 +269,7 @@ both! {
         }
         let (_, b) = send(&format!("/v1/runs/{id}/budget"), None).await?;
         ensure!(b["tokens"] == json!(500) && b["usd"] == json!(0.25), "a refused body changed the budget: {b}");
-        let _ = stop.send(true);
+        server.stop().await;
         Ok(())
     }
 }
@@ -352,7 +342,7 @@ both! {
         // The hold goes with no wake (as if the wake raced the wait).
         sqlx::query("DELETE FROM budget_holds WHERE root_id = $1").bind(root).execute(s.pool()).await?;
         ensure!(!due(db, b.run.id).await?);
-        let report = leasehold::reaper::tick(s, &leasehold::reaper::ReaperConfig::default()).await?;
+        let report = leasehold::maintenance::reaper::tick(s, &leasehold::maintenance::reaper::ReaperConfig::default()).await?;
         ensure!(report.budget_woken == 1, "{report:?}");
         ensure!(due(db, b.run.id).await?, "the sweep did not wake it");
         Ok(())

@@ -29,15 +29,14 @@ async fn registered(db: &TestDb, spawn_allow: &[&str]) -> Result<Arc<leasehold::
 
 /// A worker of `owner` on `runtime`.
 fn host(db: &TestDb, runtime: &Arc<leasehold::runtime::Runtime>, owner: &str) -> Executor {
-    let config = ExecutorConfig { owner: owner.into(), model: None, ..ExecutorConfig::default() };
-    Executor::new(db.store.clone(), runtime.clone(), config)
+    crate::harness::executor(db, runtime, owner)
 }
 
 /// Registers `testkit` and `fanout` (which may spawn both) and starts a
 /// pool of `workers` for `owner`.
 async fn pool(db: &TestDb, owner: &str, workers: usize, lease_ttl: Duration) -> Result<WorkerPool> {
     let runtime = registered(db, &["testkit", "fanout"]).await?;
-    let config = ExecutorConfig { owner: owner.into(), model: None, lease_ttl, ..ExecutorConfig::default() };
+    let config = ExecutorConfig { lease_ttl, ..crate::harness::worker(owner) };
     let exec = Arc::new(Executor::new(db.store.clone(), runtime, config));
     Ok(WorkerPool::start(db.store.clone(), exec, PoolConfig { workers, poll: Duration::from_millis(50), claim_batch: 4, prefetch: 0 }))
 }
@@ -186,21 +185,13 @@ both! {
         let a = host("host-a");
         ensure!(a.run_once().await?.is_some_and(|(id, _)| id == parent), "host A did not run the parent first");
         let kid = children(&db.store, parent).await?.first().map(|r| r.id).context("no child")?;
-        let dying = tokio::spawn(async move { a.run_once().await });
-        until(&db.store, kid, "holding its put", |r| r.status == RunStatus::Running).await?;
-        let start = Instant::now();
-        while sqlx::query_scalar::<_, i64>("SELECT COUNT(*) FROM kv WHERE namespace = 'testkit' AND key = 'early'")
-            .fetch_one(db.store.pool())
-            .await?
-            == 0
-        {
-            ensure!(start.elapsed() < Duration::from_secs(20) && !dying.is_finished(), "the child never put");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        dying.abort();
-        let _ = dying.await;
+        // Killed once the child holds its put.
+        let put = async || {
+            let puts: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM kv WHERE namespace = 'testkit' AND key = 'early'").fetch_one(db.store.pool()).await?;
+            Ok(puts > 0 && db.store.get_run(kid).await?.status == RunStatus::Running)
+        };
+        crate::harness::kill_when(db, a, kid, put).await?;
         ensure!(db.store.get_run(parent).await?.waiting_for.as_deref() == Some("children"), "the parent stopped waiting");
-        db.backdate_lease(kid, 60_000).await?;
         host("host-b").drain().await?;
         let kid = db.store.get_run(kid).await?;
         ensure!(kid.status == RunStatus::Completed && kid.fence == 2, "the child is {:?} at fence {}", kid.status, kid.fence);
@@ -266,7 +257,11 @@ both! {
         let mid = json!({ "inputs": [busy, waits] });
         let root = submit(&db.store, "fanout", json!({ "plugin": "fanout", "inputs": [mid.clone(), mid] })).await?;
         let start = Instant::now();
-        let all = loop {
+        let metrics = leasehold::metrics::global();
+        let (all, running, ended) = loop {
+            // Segments ended so far, read before the statuses: each segment
+            // seen running below ends after this count.
+            let ended = metrics.segment_duration.count();
             let mut all = Vec::new();
             for m in children(&db.store, root).await? {
                 all.extend(children(&db.store, m.id).await?);
@@ -274,7 +269,7 @@ both! {
             }
             let running = all.iter().filter(|r| r.status == RunStatus::Running).count();
             if all.len() == 6 && running >= 2 {
-                break all;
+                break (all, running as u64, ended);
             }
             ensure!(start.elapsed() < Duration::from_secs(30), "the tree never had two busy children running: {:?}", all.iter().map(|r| r.status).collect::<Vec<_>>());
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -296,14 +291,15 @@ both! {
                 anyhow::Ok(n)
             }
         };
-        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let stopped = async || Ok(metrics.segment_duration.count() >= ended + running);
+        crate::harness::eventually("the running segments never stopped after the cancel", stopped).await?;
         let before = ledger(db).await?;
-        tokio::time::sleep(Duration::from_millis(1500)).await;
+        // Nothing of this process writes after its pool has stopped.
+        pool.shutdown(Duration::from_secs(5)).await;
         ensure!(ledger(db).await? == before, "ledger rows were written after the cancel");
         for (id, _) in &fences {
             ensure!(db.store.get_run(*id).await?.status == RunStatus::Cancelled, "run {id} left cancelled");
         }
-        pool.shutdown(Duration::from_secs(5)).await;
         Ok(())
     }
 
@@ -319,7 +315,7 @@ both! {
         for kid in children(&db.store, attached).await?.iter().chain(children(&db.store, detached).await?.iter()) {
             until(&db.store, kid.id, "waiting for input", |r| r.status == RunStatus::WaitingInput).await?;
         }
-        let report = leasehold::reaper::tick(&db.store, &leasehold::reaper::ReaperConfig::default()).await?;
+        let report = leasehold::maintenance::reaper::tick(&db.store, &leasehold::maintenance::reaper::ReaperConfig::default()).await?;
         ensure!(report.orphans_cancelled == 2, "the reaper cancelled {} runs", report.orphans_cancelled);
         for kid in children(&db.store, attached).await? {
             ensure!(kid.status == RunStatus::Cancelled, "attached child {} is {:?}", kid.id, kid.status);
@@ -327,7 +323,7 @@ both! {
         for kid in children(&db.store, detached).await? {
             ensure!(kid.status == RunStatus::WaitingInput, "detached child {} is {:?}", kid.id, kid.status);
         }
-        let again = leasehold::reaper::tick(&db.store, &leasehold::reaper::ReaperConfig::default()).await?;
+        let again = leasehold::maintenance::reaper::tick(&db.store, &leasehold::maintenance::reaper::ReaperConfig::default()).await?;
         ensure!(again.orphans_cancelled == 0, "a second tick cancelled {}", again.orphans_cancelled);
         pool.shutdown(Duration::from_secs(5)).await;
         Ok(())

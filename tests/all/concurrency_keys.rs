@@ -204,7 +204,7 @@ both! {
         ensure!(http.delete(&url).send().await?.status() == 204);
         let got = http.get(&url).send().await?.status();
         ensure!(got == 404, "GET after DELETE: {got}");
-        let _ = stop.send(true);
+        stop.stop().await;
         Ok(())
     }
 
@@ -222,7 +222,7 @@ both! {
         ensure!(resumed["concurrency"] == 2 && resumed["updated_at"] == 0, "{resumed}");
         let cleared = put(serde_json::json!({ "concurrency": null })).await?;
         ensure!(cleared["concurrency"].is_null(), "{cleared}");
-        let _ = stop.send(true);
+        stop.stop().await;
         Ok(())
     }
 

@@ -3,7 +3,7 @@
 
 use anyhow::{Result, ensure};
 use leasehold::store::{Claimed, Completion, EffectCall, EffectClass, EffectState, HeldPut, LocalOp, NewRun, Outcome, RunStatus, Store, StoreError, Suspend};
-use leasehold::reaper::{self, ReaperConfig};
+use leasehold::maintenance::reaper::{self, ReaperConfig};
 
 use crate::harness::{TTL, TestDb, both};
 
@@ -213,7 +213,7 @@ both! {
         let a = claim(s, "a").await?;
         // The reaper has observed (id, fence, running, expired); then:
         s.renew(&a.lease, TTL).await?;
-        let mut report = leasehold::reaper::ReapReport::default();
+        let mut report = leasehold::maintenance::reaper::ReapReport::default();
         reaper::reap_run(s, id, a.lease.fence, RunStatus::Running, &mut report).await?;
         ensure!(report.raced == 1 && report.aborted.is_empty(), "{report:?}");
         ensure!(s.get_run(id).await?.status == RunStatus::Running);

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Result, ensure};
-use leasehold::executor::{Executor, ExecutorConfig, SegmentOutcome};
+use leasehold::executor::{Executor, SegmentOutcome};
 use leasehold::runtime::Runtime;
 use leasehold::store::{EffectState, NewRun, RunStatus};
 
@@ -31,8 +31,7 @@ fn runtime(sink: &Sink) -> Result<Arc<Runtime>> {
 }
 
 fn worker(db: &TestDb, rt: &Arc<Runtime>, owner: &str) -> Executor {
-    let config = ExecutorConfig { owner: owner.into(), lease_ttl: Duration::from_secs(30), renew_every: None, model: None, reserved: vec![], ..ExecutorConfig::default() };
-    Executor::new(db.store.clone(), rt.clone(), config)
+    crate::harness::executor(db, rt, owner)
 }
 
 /// Starts worker A on a new run, waits until `dead_when` holds, kills A,
@@ -45,18 +44,8 @@ async fn kill_and_resume(
 ) -> Result<i64> {
     let rt = runtime(sink)?;
     let id = db.store.create_run(&NewRun::new("testkit", input.to_string())).await?.0.id;
-    let a = worker(db, &rt, "worker-a");
-    let task = tokio::spawn(async move { a.run_once().await });
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    while !dead_when().await? {
-        ensure!(!task.is_finished(), "worker A finished before it could be killed");
-        ensure!(std::time::Instant::now() < deadline, "the kill point was never reached");
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
-    task.abort();
-    let _ = task.await;
+    crate::harness::kill_when(db, worker(db, &rt, "worker-a"), id, dead_when).await?;
     sink.hold(false);
-    db.backdate_lease(id, 60_000).await?;
     let outcomes = worker(db, &rt, "worker-b").drain().await?;
     ensure!(outcomes.last() == Some(&(id, SegmentOutcome::Completed)), "B: {outcomes:?}");
     Ok(id)
@@ -66,13 +55,11 @@ both! {
     async fn a_worker_killed_before_its_effect_started_leaves_it_to_be_performed_once(db) {
         let sink = Sink::start().await?;
         let input = serde_json::json!({ "mode": "http", "url": sink.url, "spin_before": SPIN * 4 });
-        // Killed while spinning before the effect: claimed, nothing recorded.
+        // Killed once claimed, before the effect (it spins first): nothing
+        // recorded.
         let claimed_by_a = async || {
             let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM runs WHERE lease_owner = 'worker-a'")
                 .fetch_one(db.store.pool()).await?;
-            if n == 1 {
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
             Ok(n == 1)
         };
         let id = kill_and_resume(db, input, &sink, claimed_by_a).await?;

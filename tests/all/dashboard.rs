@@ -15,12 +15,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
-use leasehold::api::{ApiConfig, AppState};
+use leasehold::api::ApiConfig;
 use leasehold::plugins::PluginSettings;
 use leasehold::store::{NewRun, RunStatus};
 use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
-use tokio::sync::watch;
 
 use crate::fake_model::{FakeModel, worker};
 use crate::harness::{TestDb, both};
@@ -109,7 +108,7 @@ both! {
         // The charts' rollup: the finished run ended two minutes ago (so its
         // minute is counted), and the first claims' waits are added.
         sqlx::query("UPDATE runs SET finished_at = finished_at - 130000 WHERE id = $1").bind(done).execute(db.store.pool()).await?;
-        let rolled = leasehold::rollup::tick(&db.store).await?;
+        let rolled = leasehold::maintenance::rollup::tick(&db.store).await?;
         ensure!(rolled.waits > 0 && rolled.counted == 60, "{rolled:?}");
         // A schedule with two past nights backfilled under `skip`: the first
         // started a run, the second was skipped (that run was open).
@@ -128,10 +127,9 @@ both! {
         let schedule_run = filled[0].run_id.context("the first night started a run")?;
         ensure!(filled[1].reason.as_deref().is_some_and(|r| r.starts_with("overlap")), "{filled:?}");
 
-        let (stop, shutdown) = watch::channel(false);
         let config = ApiConfig { token: Some(TOKEN.into()), stream_poll: Duration::from_millis(50), ..ApiConfig::default() };
-        let state = AppState::new(db.store.clone(), rt.clone(), config, shutdown.clone());
-        let base = crate::harness::serve_api(state, shutdown).await?;
+        let server = crate::harness::Server::on(db, rt.clone(), config).await?;
+        let base = server.base.clone();
 
         let shots = root().join("target/dashboard").join(db.backend.name());
         let _ = std::fs::remove_dir_all(&shots); // no screenshot of an earlier run stays
@@ -170,11 +168,7 @@ both! {
                     "submitted" | "input" => {
                         if name == "input" {
                             // The page's POST may still be on its way.
-                            let deadline = std::time::Instant::now() + Duration::from_secs(15);
-                            while db.store.get_run(wait).await?.pending_input.is_none() {
-                                ensure!(std::time::Instant::now() < deadline, "the page's input never arrived");
-                                tokio::time::sleep(Duration::from_millis(20)).await;
-                            }
+                            crate::harness::eventually("the page's input never arrived", async || Ok(db.store.get_run(wait).await?.pending_input.is_some())).await?;
                         }
                         // The page watches while the worker runs.
                         stdin.write_all(b"go\n").await?;
@@ -218,7 +212,7 @@ both! {
         };
         let result = tokio::time::timeout(Duration::from_secs(180), steps).await;
         let status = tokio::time::timeout(Duration::from_secs(30), child.wait()).await;
-        let _ = stop.send(true);
+        server.stop().await;
         for task in background {
             task.await??;
         }

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::{Result, ensure};
 use leasehold::store::{EffectCall, EffectClass, LocalOp, NewRun, Outcome, RunStatus, Store, Suspend};
-use leasehold::reaper::{self, ReapReport, ReaperConfig};
+use leasehold::maintenance::reaper::{self, ReapReport, ReaperConfig};
 
 use crate::harness::{TTL, TestDb, both, only, run_on};
 

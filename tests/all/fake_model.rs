@@ -205,12 +205,8 @@ pub fn priced_worker(
     config.default_model = "fake-1".into();
     config.timeout = std::time::Duration::from_secs(20);
     let config = ExecutorConfig {
-        owner: owner.into(),
-        lease_ttl: std::time::Duration::from_secs(30),
-        renew_every: None,
         model: Some(Arc::new(config)),
-        reserved: vec![],
-        ..ExecutorConfig::default()
+        ..crate::harness::worker(owner)
     };
     Executor::new(db.store.clone(), rt.clone(), config)
 }

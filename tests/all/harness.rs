@@ -6,12 +6,33 @@
 //! answers, the PostgreSQL half of each test fails with a message saying so:
 //! it is never skipped.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
+use leasehold::executor::{Executor, ExecutorConfig};
+use leasehold::runtime::Runtime;
 use leasehold::store::{Backend, Store, StoreOptions};
 
+mod server;
+pub mod sse;
+mod wait;
+
+pub use server::Server;
+pub use wait::{eventually, kill_when};
+
 pub const TTL: Duration = Duration::from_secs(30);
+
+/// A test host's settings: named `owner`, a 30 s lease with no renewal
+/// loop, no model, nothing reserved (the defaults otherwise).
+pub fn worker(owner: &str) -> ExecutorConfig {
+    ExecutorConfig { owner: owner.into(), model: None, ..ExecutorConfig::default() }
+}
+
+/// A host named `owner` on `db` running `rt`'s plugins ([`worker`]).
+pub fn executor(db: &TestDb, rt: &Arc<Runtime>, owner: &str) -> Executor {
+    Executor::new(db.store.clone(), rt.clone(), worker(owner))
+}
 
 pub struct TestDb {
     pub store: Store,

@@ -165,11 +165,7 @@ both! {
         let body = json!({ "plugin": "testkit", "input": { "mode": "spin-then-put", "spins": 1u64 << 40 } });
         let run: serde_json::Value = http.post(format!("{}/v1/runs", host.base)).json(&body).send().await?.json().await?;
         let id = run["id"].as_i64().unwrap();
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while count(db, "running").await? == 0 {
-            ensure!(Instant::now() < deadline, "the run never started");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        crate::harness::eventually("the run never started", async || Ok(count(db, "running").await? > 0)).await?;
         std::process::Command::new("kill").args(["-TERM", &host.pid().to_string()]).status()?;
         let deadline = Instant::now() + Duration::from_secs(30);
         let exit = loop {
@@ -226,11 +222,7 @@ both! {
             r["id"].as_i64().ok_or_else(|| anyhow::anyhow!("submit: {r}"))
         };
         let long = submit(json!({ "mode": "script", "ops": [{ "op": "wasi-sleep", "ms": 20_000 }] }), 3).await?;
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while db.store.get_run(long).await?.lease_owner.as_deref() != Some("queueing") {
-            ensure!(Instant::now() < deadline, "the host never started the long turn");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        crate::harness::eventually("the host never started the long turn", async || Ok(db.store.get_run(long).await?.lease_owner.as_deref() == Some("queueing"))).await?;
         let mut short = Vec::new();
         for _ in 0..6 {
             short.push(submit(json!({ "steps": 1 }), 1).await?);
@@ -241,10 +233,7 @@ both! {
                 .fetch_one(db.store.pool())
                 .await?)
         };
-        while held().await? < 3 {
-            ensure!(Instant::now() < deadline, "the host never queued the short runs ({} held)", held().await?);
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        crate::harness::eventually("the host never queued the short runs", async || Ok(held().await? >= 3)).await?;
         drop(host); // SIGKILL
         let mut args = ServeArgs::new(db.url(), dir.path(), "other".into())?;
         args.lease_ttl_ms = 6_000;
@@ -269,7 +258,6 @@ both! {
 
 both! {
     async fn a_host_streams_a_run_that_another_host_runs(db) {
-        use futures::StreamExt;
         let dir = tempfile::tempdir()?;
         std::fs::write(dir.path().join("testkit.wasm"), plugins::rust_plugin("testkit")?)?;
         leasehold::effects::http::install_tls();
@@ -290,40 +278,17 @@ both! {
             .json()
             .await?;
         let (id, thread) = (run["id"].as_i64().unwrap_or_default(), run["thread_id"].as_str().unwrap_or_default().to_string());
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while db.store.get_run(id).await?.lease_owner.as_deref() != Some("host-a") {
-            ensure!(Instant::now() < deadline, "host A never took the run");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        crate::harness::eventually("host A never took the run", async || Ok(db.store.get_run(id).await?.lease_owner.as_deref() == Some("host-a"))).await?;
         let b = ServeProc::spawn(&ServeArgs::new(db.url(), dir.path(), "host-b".into())?)?;
         b.wait_healthy(&http, Duration::from_secs(60)).await?;
         ensure!(!db.store.get_run(id).await?.status.is_terminal(), "the run ended before host B streamed it");
         let resp = http.get(format!("{}/v1/threads/{thread}/events", b.base)).header("Accept", "text/event-stream").send().await?;
         ensure!(resp.status() == 200, "{}", resp.status());
-        let mut body = resp.bytes_stream();
-        let (mut buf, mut kinds, mut text) = (String::new(), Vec::new(), String::new());
-        let read = async {
-            while let Some(chunk) = body.next().await {
-                buf.push_str(&String::from_utf8_lossy(&chunk?));
-                while let Some(end) = buf.find("\n\n") {
-                    let frame: String = buf.drain(..end + 2).collect();
-                    let Some(data) = frame.lines().find_map(|l| l.strip_prefix("data:")) else { continue };
-                    let event: serde_json::Value = serde_json::from_str(data.trim())?;
-                    let kind = event["kind"].as_str().unwrap_or_default().to_string();
-                    if kind == "delta" {
-                        text.push_str(event["payload"]["delta"].as_str().unwrap_or_default());
-                    }
-                    kinds.push(kind.clone());
-                    if kind == "message" {
-                        return Ok(());
-                    }
-                }
-            }
-            anyhow::bail!("the stream ended first")
-        };
-        tokio::time::timeout(Duration::from_secs(30), read).await.map_err(|_| anyhow::anyhow!("no message within 30 s: {kinds:?}"))??;
+        let events = crate::harness::sse::read(resp, |e| e["kind"] == "message").await?;
+        let kinds: Vec<&str> = events.iter().map(|e| e.data["kind"].as_str().unwrap_or_default()).collect();
+        let text: String = events.iter().filter(|e| e.data["kind"] == "delta").map(|e| e.data["payload"]["delta"].as_str().unwrap_or_default()).collect();
         ensure!(text == "a b c", "host B streamed {text:?} ({kinds:?})");
-        ensure!(kinds.first().map(String::as_str) == Some("submitted"), "{kinds:?}");
+        ensure!(kinds.first() == Some(&"submitted"), "{kinds:?}");
         let done = db.store.get_run(id).await?;
         ensure!(done.status == leasehold::store::RunStatus::Completed && done.fence == 1, "host A did not run it alone: {done:?}");
         drop((a, b));

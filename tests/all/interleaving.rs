@@ -9,7 +9,7 @@ use std::collections::HashMap;
 
 use anyhow::{Result, bail, ensure};
 use leasehold::store::{Completion, EffectCall, EffectClass, Lease, LocalOp, NewRun, Outcome, Run, StoreError, Suspend};
-use leasehold::reaper::{self, ReaperConfig};
+use leasehold::maintenance::reaper::{self, ReaperConfig};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 

@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use anyhow::{Result, ensure};
-use leasehold::executor::{Executor, ExecutorConfig, SegmentOutcome};
+use leasehold::executor::{Executor, SegmentOutcome};
 use leasehold::runtime::Limits;
 use leasehold::store::{EffectState, KvQuota, KvUsage, NewRun, Store};
 use serde_json::{Value, json};
@@ -17,7 +17,7 @@ use crate::plugins;
 fn executor(db: &TestDb, limits: Limits) -> Result<Executor> {
     let rt = plugins::runtime()?;
     rt.add_plugin("testkit", &plugins::rust_plugin("testkit")?, limits)?;
-    let config = ExecutorConfig { owner: "w".into(), lease_ttl: Duration::from_secs(30), model: None, ..ExecutorConfig::default() };
+    let config = crate::harness::worker("w");
     Ok(Executor::new(db.store.clone(), rt, config))
 }
 

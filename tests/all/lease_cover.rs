@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Result, ensure};
 use leasehold::executor::{Executor, ExecutorConfig, SegmentOutcome};
-use leasehold::reaper::{self, ReaperConfig};
+use leasehold::maintenance::reaper::{self, ReaperConfig};
 use leasehold::store::{NewRun, RunStatus};
 
 use crate::harness::{TestDb, both};
@@ -23,7 +23,7 @@ const TTL: Duration = Duration::from_secs(3);
 async fn held_up_for_two_leases(db: &TestDb, hold: impl Fn(Duration)) -> Result<()> {
     let runtime = plugins::runtime()?;
     runtime.add_plugin("testkit", &plugins::rust_plugin("testkit")?, plugins::test_limits())?;
-    let config = ExecutorConfig { owner: "slow".into(), lease_ttl: TTL, model: None, ..ExecutorConfig::default() };
+    let config = ExecutorConfig { lease_ttl: TTL, ..crate::harness::worker("slow") };
     let exec = Executor::new(db.store.clone(), runtime, config);
     let mut new = NewRun::new("testkit", serde_json::json!({ "steps": 1 }).to_string());
     new.max_attempts = Some(1);

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
 use leasehold::store::log::replay_stream;
-use leasehold::executor::{Executor, ExecutorConfig, SegmentOutcome};
+use leasehold::executor::{Executor, SegmentOutcome};
 use leasehold::runtime::Runtime;
 use leasehold::store::{NewRun, RunStatus, Store};
 use serde_json::{Value, json};
@@ -104,18 +104,9 @@ async fn dying_mid_answer(db: &TestDb, gaps: bool) -> Result<()> {
     model.hold(true);
     let input = json!({ "prompt": "go", "tool_url": tool.url });
     let id = submit(&db.store, "agent-rust", input).await?;
-    let a = worker(db, &rt, "worker-a", &model);
-    let task = tokio::spawn(async move { a.run_once().await });
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    while db.store.get_run(id).await?.emit_pos < 2 {
-        ensure!(std::time::Instant::now() < deadline && !task.is_finished(), "A never streamed");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    task.abort();
-    let _ = task.await;
+    crate::harness::kill_when(db, worker(db, &rt, "worker-a", &model), id, async || Ok(db.store.get_run(id).await?.emit_pos >= 2)).await?;
     ensure!(db.store.get_run(id).await?.partial == "dead half ");
     model.hold(false);
-    db.backdate_lease(id, 60_000).await?;
     if gaps {
         let ttl = Duration::from_secs(30);
         let queued = db.store.claim("queue", ttl).await?.context("the queue's claim")?;
@@ -248,7 +239,7 @@ both! {
     async fn model_chat_without_a_configured_endpoint_is_denied(db) {
         let tool = Sink::start().await?;
         let rt = runtime_with(&["agent-rust"], &tool)?;
-        let config = ExecutorConfig { owner: "w".into(), lease_ttl: Duration::from_secs(30), renew_every: None, model: None, reserved: vec![], ..ExecutorConfig::default() };
+        let config = crate::harness::worker("w");
         let exec = Executor::new(db.store.clone(), rt, config);
         let id = submit(&db.store, "agent-rust", json!({ "prompt": "x", "tool_url": tool.url })).await?;
         let out = exec.run_once().await?;

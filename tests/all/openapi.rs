@@ -117,7 +117,7 @@ both! {
         }
         ensure!(doc["components"]["schemas"]["ErrorBody"].is_object() && doc["components"]["schemas"]["Run"].is_object());
         // Every path the CLI and the dashboard call is a described one.
-        let sources = ["host/cli.rs", "host/cli/limits.rs", "host/cli/schedules.rs", "host/api/dashboard/schedules.js", "host/api/dashboard/charts.js", "host/dev.rs", "host/replay.rs", "host/api/dashboard/app.js", "host/api/dashboard/queues.js", "host/api/dashboard/tree.js"];
+        let sources = ["host/cli.rs", "host/cli/limits.rs", "host/cli/schedules.rs", "host/api/dashboard/schedules.js", "host/api/dashboard/charts.js", "host/cli/dev.rs", "host/cli/replay.rs", "host/api/dashboard/app.js", "host/api/dashboard/queues.js", "host/api/dashboard/tree.js"];
         let mut called = 0;
         for source in sources {
             for path in paths_named_in(&root().join(source))? {

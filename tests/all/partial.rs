@@ -3,7 +3,7 @@
 //! it; every read shows the whole stream.
 
 use anyhow::{Result, ensure};
-use leasehold::reaper::{self, ReaperConfig};
+use leasehold::maintenance::reaper::{self, ReaperConfig};
 use leasehold::store::{Claimed, NewRun, Outcome, RunStatus, Store};
 
 use crate::harness::{TTL, TestDb, both};

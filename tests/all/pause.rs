@@ -18,12 +18,8 @@ use crate::sink::Sink;
 /// A host whose lease (30 s) is renewed every `renew_every`.
 fn host_renewing(db: &TestDb, rt: &Arc<leasehold::runtime::Runtime>, owner: &str, renew_every: Duration) -> Executor {
     let config = ExecutorConfig {
-        owner: owner.into(),
-        lease_ttl: Duration::from_secs(30),
         renew_every: Some(renew_every),
-        model: None,
-        reserved: vec![],
-        ..ExecutorConfig::default()
+        ..crate::harness::worker(owner)
     };
     Executor::new(db.store.clone(), rt.clone(), config)
 }
@@ -138,7 +134,7 @@ both! {
         ensure!(dead.lease.run_id == id);
         s.pause_run(id).await?;
         db.backdate_lease(id, 60_000).await?;
-        leasehold::reaper::tick(s, &leasehold::reaper::ReaperConfig::default()).await?;
+        leasehold::maintenance::reaper::tick(s, &leasehold::maintenance::reaper::ReaperConfig::default()).await?;
         let parked = s.get_run(id).await?;
         ensure!(parked.status == RunStatus::WaitingTakeover && parked.lease_owner.is_none() && parked.attempt == 1, "{parked:?}");
         ensure!(s.claim("b", TTL).await?.is_none(), "a parked paused run was claimed");

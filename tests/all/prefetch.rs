@@ -24,7 +24,7 @@ async fn pool(db: &TestDb, owner: &str, lease_ttl: Duration) -> Result<WorkerPoo
 async fn pool_with(db: &TestDb, owner: &str, lease_ttl: Duration, claim_batch: usize, prefetch: usize) -> Result<WorkerPool> {
     let runtime = plugins::runtime()?;
     leasehold::plugins::register(&db.store, &runtime, "testkit", plugins::rust_plugin("testkit")?, PluginSettings::default()).await?;
-    let config = ExecutorConfig { owner: owner.into(), model: None, lease_ttl, ..ExecutorConfig::default() };
+    let config = ExecutorConfig { lease_ttl, ..crate::harness::worker(owner) };
     let exec = Arc::new(Executor::new(db.store.clone(), runtime, config));
     Ok(WorkerPool::start(db.store.clone(), exec, PoolConfig { workers: 1, poll: Duration::from_millis(50), claim_batch, prefetch }))
 }
@@ -157,11 +157,7 @@ both! {
         // A's close cannot be written while this holds; the worker goes on
         // to a queued run instead of waiting for it.
         let hold = Hold::start(db, a).await?;
-        let deadline = Instant::now() + Duration::from_secs(3);
-        while pool.closes_behind() == 0 {
-            ensure!(Instant::now() < deadline, "the worker waited for its held-up close instead of starting a queued run");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        crate::harness::eventually("the worker waited for its held-up close instead of starting a queued run", async || Ok(pool.closes_behind() > 0)).await?;
         ensure!(db.store.get_run(a).await?.status == RunStatus::Running, "A closed while its close was held up");
         hold.release().await?;
         let deadline = Instant::now() + Duration::from_secs(20);
@@ -305,14 +301,10 @@ both! {
         let b = db.store.create_run(&NewRun::new("testkit", r#"{"steps": 0}"#)).await?.0.id;
         let runtime = plugins::runtime()?;
         leasehold::plugins::register(&db.store, &runtime, "testkit", plugins::rust_plugin("testkit")?, PluginSettings::default()).await?;
-        let config = ExecutorConfig { owner: "stopping".into(), model: None, ..ExecutorConfig::default() };
+        let config = crate::harness::worker("stopping");
         let exec = Arc::new(Executor::new(db.store.clone(), runtime, config));
         let pool = WorkerPool::start(db.store.clone(), exec, PoolConfig { workers: 1, poll: Duration::from_millis(50), claim_batch: 1, prefetch: 0 });
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while db.store.get_run(a).await?.partial != "started" {
-            ensure!(Instant::now() < deadline, "A never started");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        crate::harness::eventually("A never started", async || Ok(db.store.get_run(a).await?.partial == "started")).await?;
         pool.shutdown(Duration::from_secs(10)).await;
         ensure!(db.store.get_run(a).await?.status == RunStatus::Completed, "A did not finish in the grace period");
         let run = db.store.get_run(b).await?;
@@ -358,14 +350,10 @@ both! {
         submit_sleepers(&db.store, 6, 10).await?;
         let runtime = plugins::runtime()?;
         leasehold::plugins::register(&db.store, &runtime, "testkit", plugins::rust_plugin("testkit")?, PluginSettings::default()).await?;
-        let config = ExecutorConfig { owner: "slow-db".into(), model: None, ..ExecutorConfig::default() };
+        let config = crate::harness::worker("slow-db");
         let exec = Arc::new(Executor::new(db.store.clone(), runtime, config));
         let pool = WorkerPool::start(db.store.clone(), exec, PoolConfig { workers: 1, poll: Duration::from_millis(50), claim_batch: 8, prefetch: 8 });
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while db.store.get_run(long).await?.lease_owner.as_deref() != Some("slow-db") || held_by(&db.store, "slow-db").await? < 6 {
-            ensure!(Instant::now() < deadline, "the pool never queued runs behind the long turn");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        crate::harness::eventually("the pool never queued runs behind the long turn", async || Ok(!(db.store.get_run(long).await?.lease_owner.as_deref() != Some("slow-db") || held_by(&db.store, "slow-db").await? < 6))).await?;
         db.store.faults().delay_give_backs(Duration::from_secs(3));
         let started = Instant::now();
         pool.shutdown(Duration::from_millis(100)).await;
@@ -431,8 +419,13 @@ both! {
         let pool = pool(db, "tail", Duration::from_secs(30)).await?;
         until_holding(&db.store, "tail", a, 2).await?;
         let hold = Hold::start(db, b).await?;
-        // A ends, B's guest runs and returns; its count of the attempt waits.
-        tokio::time::sleep(Duration::from_millis(900)).await;
+        // A ends, B's guest runs: its put is performed (held, written with
+        // the close) and it returns; its count of the attempt waits.
+        let puts = async || Ok(leasehold::metrics::global().effects_observed("kv.put") >= 1);
+        crate::harness::eventually("B never performed its put", puts).await?;
+        if db.backend == leasehold::Backend::Postgres {
+            crate::harness::until_lock_waiter(db, 1).await?;
+        }
         hold.release().await?;
         let run = completed(&db.store, b).await?;
         pool.shutdown(Duration::from_secs(5)).await;

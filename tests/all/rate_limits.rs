@@ -98,7 +98,7 @@ fn executor(store: Store, rt: &Arc<Runtime>, owner: &str, model: Option<&FakeMod
         config.default_model = "fake-1".into();
         Arc::new(config)
     });
-    let config = ExecutorConfig { owner: owner.into(), lease_ttl: Duration::from_secs(30), renew_every: None, model, reserved: vec![], ..ExecutorConfig::default() };
+    let config = ExecutorConfig { model, ..crate::harness::worker(owner) };
     Executor::new(store, rt.clone(), config)
 }
 
@@ -393,18 +393,11 @@ both! {
         db.store.set_rate("model:fake-1", Some(6), None).await?;
         let id = submit(&db.store, json!([{ "op": "chat", "prompt": "hi" }])).await?;
         let dying = executor(db.another_store(2).await?, &rt, "a", Some(&model));
-        let task = tokio::spawn(async move { dying.run_once().await });
-        let start = Instant::now();
-        while model.hits().is_empty() {
-            ensure!(start.elapsed() < Duration::from_secs(20), "the call never went out");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        task.abort();
-        let _ = task.await;
-        // Its slot is over; the host died mid-answer.
+        // The host dies mid-answer.
+        crate::harness::kill_when(db, dying, id, async || Ok(!model.hits().is_empty())).await?;
+        // Its slot is over.
         sqlx::query("UPDATE rate_limits SET calls_at = 0").execute(db.store.pool()).await?;
         model.hold(false);
-        db.backdate_lease(id, 60_000).await?;
         executor(db.another_store(2).await?, &rt, "b", Some(&model)).run_once().await?;
         let run = db.store.get_run(id).await?;
         ensure!(run.status == RunStatus::Completed && model.hits().len() == 2, "{:?}, {} calls", run.status, model.hits().len());
@@ -431,7 +424,7 @@ both! {
         sqlx::query("UPDATE runs SET not_before = 0 WHERE id = $1").bind(id).execute(db.store.pool()).await?;
         db.store.claim("dead-again", Duration::from_secs(30)).await?.context("nothing to claim")?;
         db.backdate_lease(id, 31_000).await?;
-        leasehold::reaper::tick(&db.store, &leasehold::reaper::ReaperConfig::default()).await?;
+        leasehold::maintenance::reaper::tick(&db.store, &leasehold::maintenance::reaper::ReaperConfig::default()).await?;
         let run = db.store.get_run(id).await?;
         ensure!(run.status == RunStatus::Aborted, "{run:?}");
         ensure!(target.arrivals().is_empty(), "a call went out");

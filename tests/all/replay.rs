@@ -21,7 +21,7 @@ use crate::sink::Sink;
 const BUDGET: Duration = Duration::from_secs(20);
 
 fn worker() -> ExecutorConfig {
-    ExecutorConfig { owner: "worker-a".into(), lease_ttl: Duration::from_secs(30), renew_every: None, model: None, reserved: vec![], ..ExecutorConfig::default() }
+    crate::harness::worker("worker-a")
 }
 
 /// A runtime with the test plugin, allowed to reach `allow`.

@@ -5,10 +5,9 @@
 //! for is refused. Both backends, through the API.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use anyhow::{Result, ensure};
-use leasehold::executor::{Executor, ExecutorConfig};
+use leasehold::executor::Executor;
 use leasehold::store::{NewRun, RunStatus};
 use serde_json::{Value, json};
 
@@ -17,17 +16,7 @@ use crate::plugins;
 use crate::sink::Sink;
 
 fn worker(db: &TestDb, rt: &Arc<leasehold::runtime::Runtime>) -> Executor {
-    let config = ExecutorConfig { owner: "host-a".into(), lease_ttl: Duration::from_secs(30), renew_every: None, model: None, reserved: vec![], ..ExecutorConfig::default() };
-    Executor::new(db.store.clone(), rt.clone(), config)
-}
-
-/// The API on `rt`, and a way to POST to it: (status, body).
-async fn api(db: &TestDb, rt: &Arc<leasehold::runtime::Runtime>) -> Result<(String, tokio::sync::watch::Sender<bool>)> {
-    let (stop, shutdown) = tokio::sync::watch::channel(false);
-    let state = leasehold::api::AppState::new(db.store.clone(), rt.clone(), leasehold::api::ApiConfig::default(), shutdown.clone());
-    let base = crate::harness::serve_api(state, shutdown).await?;
-    leasehold::effects::http::install_tls();
-    Ok((base, stop))
+    crate::harness::executor(db, rt, "host-a")
 }
 
 async fn send(base: &str, path: &str, body: Option<Value>) -> Result<(u16, Value)> {
@@ -53,7 +42,8 @@ both! {
         let old = db.store.get_run(id).await?;
         ensure!(old.status == RunStatus::Completed && sink.hits().len() == 6, "{:?}, {} hits", old.status, sink.hits().len());
 
-        let (base, stop) = api(db, &rt).await?;
+        let server = crate::harness::Server::on(db, rt.clone(), leasehold::api::ApiConfig::default()).await?;
+        let base = server.base.clone();
         let (status, new) = send(&base, &format!("/v1/runs/{id}/rerun"), Some(json!({ "from_seq": 3 }))).await?;
         ensure!(status == 201 && new["rerun_of"] == id && new["rerun_from"] == 3, "{status} {new}");
         let new_id = new["id"].as_i64().unwrap_or_default();
@@ -74,7 +64,7 @@ both! {
         }
         let (status, _) = send(&base, "/v1/runs/999999/rerun", Some(json!({ "from_seq": 0 }))).await?;
         ensure!(status == 404, "a missing run: {status}");
-        let _ = stop.send(true);
+        server.stop().await;
         Ok(())
     }
 
@@ -86,7 +76,8 @@ both! {
         worker(db, &rt).drain().await?;
         // v2's second call (seq 1) differs from v1's.
         let v2 = rt.add_plugin("testkit", &plugins::testkit_v2()?, plugins::test_limits())?;
-        let (base, stop) = api(db, &rt).await?;
+        let server = crate::harness::Server::on(db, rt.clone(), leasehold::api::ApiConfig::default()).await?;
+        let base = server.base.clone();
         let (status, e) = send(&base, &format!("/v1/runs/{id}/rerun"), Some(json!({ "from_seq": 3, "plugin_digest": v2.digest }))).await?;
         ensure!(status == 409 && e["error"]["message"].as_str().is_some_and(|m| m.contains("call 1")), "{status} {e}");
         // Below the change it replays on v2; and on its own version anywhere.
@@ -99,7 +90,7 @@ both! {
             let run = db.store.get_run(new["id"].as_i64().unwrap_or_default()).await?;
             ensure!(run.status == RunStatus::Completed && run.output.as_deref() == Some("did 4 steps"), "{:?} {:?} {:?}", run.status, run.output, run.error);
         }
-        let _ = stop.send(true);
+        server.stop().await;
         Ok(())
     }
 
@@ -112,7 +103,8 @@ both! {
         crate::fake_model::worker(db, &rt, "host-a", &model).drain().await?;
         let old = db.store.get_run(id).await?;
         ensure!(old.status == RunStatus::Completed && old.partial.contains("q0"), "{:?} {:?}", old.status, old.partial);
-        let (base, stop) = api(db, &rt).await?;
+        let server = crate::harness::Server::on(db, rt.clone(), leasehold::api::ApiConfig::default()).await?;
+        let base = server.base.clone();
         let (status, new) = send(&base, &format!("/v1/runs/{id}/rerun"), Some(json!({ "from_seq": 1 }))).await?;
         ensure!(status == 201, "{status} {new}");
         crate::fake_model::worker(db, &rt, "host-a", &model).drain().await?;
@@ -120,7 +112,7 @@ both! {
         ensure!(rerun.status == RunStatus::Completed && rerun.output == old.output, "{:?} {:?} {:?}", rerun.status, rerun.output, rerun.error);
         ensure!(rerun.partial == old.partial, "the rerun's stream {:?} is not the run's {:?}", rerun.partial, old.partial);
         ensure!(model.hits().len() == 3, "{} calls: the replayed one went out again", model.hits().len());
-        let _ = stop.send(true);
+        server.stop().await;
         Ok(())
     }
 }
@@ -138,13 +130,14 @@ both! {
         worker(db, &rt).drain().await?;
         let old = db.store.get_run(id).await?;
         ensure!(old.status == RunStatus::Completed, "{:?}", old.error);
-        let (base, stop) = api(db, &rt).await?;
+        let server = crate::harness::Server::on(db, rt.clone(), leasehold::api::ApiConfig::default()).await?;
+        let base = server.base.clone();
         let (status, new) = send(&base, &format!("/v1/runs/{id}/rerun"), Some(json!({ "from_seq": 1 }))).await?;
         ensure!(status == 201, "{status} {new}");
         worker(db, &rt).drain().await?;
         let rerun = db.store.get_run(new["id"].as_i64().unwrap_or_default()).await?;
         ensure!(rerun.status == RunStatus::Completed && rerun.output == old.output, "{:?} / {:?}", rerun.output, old.output);
-        let _ = stop.send(true);
+        server.stop().await;
         Ok(())
     }
 }

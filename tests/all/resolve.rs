@@ -4,10 +4,9 @@
 //! Both backends.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use anyhow::{Result, ensure};
-use leasehold::executor::{Executor, ExecutorConfig};
+use leasehold::executor::Executor;
 use leasehold::store::{Completion, EffectCall, EffectClass, EffectState, NewRun, Outcome, Resolution, RunStatus, StoreError, Suspend};
 use serde_json::{Value, json};
 
@@ -16,8 +15,7 @@ use crate::plugins;
 use crate::sink::Sink;
 
 fn worker(db: &TestDb, rt: &Arc<leasehold::runtime::Runtime>, owner: &str) -> Executor {
-    let config = ExecutorConfig { owner: owner.into(), lease_ttl: Duration::from_secs(30), renew_every: None, model: None, reserved: vec![], ..ExecutorConfig::default() };
-    Executor::new(db.store.clone(), rt.clone(), config)
+    crate::harness::executor(db, rt, owner)
 }
 
 fn call(seq: i64, name: &str) -> EffectCall {
@@ -43,26 +41,16 @@ both! {
         let id = db.store.create_run(&NewRun::new("testkit", input.to_string())).await?.0.id;
         // Host A dies with the call in flight; B finds it in doubt, and the
         // turn fails the run.
-        let a = worker(db, &rt, "host-a");
-        let task = tokio::spawn(async move { a.run_once().await });
-        let deadline = std::time::Instant::now() + Duration::from_secs(20);
-        while sink.hits().is_empty() {
-            ensure!(std::time::Instant::now() < deadline && !task.is_finished(), "the call never reached the sink");
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
-        task.abort();
-        let _ = task.await;
+        crate::harness::kill_when(db, worker(db, &rt, "host-a"), id, async || Ok(!sink.hits().is_empty())).await?;
         sink.hold(false);
-        db.backdate_lease(id, 60_000).await?;
         worker(db, &rt, "host-b").drain().await?;
         let failed = db.store.get_run(id).await?;
         ensure!(failed.status == RunStatus::Failed, "{:?}: {:?}", failed.status, failed.error);
         ensure!(db.store.effects(id).await?[0].state == EffectState::InDoubt, "the row is not in doubt");
 
         // The operator checked by hand: it happened. Through the API.
-        let (stop, shutdown) = tokio::sync::watch::channel(false);
-        let state = leasehold::api::AppState::new(db.store.clone(), rt.clone(), leasehold::api::ApiConfig::default(), shutdown.clone());
-        let base = crate::harness::serve_api(state, shutdown).await?;
+        let server = crate::harness::Server::on(db, rt.clone(), leasehold::api::ApiConfig::default()).await?;
+        let base = server.base.clone();
         leasehold::effects::http::install_tls();
         let http = reqwest::Client::new();
         let post = async |path: String, body: Value| -> Result<(u16, Value)> {
@@ -92,7 +80,7 @@ both! {
         // An ended run's rows stay as they are.
         let (status, e) = post(format!("/v1/runs/{id}/effects/0/resolve"), json!({ "error": "no" })).await?;
         ensure!(status == 409, "{status} {e}");
-        let _ = stop.send(true);
+        server.stop().await;
         Ok(())
     }
 

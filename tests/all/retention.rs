@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use anyhow::{Result, ensure};
 use leasehold::Backend;
-use leasehold::cleaner::{self, RetentionConfig};
-use leasehold::executor::{Executor, ExecutorConfig, SegmentOutcome};
+use leasehold::maintenance::cleaner::{self, RetentionConfig};
+use leasehold::executor::{Executor, SegmentOutcome};
 use leasehold::store::NewRun;
 use serde_json::json;
 
@@ -20,7 +20,7 @@ const DAY_MS: i64 = 86_400_000;
 fn executor(db: &TestDb) -> Result<Executor> {
     let rt = plugins::runtime()?;
     rt.add_plugin("testkit", &plugins::rust_plugin("testkit")?, plugins::test_limits())?;
-    Ok(Executor::new(db.store.clone(), rt, ExecutorConfig { owner: "w".into(), ..ExecutorConfig::default() }))
+    Ok(Executor::new(db.store.clone(), rt, crate::harness::worker("w")))
 }
 
 async fn count(db: &TestDb, table_where: &'static str, id: i64) -> Result<i64> {
@@ -46,11 +46,7 @@ both! {
         let off = RetentionConfig { keep: Duration::ZERO, ..RetentionConfig::default() };
         let (stop, stopped) = tokio::sync::watch::channel(false);
         let cleaner = tokio::spawn(cleaner::run(db.store.clone(), off, Duration::from_millis(10), stopped));
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while db.store.rate("http:spent.example:443").await?.is_some() || db.store.limit("idle").await?.is_some() {
-            ensure!(std::time::Instant::now() < deadline, "the cleaner loop forgot nothing with retention off");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        crate::harness::eventually("the cleaner loop forgot nothing with retention off", async || Ok(!(db.store.rate("http:spent.example:443").await?.is_some() || db.store.limit("idle").await?.is_some()))).await?;
         stop.send(true)?;
         cleaner.await?;
         Ok(())

@@ -3,7 +3,7 @@
 //! counted once however many hosts count, queued and running sampled,
 //! first claims' waits added up from every host. Both backends.
 
-use anyhow::{Result, ensure};
+use anyhow::{Context, Result, ensure};
 use leasehold::store::rollup::MINUTE_MS;
 use leasehold::store::{NewRun, Store};
 use serde_json::Value;
@@ -60,25 +60,30 @@ both! {
         // over an hour.
         let at = current - MINUTE_MS + 1;
         for _ in 0..98 {
-            leasehold::rollup::observe_wait(&db.store, at, 7);
+            leasehold::maintenance::rollup::observe_wait(&db.store, at, 7);
         }
-        leasehold::rollup::observe_wait(&db.store, at, 2000);
-        leasehold::rollup::observe_wait(&db.store, at, 5_000_000);
+        leasehold::maintenance::rollup::observe_wait(&db.store, at, 2000);
+        leasehold::maintenance::rollup::observe_wait(&db.store, at, 5_000_000);
         // The previous minute is counted as if 10 s after it ended.
-        let pass = leasehold::rollup::tick_at(&db.store, current + 10_000).await?;
+        let pass = leasehold::maintenance::rollup::tick_at(&db.store, current + 10_000).await?;
         ensure!(pass.waits == 3 && pass.counted == 60, "{pass:?}");
         // Another host's waits for the same minute add to them.
         db.store.add_waits(&[(current - MINUTE_MS, 0, 2)]).await?;
         let (base, http, _stop) = crate::schedules::api(db).await?;
         let history: Value = http.get(format!("{base}/v1/stats/history?minutes=5")).send().await?.json().await?;
-        let points = history["minutes"].as_array().unwrap();
-        ensure!(points.len() == 5 && points[4]["minute"] == current, "{history}");
-        let before = &points[2];
+        let points = history["minutes"].as_array().context("minutes")?;
+        // The newest point is this minute, or the next if the clock turned
+        // a minute since `current` was read: points are found by minute.
+        let newest = points.last().and_then(|p| p["minute"].as_i64()).unwrap_or_default();
+        ensure!(points.len() == 5 && (newest == current || newest == current + MINUTE_MS), "{history}");
+        let at = |minute: i64| points.iter().find(|p| p["minute"] == minute).with_context(|| format!("no minute {minute}: {history}"));
+        let before = at(current - 2 * MINUTE_MS)?;
         ensure!(before["finished"] == serde_json::json!({"completed": 1, "failed": 0, "aborted": 1, "cancelled": 0}), "{before}");
-        let last = &points[3];
+        let last = at(current - MINUTE_MS)?;
         ensure!(last["started"] == 102 && last["start_wait_p50_ms"] == 10 && last["start_wait_p99_ms"] == 2500, "{last}");
         ensure!(last["queued"] == 0 && last["running"] == 0, "sampled with none: {last}");
-        ensure!(points[4]["finished"].is_null(), "the current minute is not counted: {}", points[4]);
+        let this = at(current)?;
+        ensure!(this["finished"].is_null(), "the current minute is not counted: {this}");
         let r = http.get(format!("{base}/v1/stats/history?minutes=0")).send().await?;
         ensure!(r.status() == 400, "{}", r.text().await?);
         Ok(())

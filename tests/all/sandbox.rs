@@ -20,7 +20,7 @@ use crate::sink::Sink;
 fn executor(db: &TestDb, limits: Limits) -> Result<Executor> {
     let rt = plugins::runtime()?;
     rt.add_plugin("testkit", &plugins::rust_plugin("testkit")?, limits)?;
-    let config = ExecutorConfig { owner: "w".into(), lease_ttl: Duration::from_secs(30), model: None, ..ExecutorConfig::default() };
+    let config = crate::harness::worker("w");
     Ok(Executor::new(db.store.clone(), rt, config))
 }
 
@@ -112,7 +112,7 @@ both! {
         // 15 memories of 4 MiB: each under the 32 MiB cap, 60 MiB together.
         let rt = plugins::runtime()?;
         rt.add_plugin("testkit", &plugins::hostile_wat("many-memories.wat")?, plugins::test_limits())?;
-        let config = ExecutorConfig { owner: "w".into(), model: None, ..ExecutorConfig::default() };
+        let config = crate::harness::worker("w");
         let exec = Executor::new(db.store.clone(), rt, config);
         let (_, out, error) = run(db, &exec, json!({})).await?;
         ensure!(failed_as(&out, &error, "out-of-memory"), "{out:?} {error}");
@@ -183,7 +183,7 @@ both! {
         let rt = plugins::runtime()?;
         rt.add_plugin("testkit", &plugins::rust_plugin("testkit")?, Limits { http_allow: vec!["127.0.0.1".into()], ..plugins::test_limits() })?;
         let own = std::net::SocketAddr::from(([0, 0, 0, 0], 80));
-        let config = ExecutorConfig { owner: "w".into(), model: None, reserved: vec![own], ..ExecutorConfig::default() };
+        let config = ExecutorConfig { reserved: vec![own], ..crate::harness::worker("w") };
         let exec = Executor::new(db.store.clone(), rt, config);
         let ops = json!([{ "op": "http", "url": "http://127.0.0.1/v1/plugins/testkit", "keyed": true }]);
         let (id, out, _) = run(db, &exec, json!({ "mode": "script", "ops": ops })).await?;
@@ -235,7 +235,7 @@ async fn the_component_cache_is_private_and_never_runs_a_file_it_did_not_write()
     let plugin = rt.add_plugin("v2", &v2, plugins::test_limits())?;
     let db = TestDb::new(leasehold::Backend::Sqlite).await?;
     let id = db.store.create_run(&NewRun::new("v2", "{}")).await?.0.id;
-    let exec = Executor::new(db.store.clone(), rt.clone(), ExecutorConfig { owner: "w".into(), model: None, ..ExecutorConfig::default() });
+    let exec = Executor::new(db.store.clone(), rt.clone(), crate::harness::worker("w"));
     let out = exec.run_once().await?;
     let run = db.store.get_run(id).await?;
     db.cleanup().await?;

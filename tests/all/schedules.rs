@@ -467,19 +467,16 @@ async fn every_time_once_daily(store: &Store) -> Result<Vec<Tick>> {
     Ok(ticks)
 }
 
-/// The API on `db`, with its base URL, a client and the sender that stops it.
-pub async fn api(db: &TestDb) -> Result<(String, reqwest::Client, tokio::sync::watch::Sender<bool>)> {
+/// The API on `db` (a fresh runtime), with its base URL and a client;
+/// dropping the server stops it.
+pub async fn api(db: &TestDb) -> Result<(String, reqwest::Client, crate::harness::Server)> {
     api_with(db, leasehold::api::ApiConfig::default()).await
 }
 
 /// [`api`] with `config`.
-pub async fn api_with(db: &TestDb, config: leasehold::api::ApiConfig) -> Result<(String, reqwest::Client, tokio::sync::watch::Sender<bool>)> {
-    leasehold::effects::http::install_tls();
-    let rt = crate::plugins::runtime()?;
-    let (stop, shutdown) = tokio::sync::watch::channel(false);
-    let state = leasehold::api::AppState::new(db.store.clone(), rt, config, shutdown.clone());
-    let base = crate::harness::serve_api(state, shutdown).await?;
-    Ok((base, reqwest::Client::new(), stop))
+pub async fn api_with(db: &TestDb, config: leasehold::api::ApiConfig) -> Result<(String, reqwest::Client, crate::harness::Server)> {
+    let server = crate::harness::Server::on(db, crate::plugins::runtime()?, config).await?;
+    Ok((server.base.clone(), server.http.clone(), server))
 }
 
 both! {
@@ -504,7 +501,7 @@ both! {
         let status = r.status();
         let body: Value = r.json().await?;
         ensure!(status == 400 && body["error"]["message"].as_str().is_some_and(|m| m.contains("retention")), "{status} {body}");
-        let _ = stop.send(true);
+        stop.stop().await;
         Ok(())
     }
 
@@ -518,7 +515,7 @@ both! {
             got.push(r.status().as_u16());
         }
         ensure!(got == [201, 201, 409], "{got:?}");
-        let _ = stop.send(true);
+        stop.stop().await;
         Ok(())
     }
 }

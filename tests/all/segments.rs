@@ -14,7 +14,7 @@ both! {
     async fn each_segment_is_recorded_with_its_host_fence_times_and_outcome(db) {
         let rt = plugins::runtime()?;
         rt.add_plugin("testkit", &plugins::rust_plugin("testkit")?, plugins::test_limits())?;
-        let exec = Executor::new(db.store.clone(), rt.clone(), ExecutorConfig { owner: "host-w".into(), ..ExecutorConfig::default() });
+        let exec = Executor::new(db.store.clone(), rt.clone(), crate::harness::worker("host-w"));
         let input = json!({ "mode": "script", "ops": [{ "op": "wait", "prompt": "more?" }] });
         let run = db.store.create_run(&NewRun::new("testkit", input.to_string())).await?.0;
         ensure!(exec.drain().await? == vec![(run.id, SegmentOutcome::Suspended(RunStatus::WaitingInput))]);
@@ -32,15 +32,14 @@ both! {
         }
         ensure!(segments[0].ended_at <= segments[1].started_at, "{segments:?}");
         // The API serves them; an unknown run is a 404.
-        let (stop_tx, stop) = tokio::sync::watch::channel(false);
-        let state = leasehold::api::AppState::new(db.store.clone(), rt, leasehold::api::ApiConfig::default(), stop.clone());
-        let base = crate::harness::serve_api(state, stop).await?;
+        let server = crate::harness::Server::on(db, rt, leasehold::api::ApiConfig::default()).await?;
+        let base = server.base.clone();
         let http = reqwest::Client::new();
         let got: serde_json::Value = http.get(format!("{base}/v1/runs/{}/segments", run.id)).send().await?.json().await?;
         ensure!(got["segments"][1]["outcome"] == "completed" && got["segments"][1]["owner"] == "host-w", "{got}");
         let missing = http.get(format!("{base}/v1/runs/999999/segments")).send().await?;
         ensure!(missing.status() == 404, "{}", missing.status());
-        let _ = stop_tx.send(true);
+        server.stop().await;
         // Deleted with the run.
         let deleted = db.store.delete_finished(-60_000, 100).await?;
         ensure!(deleted.runs == 1, "{deleted:?}");
@@ -55,15 +54,11 @@ both! {
         let rt = plugins::runtime()?;
         rt.add_plugin("testkit", &plugins::rust_plugin("testkit")?, plugins::test_limits())?;
         // An hour: only the shutdown can write the record.
-        let config = ExecutorConfig { owner: "host-s".into(), segment_log_every: std::time::Duration::from_secs(3600), ..ExecutorConfig::default() };
+        let config = ExecutorConfig { segment_log_every: std::time::Duration::from_secs(3600), ..crate::harness::worker("host-s") };
         let exec = std::sync::Arc::new(Executor::new(db.store.clone(), rt, config));
         let pool = WorkerPool::start(db.store.clone(), exec, PoolConfig { workers: 1, poll: std::time::Duration::from_millis(20), claim_batch: 1, prefetch: 0 });
         let run = db.store.create_run(&NewRun::new("testkit", json!({ "steps": 1 }).to_string())).await?.0.id;
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-        while db.store.get_run(run).await?.status != RunStatus::Completed {
-            ensure!(std::time::Instant::now() < deadline, "the run never completed");
-            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-        }
+        crate::harness::eventually("the run never completed", async || Ok(db.store.get_run(run).await?.status == RunStatus::Completed)).await?;
         ensure!(db.store.segments(run).await?.is_empty(), "the record was written before the shutdown");
         pool.shutdown(std::time::Duration::from_secs(5)).await;
         let segments = db.store.segments(run).await?;

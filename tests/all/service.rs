@@ -191,6 +191,30 @@ async fn an_unreachable_database_is_reported_at_once_without_its_password() -> R
 }
 
 /// The pids of `parent`'s children whose command line contains `needle`.
+/// Established connections to `port` whose sockets process `pid` holds:
+/// those it has accepted (a connection still in the listen backlog is
+/// established too, but no process has its socket yet).
+fn accepted(pid: u32, port: u16) -> usize {
+    let mut inodes = std::collections::HashSet::new();
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        for line in std::fs::read_to_string(table).unwrap_or_default().lines().skip(1) {
+            // sl local rem st tx:rx tr:when retrnsmt uid timeout inode
+            let f: Vec<&str> = line.split_whitespace().collect();
+            let local_port = f.get(1).and_then(|a| a.rsplit_once(':')).and_then(|(_, p)| u16::from_str_radix(p, 16).ok());
+            if local_port == Some(port) && f.get(3) == Some(&"01") {
+                inodes.extend(f.get(9).map(|i| i.to_string()));
+            }
+        }
+    }
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|fd| std::fs::read_link(fd.path()).ok())
+        .filter(|l| l.to_string_lossy().strip_prefix("socket:[").and_then(|r| r.strip_suffix(']')).is_some_and(|i| inodes.contains(i)))
+        .count()
+}
+
 fn children_running(parent: u32, needle: &str) -> Vec<u32> {
     let mut found = Vec::new();
     for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
@@ -261,7 +285,7 @@ async fn half_sent_requests_are_closed_and_connections_are_capped() -> Result<()
     let dir = tempfile::tempdir()?;
     let port = free_port()?;
     let base = format!("http://127.0.0.1:{port}");
-    let _serve = insecure_serve(dir.path(), port, &["--header-read-timeout-ms", "2000", "--max-connections", "4"])?;
+    let serve = insecure_serve(dir.path(), port, &["--header-read-timeout-ms", "2000", "--max-connections", "4"])?;
     // No keep-alive: the health check's connection closes, and does not
     // count against the cap below.
     leasehold::effects::http::install_tls();
@@ -274,7 +298,10 @@ async fn half_sent_requests_are_closed_and_connections_are_capped() -> Result<()
         s.write_all(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n").await?;
         half.push(s);
     }
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The four are accepted (the host holds their sockets), not merely
+    // queued in the kernel's backlog behind the fifth.
+    let pid = serve.0.id();
+    crate::harness::eventually("the host never accepted the four connections", async || Ok(accepted(pid, port) >= 4)).await?;
     let asked = Instant::now();
     let answer = tokio::time::timeout(Duration::from_secs(20), http.get(format!("{base}/healthz")).send()).await;
     let waited = asked.elapsed();

@@ -23,8 +23,7 @@ fn runtime(limits: Limits) -> Result<Arc<Runtime>> {
 }
 
 fn executor(db: &TestDb, rt: &Arc<Runtime>, owner: &str) -> Executor {
-    let config = ExecutorConfig { owner: owner.into(), lease_ttl: Duration::from_secs(30), model: None, ..ExecutorConfig::default() };
-    Executor::new(db.store.clone(), rt.clone(), config)
+    crate::harness::executor(db, rt, owner)
 }
 
 async fn submit(store: &Store, input: Value, max_attempts: i64) -> Result<i64> {
@@ -134,11 +133,9 @@ both! {
         };
         let rt = runtime(limits)?;
         let config = ExecutorConfig {
-            owner: "w".into(),
             lease_ttl: Duration::from_secs(3),
             renew_every: Some(Duration::from_millis(100)),
-            model: None,
-            ..ExecutorConfig::default()
+            ..crate::harness::worker("w")
         };
         let exec = Executor::new(db.store.clone(), rt.clone(), config);
         let id = submit(&db.store, json!({ "mode": "http", "url": sink.url, "keyed": true }), 3).await?;
@@ -185,11 +182,7 @@ both! {
         let id = submit(&db.store, json!({ "mode": "spin-then-put", "spins": 1u64 << 40 }), 1).await?;
         let running = exec.clone();
         let task = tokio::spawn(async move { running.run_once().await });
-        let deadline = std::time::Instant::now() + Duration::from_secs(30);
-        while db.store.get_run(id).await?.status != RunStatus::Running {
-            ensure!(std::time::Instant::now() < deadline, "never started");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        crate::harness::eventually("never started", async || Ok(db.store.get_run(id).await?.status == RunStatus::Running)).await?;
         exec.stop_guests();
         let out = task.await??;
         ensure!(out == Some((id, SegmentOutcome::Suspended(RunStatus::WaitingTakeover))), "{out:?}");

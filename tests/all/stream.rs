@@ -16,7 +16,7 @@ use leasehold::store::{EffectState, NewRun, RunStatus, Store};
 use serde_json::{Value, json};
 
 use crate::fake_model::{FAIL, FakeModel, Script};
-use crate::harness::{TestDb, both};
+use crate::harness::{kill_when, TestDb, both};
 use crate::plugins;
 use crate::sink::Sink;
 
@@ -33,7 +33,7 @@ fn worker(db: &TestDb, rt: &Arc<Runtime>, owner: &str, model: Option<&FakeModel>
         config.timeout = Duration::from_secs(20);
         Arc::new(config)
     });
-    let config = ExecutorConfig { owner: owner.into(), lease_ttl: Duration::from_secs(30), model, ..ExecutorConfig::default() };
+    let config = ExecutorConfig { model, ..crate::harness::worker(owner) };
     Executor::new(db.store.clone(), rt.clone(), config)
 }
 
@@ -45,22 +45,6 @@ async fn submit(store: &Store, ops: Value) -> Result<i64> {
 async fn streamed(store: &Store, run_id: i64) -> Result<String> {
     let events = store.run_events(run_id).await?;
     Ok(replay_stream(events.iter().map(|e| (e.kind.as_str(), e.payload.as_str()))).concat())
-}
-
-/// Runs a segment of `run_id` on `exec` until `dead_when` holds, then kills
-/// it (drops its future) and expires its lease, as a host that died would.
-async fn kill_when(db: &TestDb, exec: Executor, run_id: i64, dead_when: impl AsyncFn() -> Result<bool>) -> Result<()> {
-    let task = tokio::spawn(async move { exec.run_once().await });
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    while !dead_when().await? {
-        ensure!(!task.is_finished(), "the segment ended before it could be killed: {:?}", db.store.get_run(run_id).await?);
-        ensure!(std::time::Instant::now() < deadline, "the kill point was never reached");
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
-    task.abort();
-    let _ = task.await;
-    db.backdate_lease(run_id, 60_000).await?;
-    Ok(())
 }
 
 both! {

@@ -187,11 +187,7 @@ both! {
         // Host A wrote the first put (with the http call's start) and is
         // in the call: its put's span has gone out. A dies there.
         receiver.wait("host A's put", |s| s.iter().any(|g| g.id == call(0, 1))).await?;
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while sink.hits().is_empty() {
-            ensure!(Instant::now() < deadline, "host A never made its http call");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        crate::harness::eventually("host A never made its http call", async || Ok(!sink.hits().is_empty())).await?;
         drop(a);
         sink.hold(false);
         let b_args = host("host-b")?;
@@ -217,11 +213,7 @@ both! {
             .await?;
         let logged = r["id"].as_i64().with_context(|| format!("submit: {r}"))?;
         let logged_trace = ids::run_trace(&database, logged).to_string();
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while !std::fs::read_to_string(&b_args.log)?.contains("line 0") {
-            ensure!(Instant::now() < deadline, "host B never ran the turn that logs");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        crate::harness::eventually("host B never ran the turn that logs", async || Ok(std::fs::read_to_string(&b_args.log)?.contains("line 0"))).await?;
         drop(b);
 
         // Every span in the submitter's trace, from the configured service.
@@ -275,7 +267,7 @@ both! {
             .map_err(anyhow::Error::msg)?;
         let rt = plugins::runtime()?;
         rt.add_plugin("testkit", &plugins::rust_plugin("testkit")?, plugins::test_limits())?;
-        let config = ExecutorConfig { owner: "w".into(), tracer: Some(tracer.clone()), ..ExecutorConfig::default() };
+        let config = ExecutorConfig { tracer: Some(tracer.clone()), ..crate::harness::worker("w") };
         let exec = Executor::new(db.store.clone(), rt, config);
         let input = json!({ "mode": "script", "ops": [
             { "op": "effect", "name": "kv.get", "request": "{\"key\":\"k\"}" },
@@ -324,7 +316,7 @@ both! {
         let mut chat = leasehold::effects::model::ModelConfig::new(&model.base_url);
         chat.api_key = Some("sk-test".into());
         chat.default_model = "fake-1".into();
-        let config = ExecutorConfig { owner: "w".into(), model: Some(Arc::new(chat)), tracer: Some(tracer.clone()), ..ExecutorConfig::default() };
+        let config = ExecutorConfig { model: Some(Arc::new(chat)), tracer: Some(tracer.clone()), ..crate::harness::worker("w") };
         let exec = Executor::new(db.store.clone(), rt, config);
         // A budget has the call ask for its usage.
         let input = json!({ "mode": "script", "ops": [{ "op": "chat", "prompt": "hi" }] });
@@ -369,14 +361,13 @@ both! {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn children_and_submitters_pass_their_trace_on() -> Result<()> {
     crate::harness::run_on(leasehold::Backend::Sqlite, async |db: &TestDb| {
-        let (stop_tx, stop) = tokio::sync::watch::channel(false);
         use leasehold::plugins::PluginSettings;
         let rt = plugins::runtime()?;
         leasehold::plugins::register(&db.store, &rt, "testkit", plugins::rust_plugin("testkit")?, PluginSettings::default()).await?;
         let grant = PluginSettings { spawn_allow: vec!["testkit".into()], ..PluginSettings::default() };
         leasehold::plugins::register(&db.store, &rt, "fanout", plugins::rust_plugin("fanout")?, grant).await?;
-        let state = leasehold::api::AppState::new(db.store.clone(), rt.clone(), leasehold::api::ApiConfig::default(), stop.clone());
-        let base = crate::harness::serve_api(state, stop).await?;
+        let server = crate::harness::Server::on(db, rt.clone(), leasehold::api::ApiConfig::default()).await?;
+        let base = server.base.clone();
         let http = reqwest::Client::new();
         let submit = async |traceparent: &str| -> Result<serde_json::Value> {
             let body = json!({ "plugin": "fanout", "input": { "n": 2, "input": { "steps": 1 } } });
@@ -409,7 +400,7 @@ async fn children_and_submitters_pass_their_trace_on() -> Result<()> {
             let expected = format!("00-{PARENT_TRACE}-{}-00", ids::call_span(&database, parent, i as i64, 1));
             ensure!(tp.as_deref() == Some(expected.as_str()), "child {i}: {tp:?}, not {expected}");
         }
-        let _ = stop_tx.send(true);
+        server.stop().await;
         Ok(())
     })
     .await
@@ -560,7 +551,7 @@ both! {
         let input = json!({ "mode": "script", "ops": [{ "op": "http", "url": sink.url }] }).to_string();
         for sends in [false, true] {
             db.store.create_run(&NewRun::new("testkit", input.clone())).await?;
-            let config = ExecutorConfig { owner: "h".into(), model: None, http_traceparent: sends, ..ExecutorConfig::default() };
+            let config = ExecutorConfig { http_traceparent: sends, ..crate::harness::worker("h") };
             Executor::new(db.store.clone(), rt.clone(), config).drain().await?;
         }
         let hits = sink.hits();

@@ -4,10 +4,9 @@
 //! With `pinned` (the default) nothing moves.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use anyhow::{Result, ensure};
-use leasehold::executor::{Executor, ExecutorConfig, SegmentOutcome};
+use leasehold::executor::{Executor, SegmentOutcome};
 use leasehold::runtime::{Plugin, Runtime};
 use leasehold::store::{NewRun, RunStatus, UpgradePolicy};
 use serde_json::json;
@@ -16,8 +15,7 @@ use crate::harness::{TestDb, both};
 use crate::plugins;
 
 fn executor(db: &TestDb, rt: &Arc<Runtime>) -> Executor {
-    let config = ExecutorConfig { owner: "worker-a".into(), lease_ttl: Duration::from_secs(30), renew_every: None, model: None, reserved: vec![], ..ExecutorConfig::default() };
-    Executor::new(db.store.clone(), rt.clone(), config)
+    crate::harness::executor(db, rt, "worker-a")
 }
 
 /// A run of `v1` (`steps` 3, keys `k-<i>`) stopped after its first `kept`

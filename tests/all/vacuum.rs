@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, ensure};
 use leasehold::Backend;
 use leasehold::store::NewRun;
-use leasehold::vacuum::{self, Tick, VacuumConfig};
+use leasehold::maintenance::vacuum::{self, Tick, VacuumConfig};
 
 use crate::harness::both;
 

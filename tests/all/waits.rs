@@ -24,10 +24,8 @@ async fn hosts(db: &TestDb, http_allow: Vec<String>, answer_base: Option<String>
     let store = db.store.clone();
     Ok(move |owner: &str| {
         let config = ExecutorConfig {
-            owner: owner.into(),
-            model: None,
             answer_base: answer_base.clone().map(Into::into),
-            ..ExecutorConfig::default()
+            ..crate::harness::worker(owner)
         };
         Executor::new(store.clone(), runtime.clone(), config)
     })
@@ -99,16 +97,8 @@ both! {
         while db.store.now_ms().await? < deadline {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        let a = host("host-a");
-        let dying = tokio::spawn(async move { a.run_once().await });
-        let start = Instant::now();
-        while !ledger_names(db, id).await?.contains(&"wait".to_string()) {
-            ensure!(start.elapsed() < Duration::from_secs(20) && !dying.is_finished(), "the timeout was never recorded");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        dying.abort();
-        let _ = dying.await;
-        db.backdate_lease(id, 60_000).await?;
+        // Killed once the timeout is recorded.
+        crate::harness::kill_when(db, host("host-a"), id, async || Ok(ledger_names(db, id).await?.contains(&"wait".to_string()))).await?;
         // The dead segment left the run its deadline: the next host
         // replays the timeout against the same instant.
         let left = db.store.get_run(id).await?;
@@ -144,11 +134,10 @@ both! {
     async fn an_answer_link_delivers_once_without_the_api_token_and_then_410s(db) {
         let notify = Sink::start().await?;
         // The API, served here, with a token the link must not need.
-        let (stop, shutdown) = tokio::sync::watch::channel(false);
         let rt = plugins::runtime()?;
         let config = leasehold::api::ApiConfig { token: Some("secret-token".into()), ..leasehold::api::ApiConfig::default() };
-        let state = leasehold::api::AppState::new(db.store.clone(), rt, config, shutdown.clone());
-        let base = crate::harness::serve_api(state, shutdown).await?;
+        let server = crate::harness::Server::on(db, rt, config).await?;
+        let base = server.base.clone();
         let host = hosts(db, vec![notify.allow()], Some(base.clone())).await?;
         let id = submit(db, json!({ "notify_url": notify.url, "prompt": "Ship <v2> & tell \"ops\"?" })).await?;
         let first = host("host-a").run_once().await?;
@@ -203,18 +192,17 @@ both! {
             .send()
             .await?;
         ensure!(r.status() == 400, "a bad name: {}", r.status());
-        let _ = stop.send(true);
+        server.stop().await;
         Ok(())
     }
 }
 
 both! {
     async fn answer_links_past_the_hosts_rate_are_refused_with_429(db) {
-        let (stop, shutdown) = tokio::sync::watch::channel(false);
         let rt = plugins::runtime()?;
         let config = leasehold::api::ApiConfig { answers_per_second: 1, answers_burst: 3, ..leasehold::api::ApiConfig::default() };
-        let state = leasehold::api::AppState::new(db.store.clone(), rt, config, shutdown.clone());
-        let base = crate::harness::serve_api(state, shutdown).await?;
+        let server = crate::harness::Server::on(db, rt, config).await?;
+        let base = server.base.clone();
         let http = reqwest::Client::new();
         let made_up = format!("{base}/v1/answers/{}", "0".repeat(64));
         for i in 0..3 {
@@ -226,7 +214,7 @@ both! {
         let wait: u64 = r.headers().get("retry-after").and_then(|v| v.to_str().ok()).and_then(|v| v.parse().ok()).unwrap_or(0);
         let body: Value = r.json().await?;
         ensure!(wait >= 1 && body["error"]["code"] == "rate_limited", "retry-after {wait}, {body}");
-        let _ = stop.send(true);
+        server.stop().await;
         Ok(())
     }
 }
@@ -236,10 +224,9 @@ both! {
 #[tokio::test]
 async fn a_made_up_answer_token_never_waits_for_the_writer() -> Result<()> {
     crate::harness::run_on(leasehold::store::Backend::Sqlite, async |db| {
-        let (stop, shutdown) = tokio::sync::watch::channel(false);
         let rt = plugins::runtime()?;
-        let state = leasehold::api::AppState::new(db.store.clone(), rt, leasehold::api::ApiConfig::default(), shutdown.clone());
-        let base = crate::harness::serve_api(state, shutdown).await?;
+        let server = crate::harness::Server::on(db, rt, leasehold::api::ApiConfig::default()).await?;
+        let base = server.base.clone();
         let held = db.store.writer().acquire().await?;
         let r = tokio::time::timeout(
             Duration::from_secs(2),
@@ -249,7 +236,7 @@ async fn a_made_up_answer_token_never_waits_for_the_writer() -> Result<()> {
         drop(held);
         let status = r.map_err(|_| anyhow::anyhow!("a made-up token waited for the writer"))??.status();
         ensure!(status == 410, "{status}");
-        let _ = stop.send(true);
+        server.stop().await;
         Ok(())
     })
     .await

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail, ensure};
 use leasehold::Backend;
-use leasehold::executor::{Executor, ExecutorConfig};
+use leasehold::executor::Executor;
 use leasehold::plugins::PluginSettings;
 use leasehold::pool::{PoolConfig, WorkerPool};
 use leasehold::store::{NewRun, RunStatus, Store};
@@ -46,7 +46,7 @@ both! {
     async fn an_idle_pool_starts_a_submitted_run_without_waiting_for_its_poll(db) {
         let runtime = plugins::runtime()?;
         leasehold::plugins::register(&db.store, &runtime, "testkit", plugins::rust_plugin("testkit")?, PluginSettings::default()).await?;
-        let config = ExecutorConfig { owner: "idle-pool".into(), model: None, ..ExecutorConfig::default() };
+        let config = crate::harness::worker("idle-pool");
         let exec = Arc::new(Executor::new(db.store.clone(), runtime, config));
         // An hour: within the test only a wake-up can start a run.
         let pool = WorkerPool::start(db.store.clone(), exec, PoolConfig { workers: 2, poll: Duration::from_secs(3600), ..PoolConfig::default() });
@@ -56,14 +56,14 @@ both! {
         // Submitted by this host, several times: each run finds the pool
         // idle again (its last claim found nothing).
         for i in 0..3 {
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            crate::harness::eventually("the pool never went idle", async || Ok(pool.waiting_for_work())).await?;
             submit_and_wait(&db.store, db, &format!("submit {i} on the pool's own host")).await?;
         }
         if db.backend == Backend::Postgres {
             // Another host: only its NOTIFY reaches this pool.
             let other = db.another_store(2).await?;
             for i in 0..3 {
-                tokio::time::sleep(Duration::from_millis(100)).await;
+                crate::harness::eventually("the pool never went idle", async || Ok(pool.waiting_for_work())).await?;
                 submit_and_wait(&other, db, &format!("submit {i} on another host")).await?;
             }
             other.shutdown().await;
@@ -80,7 +80,7 @@ async fn bursts_of_concurrent_submits_on_another_host_all_reach_an_idle_pool() -
     run_on(Backend::Postgres, async |db: &TestDb| {
         let runtime = plugins::runtime()?;
         leasehold::plugins::register(&db.store, &runtime, "testkit", plugins::rust_plugin("testkit")?, PluginSettings::default()).await?;
-        let config = ExecutorConfig { owner: "idle-pool".into(), model: None, ..ExecutorConfig::default() };
+        let config = crate::harness::worker("idle-pool");
         let exec = Arc::new(Executor::new(db.store.clone(), runtime, config));
         let pool = WorkerPool::start(db.store.clone(), exec, PoolConfig { workers: 2, poll: Duration::from_secs(3600), ..PoolConfig::default() });
         wait_listening(db).await?;
@@ -135,7 +135,7 @@ async fn a_run_given_back_wakes_an_idle_pool_on_another_host() -> Result<()> {
         let other = db.another_store(2).await?;
         let (run, _) = other.create_run(&NewRun::new("testkit", r#"{"steps":1}"#)).await?;
         let queued = other.claim("queueing-host", Duration::from_secs(30)).await?.expect("the run is claimable");
-        let config = ExecutorConfig { owner: "idle-pool".into(), model: None, ..ExecutorConfig::default() };
+        let config = crate::harness::worker("idle-pool");
         let exec = Arc::new(Executor::new(db.store.clone(), runtime, config));
         // An hour: within the test only a wake-up can start the run.
         let pool = WorkerPool::start(db.store.clone(), exec, PoolConfig { workers: 2, poll: Duration::from_secs(3600), ..PoolConfig::default() });
