@@ -201,37 +201,19 @@ pub async fn serve_api(state: leasehold::api::AppState, shutdown: tokio::sync::w
     Ok(base)
 }
 
-/// Waits up to 30 s, polling every 5 ms, until `count` (a PostgreSQL
-/// query returning one `COUNT(*)`, e.g. of `pg_stat_activity`) is above
-/// zero; `what` names the awaited state in the error.
+/// Waits (up to 30 s) until `count` (a PostgreSQL query returning one
+/// `COUNT(*)`, e.g. of `pg_stat_activity`) is above zero; `what` names the
+/// awaited state in the error.
 pub async fn wait_for_count(db: &TestDb, count: &'static str, what: &str) -> Result<()> {
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        let n: i64 = sqlx::query_scalar(count).fetch_one(db.store.pool()).await?;
-        if n > 0 {
-            return Ok(());
-        }
-        anyhow::ensure!(std::time::Instant::now() < deadline, "not within 30 s: {what}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    eventually(what, async || Ok(sqlx::query_scalar::<_, i64>(count).fetch_one(db.store.pool()).await? > 0)).await
 }
 
 /// Waits (up to 30 s) until `count` sessions on `db` (PostgreSQL) wait on a
 /// lock: a statement a test blocked is blocked, not merely sent.
 pub async fn until_lock_waiter(db: &TestDb, count: i64) -> Result<()> {
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        let waiting: i64 = sqlx::query_scalar(
-            "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
-        )
-        .fetch_one(db.store.pool())
-        .await?;
-        if waiting >= count {
-            return Ok(());
-        }
-        anyhow::ensure!(std::time::Instant::now() < deadline, "{waiting} sessions wait on a lock after 30 s, not {count}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    const WAITING: &str = "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'";
+    let waiting = async || Ok(sqlx::query_scalar::<_, i64>(WAITING).fetch_one(db.store.pool()).await? >= count);
+    eventually(&format!("{count} sessions never waited on a lock"), waiting).await
 }
 
 /// Waits (up to 30 s) until no statement of another session runs on `db`:
@@ -241,23 +223,11 @@ pub async fn until_quiet(db: &TestDb) -> Result<()> {
     if db.backend == Backend::Sqlite {
         return Ok(());
     }
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        let active: i64 = sqlx::query_scalar(
-            "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database() AND state <> 'idle' AND pid <> pg_backend_pid()",
-        )
-        .fetch_one(db.store.pool())
-        .await?;
-        if active == 0 {
-            return Ok(());
-        }
-        anyhow::ensure!(std::time::Instant::now() < deadline, "{active} sessions still busy after 30 s");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    const BUSY: &str =
+        "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database() AND state <> 'idle' AND pid <> pg_backend_pid()";
+    eventually("other sessions stayed busy", async || Ok(sqlx::query_scalar::<_, i64>(BUSY).fetch_one(db.store.pool()).await? == 0)).await
 }
 
-/// A copy of a template has the template's deployment id: each test
-/// database gets its own, as a migrated database does.
 async fn fresh_deployment(store: &Store) -> Result<()> {
     sqlx::query("UPDATE deployment SET id = $1").bind(uuid::Uuid::new_v4().simple().to_string()).execute(store.writer()).await?;
     Ok(())
