@@ -19,7 +19,7 @@ pub mod sse;
 mod wait;
 
 pub use server::Server;
-pub use wait::{eventually, kill_when};
+pub use wait::{eventually, eventually_some, kill_when};
 
 pub const TTL: Duration = Duration::from_secs(30);
 

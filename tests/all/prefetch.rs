@@ -12,7 +12,7 @@ use leasehold::plugins::PluginSettings;
 use leasehold::pool::{PoolConfig, WorkerPool};
 use leasehold::store::{NewRun, RunStatus, Store};
 
-use crate::harness::{TestDb, both};
+use crate::harness::{TestDb, both, eventually, eventually_some};
 use crate::plugins;
 
 /// One worker, a local queue of three, and `lease_ttl`.
@@ -79,26 +79,18 @@ impl Hold {
 
 /// Run `id` once it has completed, within 20 s.
 async fn completed(store: &Store, id: i64) -> Result<leasehold::store::Run> {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
+    eventually_some(Duration::from_secs(20), async || Ok(format!("run {id} did not complete: {:?}", store.get_run(id).await?)), async || {
         let run = store.get_run(id).await?;
-        if run.status == RunStatus::Completed {
-            return Ok(run);
-        }
-        ensure!(Instant::now() < deadline, "run {id} did not complete: {run:?}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+        Ok((run.status == RunStatus::Completed).then_some(run))
+    })
+    .await
 }
 
 /// Waits, up to 20 s, until `owner` runs `running` and holds `held` runs
 /// in all (the rest queued).
 async fn until_holding(store: &Store, owner: &str, running: i64, held: i64) -> Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while store.get_run(running).await?.lease_owner.as_deref() != Some(owner) || held_by(store, owner).await? < held {
-        ensure!(Instant::now() < deadline, "{owner} never took run {running} and queued {} more", held - 1);
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    Ok(())
+    let holding = async || Ok(store.get_run(running).await?.lease_owner.as_deref() == Some(owner) && held_by(store, owner).await? >= held);
+    eventually(&format!("{owner} never took run {running} and queued {} more", held - 1), holding).await
 }
 
 async fn held_by(store: &Store, owner: &str) -> Result<i64> {
@@ -113,11 +105,12 @@ both! {
         let ids = submit_sleepers(&db.store, 5, 2_000).await?;
         let pool = pool(db, "prefetcher", Duration::from_secs(30)).await?;
         // One run on the worker and three queued, all leased by this host.
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while held_by(&db.store, "prefetcher").await? < 4 {
-            ensure!(Instant::now() < deadline, "the pool never held 4 runs: {}", held_by(&db.store, "prefetcher").await?);
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        eventually_some(
+            Duration::from_secs(20),
+            async || Ok(format!("the pool never held 4 runs: {}", held_by(&db.store, "prefetcher").await?)),
+            async || Ok((held_by(&db.store, "prefetcher").await? >= 4).then_some(())),
+        )
+        .await?;
         ensure!(held_by(&db.store, "prefetcher").await? == 4, "the queue held more than --prefetch");
         pool.shutdown(Duration::from_millis(100)).await;
         ensure!(held_by(&db.store, "prefetcher").await? == 0, "shutdown left leases behind");
@@ -160,23 +153,17 @@ both! {
         crate::harness::eventually("the worker waited for its held-up close instead of starting a queued run", async || Ok(pool.closes_behind() > 0)).await?;
         ensure!(db.store.get_run(a).await?.status == RunStatus::Running, "A closed while its close was held up");
         hold.release().await?;
-        let deadline = Instant::now() + Duration::from_secs(20);
         for id in std::iter::once(a).chain(rest) {
-            loop {
-                let run = db.store.get_run(id).await?;
-                if run.status == RunStatus::Completed {
-                    ensure!(run.fence == 1 && run.attempt == 1, "run {id} ran more than once: {run:?}");
-                    break;
-                }
-                ensure!(Instant::now() < deadline, "run {id} did not complete: {run:?}");
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
+            let run = completed(&db.store, id).await?;
+            ensure!(run.fence == 1 && run.attempt == 1, "run {id} ran more than once: {run:?}");
         }
         // The last close behind counts itself out just after it is written.
-        while pool.closes_behind() > 0 {
-            ensure!(Instant::now() < deadline, "{} closes still behind after every run completed", pool.closes_behind());
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        eventually_some(
+            Duration::from_secs(20),
+            async || Ok(format!("{} closes still behind after every run completed", pool.closes_behind())),
+            async || Ok((pool.closes_behind() == 0).then_some(())),
+        )
+        .await?;
         pool.shutdown(Duration::from_secs(5)).await;
         ensure!(held_by(&db.store, "behind").await? == 0, "shutdown left leases behind");
         Ok(())
@@ -187,26 +174,27 @@ both! {
         // Idle: the pace it starts with (all of prefetch) halves with each
         // window in which nothing ends, until nothing is queued ahead
         // before the worker has shown its pace.
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while pool.queue_target() > 0 {
-            ensure!(Instant::now() < deadline, "an idle pool still aims to queue {} runs", pool.queue_target());
-            tokio::time::sleep(Duration::from_millis(25)).await;
-        }
+        eventually_some(
+            Duration::from_secs(10),
+            async || Ok(format!("an idle pool still aims to queue {} runs", pool.queue_target())),
+            async || Ok((pool.queue_target() == 0).then_some(())),
+        )
+        .await?;
         // 300 ms turns: about 3.3 a second for its one worker.
         let ids = submit_sleepers(&db.store, 12, 300).await?;
-        let (mut most, deadline) = (0, Instant::now() + Duration::from_secs(30));
-        loop {
-            most = most.max(held_by(&db.store, "paced").await?);
+        let done = async || {
             let mut done = 0;
             for id in &ids {
                 done += usize::from(db.store.get_run(*id).await?.status == RunStatus::Completed);
             }
-            if done == ids.len() {
-                break;
-            }
-            ensure!(Instant::now() < deadline, "{done} of {} runs completed", ids.len());
-            tokio::time::sleep(Duration::from_millis(25)).await;
-        }
+            anyhow::Ok(done)
+        };
+        let mut most = 0;
+        eventually_some(Duration::from_secs(30), async || Ok(format!("{} of {} runs completed", done().await?, ids.len())), async || {
+            most = most.max(held_by(&db.store, "paced").await?);
+            Ok((done().await? == ids.len()).then_some(()))
+        })
+        .await?;
         pool.shutdown(Duration::from_secs(5)).await;
         // One running, about four queued (a second's work), and the claim
         // on its way in a close.
@@ -221,8 +209,11 @@ both! {
         let a = submit_sleepers(&db.store, 1, 3_000).await?[0];
         let rest = submit_sleepers(&db.store, 2, 10).await?;
         let pool = pool(db, "busy", Duration::from_millis(1_500)).await?;
-        let (mut queued, deadline) = (false, Instant::now() + Duration::from_secs(20));
-        while db.store.get_run(a).await?.status != RunStatus::Completed {
+        let mut queued = false;
+        eventually("A did not complete", async || {
+            if db.store.get_run(a).await?.status == RunStatus::Completed {
+                return Ok(true);
+            }
             for id in &rest {
                 let run = db.store.get_run(*id).await?;
                 let now = db.store.now_ms().await?;
@@ -233,21 +224,13 @@ both! {
                     ensure!(left > -200, "run {id} stayed queued {} ms past its lease while A ran: {run:?}", -left);
                 }
             }
-            ensure!(Instant::now() < deadline, "A did not complete");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+            Ok(false)
+        })
+        .await?;
         ensure!(queued, "B and C were never queued behind A");
-        let deadline = Instant::now() + Duration::from_secs(20);
         for id in &rest {
-            loop {
-                let run = db.store.get_run(*id).await?;
-                if run.status == RunStatus::Completed {
-                    ensure!(run.attempt == 1, "a give-back counted as an attempt: {run:?}");
-                    break;
-                }
-                ensure!(Instant::now() < deadline, "run {id} did not complete: {run:?}");
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
+            let run = completed(&db.store, *id).await?;
+            ensure!(run.attempt == 1, "a give-back counted as an attempt: {run:?}");
         }
         pool.shutdown(Duration::from_secs(5)).await;
         Ok(())
@@ -258,19 +241,13 @@ both! {
         // one worker for 0.7 s.
         let ids = submit_sleepers(&db.store, 4, 700).await?;
         let pool = pool(db, "slow", Duration::from_millis(1_500)).await?;
-        let deadline = Instant::now() + Duration::from_secs(60);
         for id in &ids {
-            loop {
+            eventually_some(Duration::from_secs(60), async || Ok(format!("{:?}", db.store.get_run(*id).await?)), async || {
                 let run = db.store.get_run(*id).await?;
-                if run.status == RunStatus::Completed {
-                    break;
-                }
-                ensure!(
-                    Instant::now() < deadline && !matches!(run.status, RunStatus::Failed | RunStatus::Aborted | RunStatus::Cancelled),
-                    "{run:?}"
-                );
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
+                ensure!(!matches!(run.status, RunStatus::Failed | RunStatus::Aborted | RunStatus::Cancelled), "{run:?}");
+                Ok((run.status == RunStatus::Completed).then_some(()))
+            })
+            .await?;
         }
         pool.shutdown(Duration::from_secs(5)).await;
         // Some runs were claimed, given back and claimed again (no reaper
@@ -380,15 +357,11 @@ both! {
         // started with nothing queued, claim their successors in their
         // closes; the later ones find runs queued and leave their closes
         // behind them) and five held.
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
+        let filled = async || {
             let done: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM runs WHERE status = 'completed'").fetch_one(db.store.pool()).await?;
-            if done >= 2 && held_by(&db.store, "express").await? >= 5 {
-                break;
-            }
-            ensure!(Instant::now() < deadline, "the local queue never filled");
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+            Ok(done >= 2 && held_by(&db.store, "express").await? >= 5)
+        };
+        eventually("the local queue never filled", filled).await?;
         let new = NewRun { concurrency_key: Some("small".into()), ..NewRun::new("testkit", sleeper.clone()) };
         let small = db.store.create_run(&new).await?.0;
         let done = completed(&db.store, small.id).await?;

@@ -4,7 +4,7 @@
 //! link delivers once without the API token. Every test runs on both
 //! backends, with the `approval` example plugin.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
 use leasehold::executor::{Executor, ExecutorConfig, SegmentOutcome};
@@ -12,7 +12,7 @@ use leasehold::plugins::PluginSettings;
 use leasehold::store::{NewRun, RunStatus, StoreError};
 use serde_json::{Value, json};
 
-use crate::harness::{TestDb, both};
+use crate::harness::{TestDb, both, eventually};
 use crate::plugins;
 use crate::sink::Sink;
 
@@ -48,12 +48,14 @@ both! {
         ensure!(first == Some((id, SegmentOutcome::Suspended(RunStatus::Queued))), "{first:?}");
         db.store.deliver_named(id, "approval", "yes").await?;
         db.store.deliver_named(id, "other", "not this").await?;
-        let start = Instant::now();
-        while db.store.get_run(id).await?.status != RunStatus::Completed {
-            ensure!(start.elapsed() < Duration::from_secs(20), "the run never completed");
+        eventually("the run never completed", async || {
+            if db.store.get_run(id).await?.status == RunStatus::Completed {
+                return Ok(true);
+            }
             host("host-a").drain().await?;
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+            Ok(false)
+        })
+        .await?;
         let run = db.store.get_run(id).await?;
         ensure!(run.output.as_deref() == Some(r#"{"input":"yes"}"#), "output {:?}", run.output);
         // Suspended once, for the sleep: the wait took its input at once.
@@ -94,9 +96,7 @@ both! {
         let first = host("host-a").run_once().await?;
         ensure!(first == Some((id, SegmentOutcome::Suspended(RunStatus::Queued))), "{first:?}");
         let deadline = db.store.get_run(id).await?.not_before;
-        while db.store.now_ms().await? < deadline {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        eventually("the database's clock never reached the wait's deadline", async || Ok(db.store.now_ms().await? >= deadline)).await?;
         // Killed once the timeout is recorded.
         crate::harness::kill_when(db, host("host-a"), id, async || Ok(ledger_names(db, id).await?.contains(&"wait".to_string()))).await?;
         // The dead segment left the run its deadline: the next host
@@ -116,9 +116,7 @@ both! {
         let id = submit(db, json!({ "timeout_ms": 200, "sleep_after_ms": 60_000 })).await?;
         host("host-a").run_once().await?;
         let deadline = db.store.get_run(id).await?.not_before;
-        while db.store.now_ms().await? < deadline {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        eventually("the database's clock never reached the wait's deadline", async || Ok(db.store.now_ms().await? >= deadline)).await?;
         let second = host("host-a").run_once().await?;
         ensure!(second == Some((id, SegmentOutcome::Suspended(RunStatus::Queued))), "{second:?}");
         let asleep = db.store.get_run(id).await?;
