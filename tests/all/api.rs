@@ -9,7 +9,7 @@ use leasehold::api::ApiConfig;
 use leasehold::store::NewRun;
 use serde_json::{Value, json};
 
-use crate::harness::{Server, TestDb, both};
+use crate::harness::{Server, TestDb, both, eventually_some};
 use crate::plugins;
 
 async fn with_testkit(db: &TestDb, token: Option<&str>) -> Result<Server> {
@@ -388,11 +388,12 @@ both! {
         ensure!(times.len() <= 2, "{} looks at the database in 250 ms with a 300 ms period", times.len());
         // Past its period it looks again: polled, not slept for, so a slow
         // machine waits longer rather than fails.
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while checked().await? <= first {
-            ensure!(std::time::Instant::now() < deadline, "healthz kept an old look 10 s past its 300 ms period");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        eventually_some(
+            Duration::from_secs(10),
+            async || Ok("healthz kept an old look 10 s past its 300 ms period".into()),
+            async || Ok((checked().await? > first).then_some(())),
+        )
+        .await?;
         server.stop().await;
         Ok(())
     }
@@ -602,15 +603,13 @@ both! {
         ensure!(body["error"]["code"] == "busy", "{body}");
         drop(first);
         // The stream's slot is given back once it notices its reader left.
-        let deadline = std::time::Instant::now() + Duration::from_secs(20);
-        loop {
-            let again = open("c").await?;
-            if again.status() == 200 {
-                break;
-            }
-            ensure!(std::time::Instant::now() < deadline, "the slot was never given back: {}", again.status());
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        let last = std::cell::RefCell::new(String::new());
+        eventually_some(Duration::from_secs(20), async || Ok(format!("the slot was never given back: {}", last.borrow())), async || {
+            let again = open("c").await?.status();
+            *last.borrow_mut() = again.to_string();
+            Ok((again == 200).then_some(()))
+        })
+        .await?;
         server.stop().await;
         Ok(())
     }
@@ -628,19 +627,20 @@ both! {
             (tx, tokio::spawn(slow))
         };
         let (mut tx, mut slow) = start_slow();
-        let deadline = std::time::Instant::now() + Duration::from_secs(20);
-        loop {
+        let last = std::cell::RefCell::new(String::new());
+        eventually_some(Duration::from_secs(20), async || Ok(format!("a second upload was not refused: {}", last.borrow())), async || {
             if slow.is_finished() {
                 (tx, slow) = start_slow();
             }
             let (status, body) = server.put_plugin("other", plugins::rust_plugin("testkit")?).await?;
             if status == 503 {
                 ensure!(body["error"]["code"] == "busy", "{body}");
-                break;
+                return Ok(Some(()));
             }
-            ensure!(std::time::Instant::now() < deadline, "a second upload was not refused: {status} {body}");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+            *last.borrow_mut() = format!("{status} {body}");
+            Ok(None)
+        })
+        .await?;
         drop(tx);
         let _ = slow.await;
         let (status, body) = server.put_plugin("other", plugins::rust_plugin("testkit")?).await?;

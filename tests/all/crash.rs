@@ -186,8 +186,7 @@ async fn postgres_ends_a_stalled_hosts_transaction_so_its_run_can_be_taken_over(
             .await?;
         // Wait for the server to end the stalled session (no fixed sleep:
         // that is the server's to do, on its own time).
-        let deadline = std::time::Instant::now() + Duration::from_secs(30);
-        loop {
+        crate::harness::eventually("the stalled session was not ended within 30 s", async || {
             let stalled: i64 = sqlx::query_scalar(
                 "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database() AND state = 'idle in transaction'",
             )
@@ -199,12 +198,9 @@ async fn postgres_ends_a_stalled_hosts_transaction_so_its_run_can_be_taken_over(
             .bind(run.id)
             .fetch_one(db.store.pool())
             .await?;
-            if stalled == 0 && expired {
-                break;
-            }
-            ensure!(std::time::Instant::now() < deadline, "the stalled session was not ended within 30 s");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+            Ok(stalled == 0 && expired)
+        })
+        .await?;
         let taken = db.store.claim("other", Duration::from_secs(30)).await?;
         ensure!(
             taken.as_ref().is_some_and(|c| c.run.id == run.id && c.lease.fence == held.lease.fence + 1),

@@ -70,11 +70,14 @@ both! {
         let crash = submit(db, "agent-rust", json!({ "prompt": "go", "tool_url": tool.url })).await?;
         let a = worker(db, &rt, "host-a", &model);
         let dying = tokio::spawn(async move { a.run_once().await });
-        let deadline = std::time::Instant::now() + Duration::from_secs(30);
-        while db.store.get_run(crash).await?.emit_pos < 2 {
-            ensure!(std::time::Instant::now() < deadline && !dying.is_finished(), "host-a never streamed");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        crate::harness::eventually("host-a never streamed", async || {
+            if db.store.get_run(crash).await?.emit_pos >= 2 {
+                return Ok(true);
+            }
+            ensure!(!dying.is_finished(), "host-a never streamed: its segment ended");
+            Ok(false)
+        })
+        .await?;
         // A run waiting for input, a finished one, and one asleep for a
         // minute (queued, not claimable: the drains below leave it be).
         let w = worker(db, &rt, "host-w", &model);

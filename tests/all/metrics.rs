@@ -6,12 +6,12 @@
 //! so each count is this test's alone and is checked exactly. Both
 //! backends.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
 use serde_json::{Value, json};
 
-use crate::harness::both;
+use crate::harness::{both, eventually_some};
 use crate::plugins;
 use crate::serve_proc::{ServeArgs, ServeProc};
 
@@ -54,15 +54,11 @@ fn documented_metrics() -> Result<Vec<String>> {
 }
 
 async fn finished(http: &reqwest::Client, base: &str, id: i64) -> Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let run: Value = http.get(format!("{base}/v1/runs/{id}")).send().await?.json().await?;
-        if run["status"] == "completed" {
-            return Ok(());
-        }
-        ensure!(Instant::now() < deadline, "run {id} did not complete: {run}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let get = async || -> Result<Value> { Ok(http.get(format!("{base}/v1/runs/{id}")).send().await?.json().await?) };
+    eventually_some(Duration::from_secs(60), async || Ok(format!("run {id} did not complete: {}", get().await?)), async || {
+        Ok((get().await?["status"] == "completed").then_some(()))
+    })
+    .await
 }
 
 both! {

@@ -41,11 +41,14 @@ async fn running(db: &TestDb, a: Executor) -> anyhow::Result<(i64, tokio::task::
     let input = json!({ "mode": "http-steps", "steps": 8, "url": sink.url });
     let id = db.store.create_run(&NewRun::new("testkit", input.to_string())).await?.0.id;
     let task = tokio::spawn(async move { a.run_once().await });
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    while sink.hits().len() < 2 {
-        ensure!(std::time::Instant::now() < deadline && !task.is_finished(), "the turn never got going");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    crate::harness::eventually("the turn never got going", async || {
+        if sink.hits().len() >= 2 {
+            return Ok(true);
+        }
+        ensure!(!task.is_finished(), "the turn never got going: its segment ended");
+        Ok(false)
+    })
+    .await?;
     Ok((id, task, sink, rt))
 }
 

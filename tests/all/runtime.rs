@@ -9,7 +9,7 @@ use leasehold::executor::{Executor, ExecutorConfig, GuestErrorKind, SegmentOutco
 use leasehold::runtime::{PluginError, Runtime};
 use leasehold::store::{EffectState, NewRun, RunStatus, Store};
 
-use crate::harness::{worker, TestDb, both};
+use crate::harness::{worker, TestDb, both, eventually, eventually_some};
 use crate::plugins;
 
 fn setup(db: &TestDb) -> Result<(Arc<Runtime>, Executor)> {
@@ -61,17 +61,16 @@ both! {
         // 2^30 spins: about 2 s here (some 5 x 10^8 a second).
         let id = submit(&db.store, serde_json::json!({ "mode": "emit-then-spin", "spins": 1u64 << 30 })).await?;
         let task = tokio::spawn(async move { exec.run_once().await });
-        let deadline = std::time::Instant::now() + Duration::from_secs(60);
-        loop {
+        let run = eventually_some(Duration::from_secs(60), async || Ok(format!("no delta: {:?}", db.store.get_run(id).await?)), async || {
             let run = db.store.get_run(id).await?;
             if run.partial == "early " {
-                ensure!(run.status == RunStatus::Running, "{run:?}");
-                break;
+                return Ok(Some(run));
             }
             ensure!(!run.status.is_terminal(), "the turn ended before its first delta was stored: {run:?}");
-            ensure!(std::time::Instant::now() < deadline, "no delta after 60 s: {run:?}");
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
+            Ok(None)
+        })
+        .await?;
+        ensure!(run.status == RunStatus::Running, "{run:?}");
         ensure!(task.await?? == Some((id, SegmentOutcome::Completed)));
         let run = db.store.get_run(id).await?;
         ensure!(run.partial == "early late" && run.emit_pos == 2 && run.output.as_deref() == Some("spun"), "{run:?}");
@@ -85,21 +84,20 @@ both! {
         let exec = Executor::new(db.store.clone(), runtime.clone(), worker("worker-a"));
         let id = submit(&db.store, serde_json::json!({ "mode": "put-then-spin", "spins": 1u64 << 30 })).await?;
         let task = tokio::spawn(async move { exec.run_once().await });
-        let deadline = std::time::Instant::now() + Duration::from_secs(60);
-        loop {
+        let effects = eventually_some(Duration::from_secs(60), async || Ok(format!("no put: {:?}", db.store.get_run(id).await?)), async || {
             let effects = db.store.effects(id).await?;
             if !effects.is_empty() {
-                ensure!(effects.len() == 1 && effects[0].state == EffectState::Committed && effects[0].name == "kv.put", "{effects:?}");
-                ensure!(kv_count(&db.store).await? == 1, "the put is written with its ledger row");
-                let run = db.store.get_run(id).await?;
-                ensure!(run.status == RunStatus::Running, "{run:?}");
-                break;
+                return Ok(Some(effects));
             }
             let run = db.store.get_run(id).await?;
             ensure!(!run.status.is_terminal(), "the turn ended before its put was stored: {run:?}");
-            ensure!(std::time::Instant::now() < deadline, "no put after 60 s: {run:?}");
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
+            Ok(None)
+        })
+        .await?;
+        ensure!(effects.len() == 1 && effects[0].state == EffectState::Committed && effects[0].name == "kv.put", "{effects:?}");
+        ensure!(kv_count(&db.store).await? == 1, "the put is written with its ledger row");
+        let run = db.store.get_run(id).await?;
+        ensure!(run.status == RunStatus::Running, "{run:?}");
         ensure!(task.await?? == Some((id, SegmentOutcome::Completed)));
         ensure!(db.store.effects(id).await?.len() == 1 && kv_count(&db.store).await? == 1);
         Ok(())
@@ -122,12 +120,7 @@ both! {
         // Worker A dies mid-turn: its segment future is dropped once some
         // effects are committed (no graceful suspend, no close).
         let task = tokio::spawn(async move { exec.run_once().await });
-        loop {
-            if db.store.effects(id).await?.len() >= 20 || task.is_finished() {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
+        eventually("A neither committed 20 effects nor ended", async || Ok(db.store.effects(id).await?.len() >= 20 || task.is_finished())).await?;
         ensure!(!task.is_finished(), "A ended before dying: {:?}", db.store.get_run(id).await?);
         task.abort();
         let _ = task.await;
@@ -136,15 +129,14 @@ both! {
         // renewer that outlived the segment would keep landing. Wait until
         // the heartbeat stands still for ten renewal periods.
         let (mut last, mut still_since) = (db.store.get_run(id).await?.heartbeat_at, std::time::Instant::now());
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while still_since.elapsed() < renew_every * 10 {
-            ensure!(std::time::Instant::now() < deadline, "A's lease kept being renewed after its segment was dropped");
-            tokio::time::sleep(renew_every).await;
+        let still = async || {
             let now = db.store.get_run(id).await?.heartbeat_at;
             if now != last {
                 (last, still_since) = (now, std::time::Instant::now());
             }
-        }
+            Ok((still_since.elapsed() >= renew_every * 10).then_some(()))
+        };
+        eventually_some(Duration::from_secs(10), async || Ok("A's lease kept being renewed after its segment was dropped".into()), still).await?;
         db.backdate_lease(id, 60_000).await?;
         tokio::time::sleep(renew_every * 5).await;
 

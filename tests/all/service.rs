@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
 
+use crate::harness::eventually_some;
 use crate::serve_proc::{free_port, wait_healthy};
 
 fn leasehold() -> Command {
@@ -248,25 +249,29 @@ async fn an_upload_whose_caller_went_away_is_not_left_compiling() -> Result<()> 
         async move { http.put(format!("{base}/v1/plugins/big")).body(big).send().await }
     });
     let pid = serve.0.id();
-    let deadline = Instant::now() + Duration::from_secs(60);
     // Compiling: a compiler child that has read the whole component.
     let read = |child: u32| -> u64 {
         let io = std::fs::read_to_string(format!("/proc/{child}/io")).unwrap_or_default();
         io.lines().find_map(|l| l.strip_prefix("rchar: ")).and_then(|n| n.trim().parse().ok()).unwrap_or(0)
     };
-    while !children_running(pid, "__compile").iter().any(|&c| read(c) >= size) {
-        ensure!(!upload.is_finished(), "the upload finished before it was seen compiling: {:?}", upload.await);
-        ensure!(Instant::now() < deadline, "no compiler child read the component");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    // Some(false): the upload finished first.
+    let compiling = eventually_some(Duration::from_secs(60), async || Ok("no compiler child read the component".into()), async || {
+        if children_running(pid, "__compile").iter().any(|&c| read(c) >= size) {
+            return Ok(Some(true));
+        }
+        Ok(upload.is_finished().then_some(false))
+    })
+    .await?;
+    ensure!(compiling, "the upload finished before it was seen compiling: {:?}", upload.await);
     // The caller goes away.
     upload.abort();
     let _ = upload.await;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !children_running(pid, "__compile").is_empty() {
-        ensure!(Instant::now() < deadline, "the compiler was still running 10 s after its caller went away");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually_some(
+        Duration::from_secs(10),
+        async || Ok("the compiler was still running 10 s after its caller went away".into()),
+        async || Ok(children_running(pid, "__compile").is_empty().then_some(())),
+    )
+    .await?;
     let listed: serde_json::Value = http.get(format!("{base}/v1/plugins")).send().await?.json().await?;
     ensure!(listed["plugins"].as_array().is_some_and(|p| p.is_empty()), "{listed}");
     let compiled = std::fs::read_dir(dir.path().join("cache"))?.flatten().filter(|e| e.file_name().to_string_lossy().ends_with(".cwasm")).count();
@@ -431,15 +436,12 @@ async fn the_public_url_makes_the_answer_links_and_is_an_allowed_host() -> Resul
             .json()
             .await?;
         let id = run["id"].as_i64().with_context(|| format!("{run}"))?;
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let link = loop {
-            if let Some(hit) = sink.hits().first() {
-                let body: serde_json::Value = serde_json::from_str(&hit.body)?;
-                break body["link"].as_str().context("a link")?.to_string();
-            }
-            ensure!(Instant::now() < deadline, "no link reached the sink");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        };
+        let link = eventually_some(Duration::from_secs(30), async || Ok("no link reached the sink".into()), async || {
+            let Some(hit) = sink.hits().first().cloned() else { return Ok(None) };
+            let body: serde_json::Value = serde_json::from_str(&hit.body)?;
+            Ok(Some(body["link"].as_str().context("a link")?.to_string()))
+        })
+        .await?;
         ensure!(link.starts_with(&format!("{public}/v1/answers/")), "the link {link} is not under {public}");
         // Answered through the host's own address, as a proxy in front of
         // it would forward it, with the public host in the Host header.
@@ -453,16 +455,13 @@ async fn the_public_url_makes_the_answer_links_and_is_an_allowed_host() -> Resul
         ensure!(answered.status().is_success(), "{}: {}", answered.status(), answered.text().await?);
         let other = reqwest::Client::new().get(format!("{}/healthz", host.base)).header("Host", "elsewhere.example").send().await?;
         ensure!(other.status() == 421, "a request for another host: {}", other.status());
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let run: serde_json::Value = http.get(format!("{}/v1/runs/{id}", host.base)).send().await?.json().await?;
-            if run["status"] == "completed" {
-                ensure!(run["output"].as_str().is_some_and(|o| o.contains("yes")), "{run}");
-                break;
-            }
-            ensure!(Instant::now() < deadline, "the answered run did not complete: {run}");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        let get = async || -> Result<serde_json::Value> { Ok(http.get(format!("{}/v1/runs/{id}", host.base)).send().await?.json().await?) };
+        let run = eventually_some(Duration::from_secs(30), async || Ok(format!("the answered run did not complete: {}", get().await?)), async || {
+            let run = get().await?;
+            Ok((run["status"] == "completed").then_some(run))
+        })
+        .await?;
+        ensure!(run["output"].as_str().is_some_and(|o| o.contains("yes")), "{run}");
         // Not http(s): the host does not start.
         let dir = tempfile::tempdir()?;
         let out = leasehold()

@@ -8,7 +8,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
 use leasehold::executor::{Executor, ExecutorConfig, SegmentOutcome};
@@ -19,7 +19,7 @@ use opentelemetry_proto::tonic::common::v1::any_value::Value as Any;
 use prost::Message;
 use serde_json::json;
 
-use crate::harness::{TestDb, both};
+use crate::harness::{TestDb, both, eventually_some};
 use crate::plugins;
 use crate::serve_proc::{ServeArgs, ServeProc};
 use crate::sink::Sink;
@@ -127,15 +127,11 @@ impl Receiver {
 
     /// Waits until `ready` holds of the spans received.
     pub async fn wait(&self, what: &str, ready: impl Fn(&[Got]) -> bool) -> Result<Vec<Got>> {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
+        eventually_some(Duration::from_secs(30), async || Ok(format!("{what}: never received; got {:#?}", self.spans())), async || {
             let spans = self.spans();
-            if ready(&spans) {
-                return Ok(spans);
-            }
-            ensure!(Instant::now() < deadline, "{what}: never received; got {spans:#?}");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+            Ok(ready(&spans).then_some(spans))
+        })
+        .await
     }
 }
 
@@ -193,15 +189,12 @@ both! {
         let b_args = host("host-b")?;
         let b = ServeProc::spawn(&b_args)?;
         b.wait_healthy(&http, Duration::from_secs(60)).await?;
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            let status = db.store.get_run(run).await?.status;
-            if status == RunStatus::Completed {
-                break;
-            }
-            ensure!(Instant::now() < deadline, "the run never completed: {status:?}");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        eventually_some(
+            Duration::from_secs(60),
+            async || Ok(format!("the run never completed: {:?}", db.store.get_run(run).await?.status)),
+            async || Ok((db.store.get_run(run).await?.status == RunStatus::Completed).then_some(())),
+        )
+        .await?;
         let spans = receiver.wait("host B's segment", |s| s.iter().any(|g| g.id == segment(2))).await?;
         // A turn that logs, on B: its line names the segment's trace.
         let r: serde_json::Value = http
@@ -523,20 +516,17 @@ async fn a_submit_logs_the_trace_its_run_goes_on_in() -> Result<()> {
         let own = submit(None).await?;
         let database = db.store.database_id().await?;
         let want = [(under, PARENT_TRACE.to_string()), (own, ids::run_trace(&database, own).to_string())];
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let log = std::fs::read_to_string(&args.log).unwrap_or_default();
-            let line = |id: i64| log.lines().find(|l| l.contains("run submitted") && l.contains(&format!("run_id={id} "))).map(str::to_string);
-            if want.iter().all(|(id, _)| line(*id).is_some()) {
-                for (id, trace) in &want {
-                    let l = line(*id).unwrap_or_default();
-                    ensure!(l.contains(&format!("trace_id={trace}")), "run {id}'s submit line lacks trace {trace}: {l}");
-                }
-                return Ok(());
-            }
-            ensure!(Instant::now() < deadline, "no submit lines in the log:\n{log}");
-            tokio::time::sleep(Duration::from_millis(50)).await;
+        let log = || std::fs::read_to_string(&args.log).unwrap_or_default();
+        let line = |log: &str, id: i64| log.lines().find(|l| l.contains("run submitted") && l.contains(&format!("run_id={id} "))).map(str::to_string);
+        let lines = eventually_some(Duration::from_secs(10), async || Ok(format!("no submit lines in the log:\n{}", log())), async || {
+            let log = log();
+            Ok(want.iter().map(|(id, _)| line(&log, *id)).collect::<Option<Vec<String>>>())
+        })
+        .await?;
+        for ((id, trace), l) in want.iter().zip(lines) {
+            ensure!(l.contains(&format!("trace_id={trace}")), "run {id}'s submit line lacks trace {trace}: {l}");
         }
+        Ok(())
     })
     .await
 }
