@@ -5,7 +5,7 @@
 //! backends, with the `fanout` example plugin over `testkit`.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
 use leasehold::executor::{Executor, ExecutorConfig};
@@ -14,7 +14,7 @@ use leasehold::pool::{PoolConfig, WorkerPool};
 use leasehold::store::{NewRun, Run, RunFilter, RunStatus, Store};
 use serde_json::{Value, json};
 
-use crate::harness::{TestDb, both};
+use crate::harness::{TestDb, both, eventually_some};
 use crate::plugins;
 
 /// A runtime with `testkit` and `fanout` registered, fanout granted to
@@ -47,32 +47,25 @@ async fn submit(store: &Store, plugin: &str, input: Value) -> Result<i64> {
 
 /// Waits (up to `within`) until `run` is finished and returns it.
 async fn finished(store: &Store, run: i64, within: Duration) -> Result<Run> {
-    let start = Instant::now();
-    loop {
+    let what = async || {
         let r = store.get_run(run).await?;
-        if r.status.is_terminal() {
-            return Ok(r);
-        }
-        if start.elapsed() > within {
-            bail!("run {run} is still {:?} after {within:?} (waiting for {:?})", r.status, r.waiting_for);
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+        Ok(format!("run {run} is still {:?} (waiting for {:?})", r.status, r.waiting_for))
+    };
+    eventually_some(within, what, async || {
+        let r = store.get_run(run).await?;
+        Ok(r.status.is_terminal().then_some(r))
+    })
+    .await
 }
 
 /// Waits until `check` holds of `run`.
 async fn until(store: &Store, run: i64, what: &str, check: impl Fn(&Run) -> bool) -> Result<Run> {
-    let start = Instant::now();
-    loop {
+    let never = async || Ok(format!("run {run} never became {what}: {:?}", store.get_run(run).await?.status));
+    eventually_some(Duration::from_secs(30), never, async || {
         let r = store.get_run(run).await?;
-        if check(&r) {
-            return Ok(r);
-        }
-        if start.elapsed() > Duration::from_secs(30) {
-            bail!("run {run} never became {what}: {:?}", r.status);
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+        Ok(check(&r).then_some(r))
+    })
+    .await
 }
 
 async fn children(store: &Store, parent: i64) -> Result<Vec<Run>> {
@@ -141,11 +134,8 @@ async fn sigkill_at_spawn(db: &TestDb, at: &str) -> Result<()> {
     let a = ServeProc::spawn(&a_args)?;
     a.wait_healthy(&http, Duration::from_secs(60)).await?;
     let parent = submit(&db.store, "fanout", json!({ "n": 1, "input": { "mode": "steps", "steps": 1 } })).await?;
-    let start = Instant::now();
-    while !std::fs::read_to_string(&a_args.log).unwrap_or_default().contains("pausing a spawn") {
-        ensure!(start.elapsed() < Duration::from_secs(30), "{at}: host A never reached its spawn");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let paused = async || Ok(std::fs::read_to_string(&a_args.log).unwrap_or_default().contains("pausing a spawn"));
+    crate::harness::eventually(&format!("{at}: host A never reached its spawn"), paused).await?;
     drop(a); // SIGKILL
     let made = children(&db.store, parent).await?.len();
     let expected = if at == "before" { 0 } else { 1 };
@@ -256,24 +246,25 @@ both! {
         let waits = json!({ "mode": "wait" });
         let mid = json!({ "inputs": [busy, waits] });
         let root = submit(&db.store, "fanout", json!({ "plugin": "fanout", "inputs": [mid.clone(), mid] })).await?;
-        let start = Instant::now();
         let metrics = leasehold::metrics::global();
-        let (all, running, ended) = loop {
-            // Segments ended so far, read before the statuses: each segment
-            // seen running below ends after this count.
-            let ended = metrics.segment_duration.count();
+        let tree = async || {
             let mut all = Vec::new();
             for m in children(&db.store, root).await? {
                 all.extend(children(&db.store, m.id).await?);
                 all.push(m);
             }
-            let running = all.iter().filter(|r| r.status == RunStatus::Running).count();
-            if all.len() == 6 && running >= 2 {
-                break (all, running as u64, ended);
-            }
-            ensure!(start.elapsed() < Duration::from_secs(30), "the tree never had two busy children running: {:?}", all.iter().map(|r| r.status).collect::<Vec<_>>());
-            tokio::time::sleep(Duration::from_millis(20)).await;
+            anyhow::Ok(all)
         };
+        let statuses = async || Ok(format!("the tree never had two busy children running: {:?}", tree().await?.iter().map(|r| r.status).collect::<Vec<_>>()));
+        let (all, running, ended) = eventually_some(Duration::from_secs(30), statuses, async || {
+            // Segments ended so far, read before the statuses: each segment
+            // seen running below ends after this count.
+            let ended = metrics.segment_duration.count();
+            let all = tree().await?;
+            let running = all.iter().filter(|r| r.status == RunStatus::Running).count();
+            Ok((all.len() == 6 && running >= 2).then_some((all, running as u64, ended)))
+        })
+        .await?;
         let cancelled = db.store.cancel(root).await?;
         ensure!(cancelled.status == RunStatus::Cancelled);
         let fences: Vec<(i64, i64)> = all.iter().map(|r| (r.id, r.fence)).collect();

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Result, ensure};
 use serde_json::json;
 
-use crate::harness::{TestDb, both};
+use crate::harness::{TestDb, both, eventually_some};
 use crate::plugins;
 use crate::serve_proc::{ServeArgs, ServeProc};
 use crate::sink::Sink;
@@ -64,10 +64,9 @@ both! {
             }
         }
         // SIGKILL host 1 once a third of the runs are done.
-        while count(db, "completed").await? < runs / 3 {
-            ensure!(started.elapsed() < Duration::from_secs(300), "too slow before the kill");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        let a_third = async || Ok((count(db, "completed").await? >= runs / 3).then_some(()));
+        let done = async || Ok(format!("too slow before the kill: {} of {runs} completed", count(db, "completed").await?));
+        eventually_some(Duration::from_secs(300).saturating_sub(started.elapsed()), done, a_third).await?;
         // ...while it holds runs: the sink stops answering, so every
         // worker stays inside its run's effect, and host-1's workers take
         // runs from the queue and stay there too. (Killed at any moment,
@@ -111,12 +110,13 @@ both! {
             .fetch_one(db.store.pool()).await?;
         sink.hold(false);
         ensure!(held > 0, "host-1 held no run when it was killed");
-        while count(db, "completed").await? < runs {
+        let stuck = async || {
             let stuck: Vec<(i64, String)> = sqlx::query_as("SELECT id, status FROM runs WHERE status <> 'completed' LIMIT 5")
                 .fetch_all(db.store.pool()).await?;
-            ensure!(started.elapsed() < Duration::from_secs(600), "not all runs completed: {stuck:?}");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+            Ok(format!("not all runs completed: {stuck:?}"))
+        };
+        let within = Duration::from_secs(600).saturating_sub(started.elapsed());
+        eventually_some(within, stuck, async || Ok((count(db, "completed").await? >= runs).then_some(()))).await?;
         let elapsed = started.elapsed();
 
         // Every effect was applied under exactly one key, and a key repeats
@@ -167,14 +167,7 @@ both! {
         let id = run["id"].as_i64().unwrap();
         crate::harness::eventually("the run never started", async || Ok(count(db, "running").await? > 0)).await?;
         std::process::Command::new("kill").args(["-TERM", &host.pid().to_string()]).status()?;
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let exit = loop {
-            if let Some(status) = host.child.try_wait()? {
-                break status;
-            }
-            ensure!(Instant::now() < deadline, "serve did not exit within 30 s of SIGTERM");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        };
+        let exit = eventually_some(Duration::from_secs(30), async || Ok("serve did not exit within 30 s of SIGTERM".into()), async || Ok(host.child.try_wait()?)).await?;
         ensure!(exit.code() == Some(0), "serve exited with {exit:?}; log:\n{}", std::fs::read_to_string(&args.log)?);
         let (status, owner): (String, Option<String>) =
             sqlx::query_as("SELECT status, lease_owner FROM runs WHERE id = $1").bind(id).fetch_one(db.store.pool()).await?;
@@ -239,17 +232,14 @@ both! {
         args.lease_ttl_ms = 6_000;
         let other = ServeProc::spawn(&args)?;
         other.wait_healthy(&http, Duration::from_secs(60)).await?;
-        let deadline = Instant::now() + Duration::from_secs(60);
         for id in &short {
-            loop {
+            let unfinished = async || Ok(format!("run {id} did not finish: {:?}", db.store.get_run(*id).await?));
+            let run = eventually_some(Duration::from_secs(60), unfinished, async || {
                 let run = db.store.get_run(*id).await?;
-                if run.status.is_terminal() {
-                    ensure!(run.status == leasehold::store::RunStatus::Completed, "a queued run of one attempt did not run: {run:?}");
-                    break;
-                }
-                ensure!(Instant::now() < deadline, "run {id} did not finish: {run:?}");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
+                Ok(run.status.is_terminal().then_some(run))
+            })
+            .await?;
+            ensure!(run.status == leasehold::store::RunStatus::Completed, "a queued run of one attempt did not run: {run:?}");
         }
         drop(other);
         Ok(())

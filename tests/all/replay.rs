@@ -4,7 +4,7 @@
 
 use std::process::Command;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
 use leasehold::executor::{Executor, ExecutorConfig, SegmentOutcome};
@@ -13,7 +13,7 @@ use leasehold::runtime::{Limits, Plugin, Runtime};
 use leasehold::store::{NewRun, RunStatus, Store};
 use serde_json::json;
 
-use crate::harness::{TestDb, both};
+use crate::harness::{TestDb, both, eventually_some};
 use crate::plugins;
 use crate::serve_proc::{ServeArgs, ServeProc, TEST_TOKEN};
 use crate::sink::Sink;
@@ -163,11 +163,8 @@ both! {
         let body = json!({ "plugin": "testkit", "input": { "steps": 3, "prefix": "k" } });
         let run: serde_json::Value = http.post(format!("{}/v1/runs", host.base)).json(&body).send().await?.json().await?;
         let id = run["id"].as_i64().context("run id")?;
-        let started = Instant::now();
-        while db.store.get_run(id).await?.status != RunStatus::Completed {
-            ensure!(started.elapsed() < Duration::from_secs(60), "run {id} did not complete");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        let status = async || Ok(format!("run {id} did not complete: {:?}", db.store.get_run(id).await?.status));
+        eventually_some(Duration::from_secs(60), status, async || Ok((db.store.get_run(id).await?.status == RunStatus::Completed).then_some(()))).await?;
 
         let cache = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/component-cache");
         let leasehold = |args: &[&str]| -> Result<(i32, String, String)> {

@@ -7,13 +7,13 @@
 //! added under it, and starts on a database a newer release migrated.
 
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
 use leasehold::store::Store;
 use serde_json::{Value, json};
 
-use crate::harness::{TestDb, both};
+use crate::harness::{TestDb, both, eventually_some};
 use crate::plugins;
 use crate::serve_proc::{ServeArgs, ServeProc};
 
@@ -67,27 +67,35 @@ async fn completed_segments(http: &reqwest::Client, base: &str) -> Result<u64> {
 }
 
 async fn all_finished(store: &Store, ids: &[i64], within: Duration) -> Result<()> {
-    let deadline = Instant::now() + within;
-    for id in ids {
-        while !["completed", "failed", "aborted", "cancelled"].contains(&status_of(store, *id).await?.0.as_str()) {
-            ensure!(Instant::now() < deadline, "run {id} is not finished after {within:?}");
-            tokio::time::sleep(Duration::from_millis(50)).await;
+    let finished = async |id: i64| -> Result<bool> { Ok(["completed", "failed", "aborted", "cancelled"].contains(&status_of(store, id).await?.0.as_str())) };
+    let unfinished = async || {
+        for id in ids {
+            if !finished(*id).await? {
+                return Ok(format!("run {id} is not finished: {:?}", status_of(store, *id).await?));
+            }
         }
-    }
-    Ok(())
+        Ok("every run finished just after the wait".into())
+    };
+    // One run at a time, in order: those seen finished are not asked again.
+    let mut next = 0;
+    eventually_some(within, unfinished, async || {
+        while next < ids.len() && finished(ids[next]).await? {
+            next += 1;
+        }
+        Ok((next == ids.len()).then_some(()))
+    })
+    .await
 }
 
 /// SIGTERM, then waits for a clean exit (the host hands its runs over).
 async fn stop(host: &mut ServeProc, args: &ServeArgs<'_>) -> Result<()> {
     std::process::Command::new("kill").args(["-TERM", &host.pid().to_string()]).status()?;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let exit = loop {
-        if let Some(status) = host.child.try_wait()? {
-            break status;
-        }
-        ensure!(Instant::now() < deadline, "{} did not exit within 30 s of SIGTERM", args.owner);
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let exit = eventually_some(
+        Duration::from_secs(30),
+        async || Ok(format!("{} did not exit within 30 s of SIGTERM", args.owner)),
+        async || Ok(host.child.try_wait()?),
+    )
+    .await?;
     ensure!(exit.code() == Some(0), "{} exited with {exit:?}; log:\n{}", args.owner, std::fs::read_to_string(&args.log)?);
     Ok(())
 }

@@ -3,9 +3,11 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
+
+use crate::harness::eventually_some;
 
 /// How one host is started. Lease timings are short so a killed host's runs
 /// come back within seconds.
@@ -106,18 +108,18 @@ impl ServeProc {
     /// Polls `/healthz` until it answers 200; fails at once, with the
     /// host's log, if the host exits first.
     pub async fn wait_healthy(&self, http: &reqwest::Client, timeout: Duration) -> Result<()> {
-        let deadline = Instant::now() + timeout;
-        loop {
+        let log = || std::fs::read_to_string(&self.log).unwrap_or_default();
+        let never = async || Ok(format!("{} never became healthy; its log:\n{}", self.base, log()));
+        eventually_some(timeout, never, async || {
             if let Ok(r) = http.get(format!("{}/healthz", self.base)).send().await
                 && r.status() == 200
             {
-                return Ok(());
+                return Ok(Some(()));
             }
-            let log = || std::fs::read_to_string(&self.log).unwrap_or_default();
             ensure!(!exited(self.pid()), "the host at {} exited before it was healthy; its log:\n{}", self.base, log());
-            ensure!(Instant::now() < deadline, "{} never became healthy within {timeout:?}; its log:\n{}", self.base, log());
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+            Ok(None)
+        })
+        .await
     }
 }
 
@@ -131,16 +133,11 @@ impl Drop for ServeProc {
 
 /// Polls `{base}/healthz` until it answers 200.
 pub async fn wait_healthy(http: &reqwest::Client, base: &str, timeout: Duration) -> Result<()> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Ok(r) = http.get(format!("{base}/healthz")).send().await
-            && r.status() == 200
-        {
-            return Ok(());
-        }
-        ensure!(Instant::now() < deadline, "{base} never became healthy");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    eventually_some(timeout, async || Ok(format!("{base} never became healthy")), async || {
+        let healthy = http.get(format!("{base}/healthz")).send().await.is_ok_and(|r| r.status() == 200);
+        Ok(healthy.then_some(()))
+    })
+    .await
 }
 
 /// The API token the test hosts are started with.

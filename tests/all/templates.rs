@@ -11,7 +11,7 @@ use leasehold::executor::{Executor, GuestErrorKind, SegmentOutcome};
 use leasehold::plugins::PluginSettings;
 use leasehold::store::{NewRun, RunStatus};
 
-use crate::harness::both;
+use crate::harness::{both, eventually_some};
 use crate::plugins;
 
 const LANGS: [&str; 4] = ["rust", "python", "js", "c"];
@@ -176,12 +176,8 @@ async fn dev_rebuilds_and_reregisters_a_project_when_it_changes() -> Result<()> 
         let wait_for = |what: String, n: usize| {
             let printed = &printed;
             async move {
-                let started = Instant::now();
-                while printed().matches(what.as_str()).count() < n {
-                    ensure!(started.elapsed() < Duration::from_secs(60), "no {what:?} (x{n}) in:\n{}", printed());
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-                Ok(())
+                let seen = async || Ok((printed().matches(what.as_str()).count() >= n).then_some(()));
+                eventually_some(Duration::from_secs(60), async || Ok(format!("no {what:?} (x{n}) in:\n{}", printed())), seen).await
             }
         };
         wait_for("dev: registered dev-c sha256:".into(), 1).await?;

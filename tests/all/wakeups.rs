@@ -3,16 +3,16 @@
 //! process; on PostgreSQL a submit on another host reaches it by `NOTIFY`.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use anyhow::{Result, bail, ensure};
+use anyhow::Result;
 use leasehold::Backend;
 use leasehold::executor::Executor;
 use leasehold::plugins::PluginSettings;
 use leasehold::pool::{PoolConfig, WorkerPool};
 use leasehold::store::{NewRun, RunStatus, Store};
 
-use crate::harness::{TestDb, both, run_on};
+use crate::harness::{TestDb, both, eventually_some, run_on};
 use crate::plugins;
 
 /// Waits until the pool's `LISTEN` connection is up (PostgreSQL): a
@@ -29,17 +29,8 @@ async fn wait_listening(db: &TestDb) -> Result<()> {
 
 async fn submit_and_wait(submitter: &Store, db: &TestDb, what: &str) -> Result<()> {
     let (run, _) = submitter.create_run(&NewRun::new("testkit", r#"{"steps":1}"#)).await?;
-    let started = Instant::now();
-    loop {
-        let run = db.store.get_run(run.id).await?;
-        if run.status == RunStatus::Completed {
-            return Ok(());
-        }
-        if started.elapsed() > Duration::from_secs(30) {
-            bail!("{what}: run {} still {:?} after 30 s; the idle pool was not woken", run.id, run.status);
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let still = async || Ok(format!("{what}: run {} still {:?}; the idle pool was not woken", run.id, db.store.get_run(run.id).await?.status));
+    eventually_some(Duration::from_secs(30), still, async || Ok((db.store.get_run(run.id).await?.status == RunStatus::Completed).then_some(()))).await
 }
 
 both! {
@@ -100,8 +91,7 @@ async fn bursts_of_concurrent_submits_on_another_host_all_reach_an_idle_pool() -
             while let Some(r) = tasks.join_next().await {
                 ids.push(r??.0.id);
             }
-            let started = Instant::now();
-            loop {
+            let done = async || {
                 // Nothing else is submitted meanwhile: the burst's runs are
                 // the ids from its least to its greatest.
                 let (lo, hi) = (ids.iter().min().copied().unwrap_or(0), ids.iter().max().copied().unwrap_or(0));
@@ -110,12 +100,10 @@ async fn bursts_of_concurrent_submits_on_another_host_all_reach_an_idle_pool() -
                     .bind(hi)
                     .fetch_one(db.store.pool())
                     .await?;
-                if done == ids.len() as i64 {
-                    break;
-                }
-                ensure!(started.elapsed() < Duration::from_secs(30), "burst {burst}: {done} of {} runs completed after 30 s", ids.len());
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
+                anyhow::Ok(done)
+            };
+            let what = async || Ok(format!("burst {burst}: {} of {} runs completed", done().await?, ids.len()));
+            eventually_some(Duration::from_secs(30), what, async || Ok((done().await? == ids.len() as i64).then_some(()))).await?;
         }
         other.shutdown().await;
         pool.shutdown(Duration::from_secs(10)).await;
@@ -151,11 +139,8 @@ async fn a_run_given_back_wakes_an_idle_pool_on_another_host() -> Result<()> {
         )
         .await?;
         other.give_back(&queued.lease, queued.charged).await?;
-        let started = Instant::now();
-        while db.store.get_run(run.id).await?.status != RunStatus::Completed {
-            ensure!(started.elapsed() < Duration::from_secs(20), "a run given back on another host waited for the poll");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        let completed = async || Ok(db.store.get_run(run.id).await?.status == RunStatus::Completed);
+        crate::harness::eventually("a run given back on another host waited for the poll", completed).await?;
         other.shutdown().await;
         pool.shutdown(Duration::from_secs(10)).await;
         Ok(())
