@@ -102,6 +102,16 @@ pub enum BenchCommand {
         /// turns).
         #[arg(long)]
         limit: Option<i64>,
+        /// Before the drain, fill the table with this many finished runs of
+        /// another plugin (completed, retention not yet due): does the
+        /// claim slow down as history grows?
+        #[arg(long, default_value_t = 0)]
+        finished: i64,
+        /// Before the drain, this many runs of another plugin that are open
+        /// but not claimable: half asleep (queued, due in a day), half
+        /// waiting for input that never comes.
+        #[arg(long, default_value_t = 0)]
+        sleeping: i64,
         /// Then run this script (`../shared/peers/run`) on the same
         /// PostgreSQL server with the same number of jobs and report
         /// leasehold's rate over each peer's. PostgreSQL only.
@@ -277,13 +287,14 @@ impl BenchCommand {
                 println!("{}", serde_json::to_string(&result?)?);
                 Ok(())
             }
-            BenchCommand::Drain { database_url, runs, steps, gets, workers, claim_batch, prefetch, rounds, plugin_file, sqlite_synchronous, pg_vacuum_dead_rows, keys, limit, peers, quiet } => {
+            BenchCommand::Drain { database_url, runs, steps, gets, workers, claim_batch, prefetch, rounds, plugin_file, sqlite_synchronous, pg_vacuum_dead_rows, keys, limit, finished, sleeping, peers, quiet } => {
                 anyhow::ensure!(
                     runs > 0 && workers > 0 && claim_batch > 0 && rounds > 0,
                     "--runs, --workers, --claim-batch and --rounds must be positive"
                 );
                 anyhow::ensure!(steps == 0 || gets == 0, "--steps and --gets are two workloads: give one");
                 anyhow::ensure!(limit.is_none() || keys > 0, "--limit is each key's: give --keys too");
+                anyhow::ensure!(finished >= 0 && sleeping >= 0, "--finished and --sleeping count runs: give 0 or more");
                 if let Some(l) = limit {
                     crate::store::concurrency::check_concurrency(l).map_err(anyhow::Error::msg)?;
                 }
@@ -308,6 +319,8 @@ impl BenchCommand {
                     pg_vacuum_dead_rows,
                     keys,
                     limit,
+                    finished,
+                    sleeping,
                 };
                 let result = bench.run().await;
                 drop(db);

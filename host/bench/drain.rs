@@ -32,6 +32,10 @@ use crate::store::{MAX_SUBMIT_BATCH, NewRun, RunStatus, SqliteSync, Store, Store
 /// The plugin the bench registers: the Rust test plugin.
 const PLUGIN: &str = "bench-drain";
 
+/// The plugin name of the runs loaded beside the backlog (`--finished`,
+/// `--sleeping`): never registered, so never run.
+const BALLAST: &str = "bench-drain-ballast";
+
 /// Settings of `bench drain`. The CLI's defaults are in brackets.
 pub struct DrainBench {
     pub database_url: String,
@@ -63,6 +67,12 @@ pub struct DrainBench {
     pub keys: usize,
     /// Each key's limit (`None`: none).
     pub limit: Option<i64>,
+    /// Finished runs of another plugin in the table before the drain. [0]
+    pub finished: i64,
+    /// Open runs of another plugin that are not claimable during the
+    /// drain: half queued with a wake-up a day away (a durable sleep),
+    /// half waiting for input. [0]
+    pub sleeping: i64,
 }
 
 /// The one JSON line the bench ends with.
@@ -98,6 +108,9 @@ pub struct DrainResult {
     /// Concurrency keys, and each one's limit.
     pub keys: usize,
     pub limit: Option<i64>,
+    /// Finished, and sleeping or waiting, runs beside the backlog.
+    pub finished: i64,
+    pub sleeping: i64,
 }
 
 /// One round's figures.
@@ -120,6 +133,7 @@ impl DrainBench {
         };
         let store = Store::connect_with(&self.database_url, opts).await?;
         let exec = super::executor_with_plugin(&store, &self.plugin_file, &self.cache_dir, PLUGIN, self.workers, "bench-drain").await?;
+        self.load_ballast(&store).await?;
         let rounds = self.rounds.max(1);
         let mut done = Vec::with_capacity(rounds);
         for round in 0..rounds {
@@ -128,7 +142,9 @@ impl DrainBench {
             }
             done.push(self.round(&store, &exec, round).await?);
         }
+        self.check_ballast(&store).await?;
         clear(&store, PLUGIN, true).await?;
+        clear(&store, BALLAST, false).await?;
         store.shutdown().await;
         let median = |f: fn(&Round) -> f64| super::median(&mut done.iter().map(f).collect::<Vec<_>>());
         Ok(DrainResult {
@@ -151,7 +167,71 @@ impl DrainBench {
             pg_vacuums: (store.backend() == crate::store::Backend::Postgres).then(|| done.iter().map(|r| r.vacuums).sum()),
             keys: self.keys,
             limit: self.limit,
+            finished: self.finished,
+            sleeping: self.sleeping,
         })
+    }
+
+    /// The runs beside the backlog are as loaded: no claim took one.
+    async fn check_ballast(&self, store: &Store) -> Result<(), BenchError> {
+        let asleep = self.sleeping / 2;
+        for (status, want) in [(RunStatus::Completed, self.finished), (RunStatus::Queued, asleep), (RunStatus::WaitingInput, self.sleeping - asleep)] {
+            let n: i64 = sqlx::query_scalar(sql!(store, "SELECT COUNT(*) FROM runs WHERE plugin = $1 AND status = $2 AND fence = 0"))
+                .bind(BALLAST)
+                .bind(status.as_str())
+                .fetch_one(store.pool())
+                .await
+                .map_err(StoreError::from)?;
+            if n != want {
+                return Err(BenchError::Setup(format!("{n} of the {want} {} runs loaded beside the backlog are left as loaded", status.as_str())));
+            }
+        }
+        Ok(())
+    }
+
+    /// The runs beside the backlog, loaded once for all rounds: `finished`
+    /// completed ones, and `sleeping` open ones no claim may take during
+    /// the drain.
+    async fn load_ballast(&self, store: &Store) -> Result<(), BenchError> {
+        if self.finished == 0 && self.sleeping == 0 {
+            return Ok(());
+        }
+        let loading = Instant::now();
+        // In slices: one statement of a million rows holds a lot of memory
+        // on SQLite's side.
+        const SLICE: i64 = 100_000;
+        let load = |n: i64, status: RunStatus| async move {
+            let mut left = n;
+            while left > 0 {
+                store.bulk_load(left.min(SLICE), BALLAST, status).await?;
+                left -= SLICE;
+            }
+            Ok::<_, StoreError>(())
+        };
+        load(self.finished, RunStatus::Completed).await?;
+        // Finished as a real close leaves them: when, and from when.
+        sqlx::query(sql!(store, "UPDATE runs SET started_at = created_at, finished_at = created_at WHERE plugin = $1 AND status = $2"))
+            .bind(BALLAST)
+            .bind(RunStatus::Completed.as_str())
+            .execute(store.writer())
+            .await
+            .map_err(StoreError::from)?;
+        let asleep = self.sleeping / 2;
+        load(asleep, RunStatus::Queued).await?;
+        sqlx::query(sql!(store, "UPDATE runs SET not_before = not_before + 86400000 WHERE plugin = $1 AND status = $2"))
+            .bind(BALLAST)
+            .bind(RunStatus::Queued.as_str())
+            .execute(store.writer())
+            .await
+            .map_err(StoreError::from)?;
+        load(self.sleeping - asleep, RunStatus::WaitingInput).await?;
+        self.say(format_args!(
+            "loaded {} finished and {} sleeping or waiting runs beside the backlog in {:.1} s",
+            self.finished,
+            self.sleeping,
+            loading.elapsed().as_secs_f64()
+        ));
+        Ok(())
     }
 
     async fn round(&self, store: &Store, exec: &Arc<Executor>, round: usize) -> Result<Round, BenchError> {
@@ -206,9 +286,10 @@ impl DrainBench {
 
         let row = sqlx::query(sql!(
             store,
-            "SELECT COUNT(*) AS n, MIN(started_at) AS first_claim, MAX(finished_at) AS last_close FROM runs WHERE status = $1"
+            "SELECT COUNT(*) AS n, MIN(started_at) AS first_claim, MAX(finished_at) AS last_close FROM runs WHERE status = $1 AND plugin = $2"
         ))
         .bind(RunStatus::Completed.as_str())
+        .bind(PLUGIN)
         .fetch_one(store.pool())
         .await
         .map_err(StoreError::from)?;
@@ -218,7 +299,8 @@ impl DrainBench {
         }
         let (first_claim, last_close): (i64, i64) =
             (row.try_get("first_claim").map_err(StoreError::from)?, row.try_get("last_close").map_err(StoreError::from)?);
-        let finished: Vec<i64> = sqlx::query_scalar("SELECT finished_at FROM runs ORDER BY finished_at")
+        let finished: Vec<i64> = sqlx::query_scalar(sql!(store, "SELECT finished_at FROM runs WHERE plugin = $1 ORDER BY finished_at"))
+            .bind(PLUGIN)
             .fetch_all(store.pool())
             .await
             .map_err(StoreError::from)?;
@@ -249,8 +331,10 @@ impl DrainBench {
         let _bar = self.progress.then(|| super::progress::Progress::start("drained", self.runs as u64, shown.clone()));
         loop {
             // Through the claim index: a read of the runs left, never of the
-            // finished ones.
-            let open: i64 = sqlx::query_scalar(concat!("SELECT COUNT(*) FROM runs WHERE ", crate::claimable!()))
+            // finished ones (the ballast's sleepers are in it too, so the
+            // plugin's).
+            let open: i64 = sqlx::query_scalar(concat!("SELECT COUNT(*) FROM runs WHERE ", crate::claimable!(), " AND plugin = $1"))
+                .bind(PLUGIN)
                 .fetch_one(store.pool())
                 .await
                 .map_err(StoreError::from)?;

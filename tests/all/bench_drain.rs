@@ -31,6 +31,8 @@ both! {
             // Keyed, so the pool's claims go through the keys' turns.
             keys: 7,
             limit: Some(2),
+            finished: 0,
+            sleeping: 0,
         };
         let result = bench.run().await?;
         ensure!(result.runs == 1_200 && result.rounds == 2 && result.runs_per_sec > 0.0, "{result:?}");
@@ -45,6 +47,40 @@ both! {
         let (other, _) = db.store.create_run(&leasehold::store::NewRun::new("other", "{}")).await?;
         ensure!(bench.run().await.is_err(), "a database holding runs was not refused");
         ensure!(db.store.get_run(other.id).await.is_ok(), "the bench deleted another plugin's run");
+        Ok(())
+    }
+
+    async fn the_drain_bench_leaves_finished_and_sleeping_runs_beside_the_backlog_alone(db) {
+        let dir = tempfile::tempdir()?;
+        let plugin_file = dir.path().join("testkit.wasm");
+        std::fs::write(&plugin_file, plugins::rust_plugin("testkit")?)?;
+        let bench = DrainBench {
+            database_url: db.url().to_string(),
+            runs: 300,
+            steps: 0,
+            gets: 0,
+            workers: 4,
+            claim_batch: 8,
+            prefetch: 8,
+            rounds: 1,
+            plugin_file,
+            cache_dir: std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/component-cache"),
+            progress: false,
+            sqlite_sync: Default::default(),
+            pg_vacuum_dead_rows: 0,
+            keys: 0,
+            limit: None,
+            // Over one loading slice of finished runs, and an odd number
+            // of open ones, so the halves differ.
+            finished: 100_001,
+            sleeping: 301,
+        };
+        // The bench fails if a claim took one of the runs beside the
+        // backlog, or if it counted them as drained.
+        let result = bench.run().await?;
+        ensure!(result.runs == 300 && result.finished == 100_001 && result.sleeping == 301 && result.runs_per_sec > 0.0, "{result:?}");
+        let left: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM runs").fetch_one(db.store.pool()).await?;
+        ensure!(left == 0, "{left} runs left behind");
         Ok(())
     }
 
