@@ -156,6 +156,7 @@ impl Executor {
         let started = Instant::now();
         let mut next = Handoff { want: take_next, got: None, guest_done };
         let (run_id, fence) = (claimed.run.id, claimed.lease.fence);
+        let first = claimed.run.fence == first_fence(&claimed.run);
         observe_first_start(&self.store, &claimed.run);
         let database = self.store.database_id().await?;
         let (parent, http_header) = (claimed.run.trace_parent.as_deref(), self.config.http_traceparent);
@@ -174,8 +175,12 @@ impl Executor {
             };
             crate::traces::segment::finish(&trace, described, suspended, &outcome_said, error.as_deref());
         }
-        let (owner, ended_at) = (self.config.owner.clone(), claimed_at + started.elapsed().as_millis() as i64);
-        self.segment_log.record(SegmentRecord { run_id, fence, owner, started_at: claimed_at, ended_at, outcome: outcome_said });
+        // A run's first segment that completes it is read from the run row
+        // (`store::segments`): most runs then cost the log nothing.
+        if !(first && matches!(outcome, Ok(SegmentOutcome::Completed))) {
+            let (owner, ended_at) = (self.config.owner.clone(), claimed_at + started.elapsed().as_millis() as i64);
+            self.segment_log.record(SegmentRecord { run_id, fence, owner, started_at: claimed_at, ended_at, outcome: outcome_said });
+        }
         if let Ok(SegmentOutcome::LeaseLost) = &outcome {
             // An operator sees which runs a paused or partitioned host gave up.
             tracing::info!(run_id, fence, "segment stopped: its lease was lost, and it wrote nothing more");
@@ -532,12 +537,16 @@ struct Handoff {
     guest_done: Option<tokio::sync::oneshot::Sender<()>>,
 }
 
+/// The fence of a run's first claim: 1, or 2 for a rerun, whose fence
+/// starts at 1.
+fn first_fence(run: &crate::store::Run) -> i64 {
+    if run.rerun_of.is_some() { 2 } else { 1 }
+}
+
 /// Counts a run's wait from its submit to its first claim (`started_at`,
-/// both on the database's clock) when this segment is that claim's: fence
-/// 1, or 2 for a rerun, whose fence starts at 1.
+/// both on the database's clock) when this segment is that claim's.
 fn observe_first_start(store: &Store, run: &crate::store::Run) {
-    let first = if run.rerun_of.is_some() { 2 } else { 1 };
-    if let (true, Some(started)) = (run.fence == first, run.started_at) {
+    if let (true, Some(started)) = (run.fence == first_fence(run), run.started_at) {
         let wait = (started - run.created_at).max(0);
         crate::metrics::global().submit_to_start.0.observe_value(wait as f64 / 1000.0);
         crate::maintenance::rollup::observe_wait(store, started, wait);

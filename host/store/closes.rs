@@ -292,7 +292,7 @@ impl Store {
                 let rows = sqlx::query(sql!(
                     self,
                     "UPDATE runs SET status = b.value ->> 'status', output = b.value ->> 'output', \
-                     error = b.value ->> 'error', lease_owner = NULL, lease_expires_at = NULL, \
+                     error = b.value ->> 'error', lease_owner = NULL, lease_expires_at = NULL, closed_by = b.value ->> 'owner', \
                      finished_at = {now}, updated_at = {now}, partial = runs.partial || {unfolded} || (b.value ->> 'tail'), \
                      emit_pos = runs.emit_pos + (b.value ->> 'n'), partial_pos = runs.emit_pos + (b.value ->> 'n') \
                      FROM jsonb_each($1) AS b \
@@ -449,7 +449,7 @@ impl Store {
                          d AS (SELECT b.i, x.delta, x.ord FROM b, \
                          jsonb_array_elements_text(b.deltas) WITH ORDINALITY AS x(delta, ord)), \
                          r AS (UPDATE runs SET status = b.status, output = b.output, error = b.error, \
-                         lease_owner = NULL, lease_expires_at = NULL, finished_at = {now}, updated_at = {now}, \
+                         lease_owner = NULL, lease_expires_at = NULL, closed_by = b.owner, finished_at = {now}, updated_at = {now}, \
                          partial = runs.partial || {unfolded} || COALESCE((SELECT string_agg(d.delta, '' ORDER BY d.ord) \
                          FROM d WHERE d.i = b.i), ''), emit_pos = runs.emit_pos + b.n, partial_pos = runs.emit_pos + b.n \
                          FROM b WHERE runs.id = b.id AND runs.lease_owner = b.owner AND runs.fence = b.fence \

@@ -6,6 +6,14 @@
 //! rows, and a segment it was running has none (its ledger rows still show
 //! its fence). It guards nothing and nothing reads it to decide anything,
 //! so it is written without the lease's guard. Deleted with its run.
+//!
+//! A run's first segment that completes it has no row: the run row holds
+//! all of it (its first claim's `started_at`, its close's `finished_at`
+//! and `closed_by`), and [`Store::segments`] reads it from there. That is
+//! most runs, so most runs cost the log no insert. A host of the release
+//! before writes a row for it, and the row is read as it is; such a host
+//! reading the log during a rolling upgrade does not show those segments
+//! of new hosts.
 
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -56,10 +64,16 @@ impl Store {
         .await
     }
 
-    /// The segments recorded for `run_id`, by fence.
+    /// The segments recorded for `run_id`, by fence, with the first segment
+    /// that completed it read from the run row when it has no row of its own.
     pub async fn segments(&self, run_id: i64) -> Result<Vec<SegmentRecord>, StoreError> {
         let rows = sqlx::query(
-            "SELECT run_id, fence, owner, started_at, ended_at, outcome FROM segments WHERE run_id = $1 ORDER BY fence LIMIT 1000",
+            "SELECT run_id, fence, owner, started_at, ended_at, outcome FROM segments WHERE run_id = $1 \
+             UNION ALL SELECT id, fence, closed_by, COALESCE(started_at, created_at), finished_at, 'completed' FROM runs \
+             WHERE id = $1 AND status = 'completed' AND closed_by IS NOT NULL AND finished_at IS NOT NULL \
+             AND fence = CASE WHEN rerun_of IS NULL THEN 1 ELSE 2 END \
+             AND NOT EXISTS (SELECT 1 FROM segments s WHERE s.run_id = runs.id AND s.fence = runs.fence) \
+             ORDER BY fence LIMIT 1000",
         )
         .bind(run_id)
         .fetch_all(self.pool())
