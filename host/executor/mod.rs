@@ -154,7 +154,7 @@ impl Executor {
     ) -> Result<(SegmentOutcome, Option<Claimed>), StoreError> {
         let metrics = crate::metrics::global();
         let started = Instant::now();
-        let mut next = Handoff { want: take_next, got: None, guest_done };
+        let mut next = Handoff { want: take_next, got: None, guest_done, charge: false };
         let (run_id, fence) = (claimed.run.id, claimed.lease.fence);
         let first = claimed.run.fence == first_fence(&claimed.run);
         observe_first_start(&self.store, &claimed.run);
@@ -219,7 +219,7 @@ impl Executor {
         let database = self.store.database_id().await?;
         let (run, fence) = (claimed.run.id, claimed.lease.fence);
         let trace = Arc::new(SegmentTrace::new(None, database, run, fence, claimed.run.trace_parent.as_deref(), self.config.http_traceparent));
-        self.segment(claimed, &mut Handoff { want: false, got: None, guest_done: None }, &trace).await
+        self.segment(claimed, &mut Handoff { want: false, got: None, guest_done: None, charge: false }, &trace).await
     }
 
     async fn segment(&self, claimed: Claimed, next: &mut Handoff, trace: &Arc<SegmentTrace>) -> Result<SegmentOutcome, StoreError> {
@@ -318,11 +318,12 @@ impl Executor {
             lease_live: Some(watch.live()),
         };
         self.store.faults().before_guest().await;
-        // Claimed for a local queue: the segment counts its attempt as its
-        // guest starts, in a renewal it does not wait for (the worker never
-        // waits on the database between short turns); the close waits for
-        // it, so a finished run has counted it.
-        let charge = (!charged).then(|| renewer::charge(&self.store, &lease, self.config.lease_ttl, watch));
+        // Claimed for a local queue: the segment counts its attempt once its
+        // guest has run for `CHARGE_AFTER`, in a renewal it does not wait
+        // for (the worker never waits on the database between short turns);
+        // a guest that returns first has its last write count it. Either
+        // way a finished run has counted it.
+        let charge = (!charged).then(|| renewer::Charge::start(&self.store, &lease, self.config.lease_ttl, watch));
         let result = self.guest_call(&plugin, init, &run.input, watch).await;
         // The deltas and puts still held go with the segment's last write:
         // taken now, or a timed flush fired while the charge below (or a
@@ -333,11 +334,14 @@ impl Executor {
         if let Some(done) = next.guest_done.take() {
             let _ = done.send(());
         }
-        if let Some(charge) = charge
-            && let Ok(Err(StoreError::LeaseLost(_))) = charge.await
-        {
-            return Ok(SegmentOutcome::LeaseLost);
-        }
+        let uncharged = match charge {
+            None => false,
+            Some(charge) => match charge.settle().await {
+                renewer::Charged::Not => true,
+                renewer::Charged::Sent(Err(StoreError::LeaseLost(_))) => return Ok(SegmentOutcome::LeaseLost),
+                renewer::Charged::Sent(_) => false,
+            },
+        };
         // Renewed until the close returns: the store bounds how long a
         // write waits (a lock timeout, the batch's own retries).
         watch.renew_for(Duration::MAX);
@@ -347,7 +351,7 @@ impl Executor {
             Ok(held) if trace.exporting() => held.puts.iter().map(|p| p.call.seq).collect(),
             _ => Vec::new(),
         };
-        let settled = self.settle(&plugin, &lease, result, tail, next).await;
+        let settled = self.settle(&plugin, &lease, result, tail, next, uncharged).await;
         if matches!(settled, Ok(SegmentOutcome::Completed | SegmentOutcome::Failed(_) | SegmentOutcome::Suspended(_))) {
             trace.puts_written(trace.guest_returned_at(), tail_puts);
         }
@@ -535,6 +539,8 @@ struct Handoff {
     want: bool,
     got: Option<Claimed>,
     guest_done: Option<tokio::sync::oneshot::Sender<()>>,
+    /// The segment's attempt is not counted yet: its close counts it.
+    charge: bool,
 }
 
 /// The fence of a run's first claim: 1, or 2 for a rerun, whose fence

@@ -166,14 +166,69 @@ pub(super) async fn renew_once(store: &Store, lease: &Lease, ttl: Duration, watc
     }
 }
 
+/// How long a segment whose claim did not count its attempt runs its
+/// guest before it counts it in a renewal of its own: 10 ms. A turn
+/// that returns first counts it in its close instead (or, when it
+/// suspends, in a renewal then), so a short turn costs its run no
+/// row version more than its claim and its close. A host that dies
+/// within it has not counted the attempt, as one that dies before a
+/// renewal sent at once has landed.
+pub(super) const CHARGE_AFTER: Duration = Duration::from_millis(10);
+
+/// A segment's attempt, counted in a renewal [`CHARGE_AFTER`] into its
+/// guest unless the guest returns first ([`Charge::settle`]).
+pub(super) struct Charge {
+    /// 0: waiting; 1: the renewal is under way; 2: called off.
+    state: Arc<std::sync::atomic::AtomicU8>,
+    task: tokio::task::JoinHandle<Option<Result<(i64, bool), StoreError>>>,
+}
+
+/// What became of a segment's [`Charge`] when its guest returned.
+pub(super) enum Charged {
+    /// Nothing counted it yet: the segment's last write must.
+    Not,
+    /// Its renewal was sent, with this result.
+    Sent(Result<(i64, bool), StoreError>),
+}
+
+impl Charge {
+    /// Counts the attempt of `lease`'s segment after [`CHARGE_AFTER`] (see
+    /// [`charge`]) unless settled first.
+    pub(super) fn start(store: &Store, lease: &Lease, ttl: Duration, watch: &LeaseWatch) -> Charge {
+        let state = Arc::new(std::sync::atomic::AtomicU8::new(0));
+        let (store, lease, watch, mine) = (store.clone(), lease.clone(), watch.clone(), state.clone());
+        let task = tokio::spawn(async move {
+            tokio::time::sleep(CHARGE_AFTER).await;
+            if mine.compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire).is_err() {
+                return None;
+            }
+            Some(charge(&store, &lease, ttl, &watch).await)
+        });
+        Charge { state, task }
+    }
+
+    /// As the guest returns: calls the renewal off if it was not sent
+    /// ([`Charged::Not`]), else waits for its result.
+    pub(super) async fn settle(self) -> Charged {
+        if self.state.compare_exchange(0, 2, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+            self.task.abort();
+            return Charged::Not;
+        }
+        match self.task.await {
+            Ok(Some(result)) => Charged::Sent(result),
+            // Aborted only here, after calling it off; a panic counted nothing.
+            Ok(None) | Err(_) => Charged::Not,
+        }
+    }
+}
+
 /// Counts the attempt of a segment whose claim did not (a run claimed for
-/// a local queue), in a renewal sent at once in a task of its own: on
-/// success the lease deadline moves on as after any renewal; refused, the
-/// lease is lost and the guest stops.
-pub(super) fn charge(store: &Store, lease: &Lease, ttl: Duration, watch: &LeaseWatch) -> tokio::task::JoinHandle<Result<(i64, bool), StoreError>> {
+/// a local queue) in a renewal: on success the lease deadline moves on as
+/// after any renewal; refused, the lease is lost and the guest stops.
+async fn charge(store: &Store, lease: &Lease, ttl: Duration, watch: &LeaseWatch) -> Result<(i64, bool), StoreError> {
     let (db, held, watch) = (store.clone(), lease.clone(), watch.clone());
     let asked_at = watch.clock.since(watch.start).as_millis() as i64;
-    tokio::spawn(async move {
+    {
         let charged = db.renew_seeing_pause(&held, ttl, true).await;
         match &charged {
             Ok((_, paused)) => {
@@ -189,7 +244,7 @@ pub(super) fn charge(store: &Store, lease: &Lease, ttl: Duration, watch: &LeaseW
             Err(e) => tracing::warn!(run_id = held.run_id, error = %e, "counting the segment's attempt failed; its renewals go on"),
         }
         charged
-    })
+    }
 }
 
 /// Renews `lease` after `first`, then every `every`, until aborted; never

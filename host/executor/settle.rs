@@ -17,6 +17,7 @@ impl Executor {
         (result, state): (wasmtime::Result<Result<String, String>>, SegmentState),
         tail: Result<Held, Interrupt>,
         next: &mut Handoff,
+        uncharged: bool,
     ) -> Result<SegmentOutcome, StoreError> {
         let result = result.map(|r| r.map(storable).map_err(storable));
         // Deltas and puts still held (`tail`, taken as the guest returned)
@@ -29,6 +30,18 @@ impl Executor {
             Err(Interrupt::Store(e)) => return Ok(SegmentOutcome::Abandoned(e)),
             Err(other) => return Ok(SegmentOutcome::Abandoned(format!("{other:?}"))),
         };
+        // The segment's attempt, not counted yet: its close counts it, and
+        // a suspension first counts it in a renewal (what a suspension
+        // gives back assumes it was). A segment that writes nothing more
+        // (a lost lease, a failed store) leaves it to the next claim.
+        next.charge = uncharged;
+        if uncharged && suspends(&result, &state, &tail) {
+            match self.store.renew_charging(lease, self.config.lease_ttl).await {
+                Ok(_) => {}
+                Err(StoreError::LeaseLost(_)) => return Ok(SegmentOutcome::LeaseLost),
+                Err(e) => return Err(e),
+            }
+        }
         let limits = &plugin.limits;
         let too_large = |len: usize| Outcome::Failed {
             error: format!(
@@ -134,7 +147,7 @@ impl Executor {
     ) -> Result<SegmentOutcome, StoreError> {
         let deltas: Vec<&str> = tail.deltas.iter().map(String::as_str).collect();
         let claim = next.want.then_some((self.config.owner.as_str(), self.config.lease_ttl));
-        match self.store.close_and_claim(lease, &deltas, &tail.puts, &outcome, claim).await {
+        match self.store.close_charging(lease, &deltas, &tail.puts, &outcome, claim, next.charge).await {
             Ok(got) => {
                 next.got = got;
                 Ok(done)
@@ -177,6 +190,33 @@ impl Executor {
             Ok(false) | Err(StoreError::LeaseLost(_)) => Ok(Some(SegmentOutcome::LeaseLost)),
             Err(e) => Err(e),
         }
+    }
+}
+
+/// Whether [`Executor::settle`] ends `result` with a suspension (rather
+/// than a close, or no write at all). Kept beside `settle`'s match, which
+/// it mirrors.
+fn suspends<T>(result: &wasmtime::Result<T>, state: &SegmentState, tail: &Held) -> bool {
+    match (result, &state.interrupt) {
+        (Ok(_), _) | (Err(_), None) => false,
+        (Err(_), Some(Interrupt::Slice)) => state.settled > 0 || !tail.puts.is_empty(),
+        (
+            Err(_),
+            Some(
+                Interrupt::WaitInput { .. }
+                | Interrupt::Sleep { .. }
+                | Interrupt::Rate { .. }
+                | Interrupt::AwaitChildren(_)
+                | Interrupt::WaitNamed(_)
+                | Interrupt::Budget { .. }
+                | Interrupt::Shutdown
+                | Interrupt::Pause,
+            ),
+        ) => true,
+        (
+            Err(_),
+            Some(Interrupt::LeaseLost | Interrupt::Store(_) | Interrupt::Frontier(_) | Interrupt::NonDeterminism(_) | Interrupt::Limit { .. }),
+        ) => false,
     }
 }
 

@@ -82,6 +82,9 @@ pub(crate) struct Close {
     /// Owner and lease length of the next run to claim in the same
     /// statement; `None`: claim nothing.
     pub next: Option<(String, Duration)>,
+    /// Counts the segment's attempt too: its claim did not, and nothing
+    /// since has (see `executor::renewer::Charge`).
+    pub charge: bool,
 }
 
 /// Closes waiting to be group-committed.
@@ -194,6 +197,7 @@ struct PgClose<'a> {
     deltas: &'a [String],
     n: usize,
     want: bool,
+    charge: bool,
 }
 
 /// The owner and lease length the batch's closes that want a next run
@@ -240,12 +244,27 @@ impl Store {
         outcome: &Outcome,
         next: Option<(&str, Duration)>,
     ) -> Result<Option<Claimed>, StoreError> {
+        self.close_charging(lease, deltas, puts, outcome, next, false).await
+    }
+
+    /// [`Store::close_and_claim`]; with `charge`, the close also counts the
+    /// segment's attempt (`attempt + 1`), which its claim did not.
+    pub async fn close_charging(
+        &self,
+        lease: &Lease,
+        deltas: &[&str],
+        puts: &[HeldPut],
+        outcome: &Outcome,
+        next: Option<(&str, Duration)>,
+        charge: bool,
+    ) -> Result<Option<Claimed>, StoreError> {
         let close = Close {
             lease: lease.clone(),
             deltas: deltas.iter().map(|d| d.to_string()).collect(),
             puts: puts.to_vec(),
             outcome: outcome.clone(),
             next: next.map(|(owner, ttl)| (owner.to_string(), ttl)),
+            charge,
         };
         self.faults().before_close().await;
         crate::store::closes::close(self, close).await
@@ -279,7 +298,7 @@ impl Store {
             list.push(json!({
                 "id": c.lease.run_id, "owner": c.lease.owner, "fence": c.lease.fence,
                 "status": status.as_str(), "output": output, "error": error,
-                "tail": c.deltas.concat(), "n": c.deltas.len(),
+                "tail": c.deltas.concat(), "n": c.deltas.len(), "charge": i64::from(c.charge),
             }));
         }
         let list = serde_json::Value::Array(list).to_string();
@@ -293,6 +312,7 @@ impl Store {
                     self,
                     "UPDATE runs SET status = b.value ->> 'status', output = b.value ->> 'output', \
                      error = b.value ->> 'error', lease_owner = NULL, lease_expires_at = NULL, closed_by = b.value ->> 'owner', \
+                     attempt = runs.attempt + (b.value ->> 'charge'), \
                      finished_at = {now}, updated_at = {now}, partial = runs.partial || {unfolded} || (b.value ->> 'tail'), \
                      emit_pos = runs.emit_pos + (b.value ->> 'n'), partial_pos = runs.emit_pos + (b.value ->> 'n') \
                      FROM jsonb_each($1) AS b \
@@ -426,6 +446,7 @@ impl Store {
                 deltas: &c.deltas,
                 n: c.deltas.len(),
                 want: c.next.is_some(),
+                charge: c.charge,
             });
             held.extend(c.puts.iter().map(|p| held_put_json(i, &database, c.lease.run_id, p)));
         }
@@ -445,11 +466,12 @@ impl Store {
                     concat!(
                         "WITH b AS (SELECT * FROM jsonb_to_recordset($1::text::jsonb) AS b(i bigint, id bigint, \
                          owner text, fence bigint, status text, output text, error text, payload text, deltas jsonb, \
-                         n bigint, want boolean)), \
+                         n bigint, want boolean, charge boolean)), \
                          d AS (SELECT b.i, x.delta, x.ord FROM b, \
                          jsonb_array_elements_text(b.deltas) WITH ORDINALITY AS x(delta, ord)), \
                          r AS (UPDATE runs SET status = b.status, output = b.output, error = b.error, \
                          lease_owner = NULL, lease_expires_at = NULL, closed_by = b.owner, finished_at = {now}, updated_at = {now}, \
+                         attempt = runs.attempt + CASE WHEN b.charge THEN 1 ELSE 0 END, \
                          partial = runs.partial || {unfolded} || COALESCE((SELECT string_agg(d.delta, '' ORDER BY d.ord) \
                          FROM d WHERE d.i = b.i), ''), emit_pos = runs.emit_pos + b.n, partial_pos = runs.emit_pos + b.n \
                          FROM b WHERE runs.id = b.id AND runs.lease_owner = b.owner AND runs.fence = b.fence \
