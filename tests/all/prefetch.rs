@@ -383,6 +383,32 @@ both! {
 }
 
 both! {
+    async fn a_queued_run_whose_turn_is_short_counts_its_attempt_in_its_close_and_a_long_one_in_a_renewal(db) {
+        let rt = plugins::runtime()?;
+        rt.add_plugin("testkit", &plugins::rust_plugin("testkit")?, plugins::test_limits())?;
+        let exec = Executor::new(db.store.clone(), rt, crate::harness::worker("charging"));
+        // Each run is claimed for a local queue (no attempt counted) and
+        // then run: a no-op turn, a turn of 300 ms, a turn that waits for
+        // input at once.
+        let waits = serde_json::json!({ "mode": "script", "ops": [{ "op": "wait", "prompt": "?" }] }).to_string();
+        let long = serde_json::json!({ "mode": "script", "ops": [{ "op": "wasi-sleep", "ms": 300 }] }).to_string();
+        for (input, renewals, attempt) in [(r#"{"steps": 0}"#.to_string(), 0, 1), (long, 1, 1), (waits, 1, 0)] {
+            let id = db.store.create_run(&NewRun::new("testkit", input.clone())).await?.0.id;
+            let claimed = exec.claim_charging(1, 0).await?.pop().ok_or_else(|| anyhow::anyhow!("nothing claimed"))?;
+            ensure!(claimed.run.id == id && !claimed.charged && claimed.run.attempt == 0, "{claimed:?}");
+            let before = db.store.renewals_written().0;
+            let outcome = exec.run_claimed(claimed).await?;
+            let run = db.store.get_run(id).await?;
+            let sent = db.store.renewals_written().0 - before;
+            // A suspension that made no progress gives back the attempt
+            // its segment counted: so it must have counted one (0, not -1).
+            ensure!(run.attempt == attempt && sent == renewals, "{input}: {outcome:?}, {sent} renewals, {run:?}");
+        }
+        Ok(())
+    }
+}
+
+both! {
     async fn a_queued_runs_last_put_is_written_with_its_close_though_its_attempt_count_is_held_up(db) {
         // One worker: A holds it for half a second while B (one kv.put and
         // an emit) waits in the queue; B counts its attempt when it starts,
