@@ -455,15 +455,19 @@ BEGIN
 END $$;
 CREATE TRIGGER chaos_events AFTER INSERT ON events FOR EACH ROW EXECUTE FUNCTION chaos_event();
 CREATE FUNCTION chaos_takeover() RETURNS trigger LANGUAGE plpgsql AS $$
+-- A lease runs from when it is given (the claim and renewals read
+-- clock_timestamp()), not from when its transaction began: a claim that
+-- waited seconds on a lock gives a lease that long past now() + TTL.
 DECLARE now_ms BIGINT := (extract(epoch from now()) * 1000)::bigint;
+  clock_ms BIGINT := (extract(epoch from clock_timestamp()) * 1000)::bigint;
 BEGIN
   IF OLD.status = 'running' AND NEW.status = 'running' AND NEW.fence > OLD.fence THEN
     INSERT INTO chaos_takeovers VALUES (OLD.id, OLD.lease_owner, OLD.fence, NEW.lease_owner, OLD.lease_expires_at - now_ms, now_ms);
   END IF;
   IF NEW.lease_expires_at IS NOT NULL AND NEW.lease_expires_at IS DISTINCT FROM OLD.lease_expires_at
      AND (NEW.lease_expires_at < now_ms - 1000
-          OR NEW.lease_expires_at > now_ms + (SELECT max_lease_ms FROM chaos_bounds)) THEN
-    INSERT INTO chaos_leases VALUES (NEW.id, NEW.lease_owner, NEW.lease_expires_at - now_ms);
+          OR NEW.lease_expires_at > clock_ms + (SELECT max_lease_ms FROM chaos_bounds)) THEN
+    INSERT INTO chaos_leases VALUES (NEW.id, NEW.lease_owner, NEW.lease_expires_at - clock_ms);
   END IF;
   RETURN NULL;
 END $$;
