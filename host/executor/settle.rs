@@ -31,17 +31,10 @@ impl Executor {
             Err(other) => return Ok(SegmentOutcome::Abandoned(format!("{other:?}"))),
         };
         // The segment's attempt, not counted yet: its close counts it, and
-        // a suspension first counts it in a renewal (what a suspension
-        // gives back assumes it was). A segment that writes nothing more
-        // (a lost lease, a failed store) leaves it to the next claim.
+        // a suspension first counts it in a renewal ([`Executor::suspend`]).
+        // A segment that writes nothing more (a lost lease, a failed store)
+        // leaves it to the next claim.
         next.charge = uncharged;
-        if uncharged && suspends(&result, &state, &tail) {
-            match self.store.renew_charging(lease, self.config.lease_ttl).await {
-                Ok(_) => {}
-                Err(StoreError::LeaseLost(_)) => return Ok(SegmentOutcome::LeaseLost),
-                Err(e) => return Err(e),
-            }
-        }
         let limits = &plugin.limits;
         let too_large = |len: usize| Outcome::Failed {
             error: format!(
@@ -65,15 +58,15 @@ impl Executor {
                 let error = format!("turn-error: {error}");
                 self.finish(lease, Outcome::Failed { error }, GuestErrorKind::TurnError, &tail, next).await
             }
-            (Err(_), Some(Interrupt::WaitInput { prompt })) => self.suspend(lease, Suspend::WaitInput { prompt }, &tail, progressed).await,
-            (Err(_), Some(Interrupt::Sleep { delay_ms })) => self.suspend(lease, Suspend::Sleep { delay_ms }, &tail, progressed).await,
-            (Err(_), Some(Interrupt::Rate { key, delay_ms })) => self.suspend(lease, Suspend::Rate { delay_ms, key }, &tail, progressed).await,
-            (Err(_), Some(Interrupt::AwaitChildren(wait))) => self.suspend(lease, Suspend::Children(wait), &tail, progressed).await,
-            (Err(_), Some(Interrupt::WaitNamed(wait))) => self.suspend(lease, Suspend::Named(wait), &tail, progressed).await,
-            (Err(_), Some(Interrupt::Budget { tokens, usd_nanos })) => self.suspend(lease, Suspend::Budget { tokens, usd_nanos }, &tail, progressed).await,
+            (Err(_), Some(Interrupt::WaitInput { prompt })) => self.suspend(lease, Suspend::WaitInput { prompt }, &tail, progressed, uncharged).await,
+            (Err(_), Some(Interrupt::Sleep { delay_ms })) => self.suspend(lease, Suspend::Sleep { delay_ms }, &tail, progressed, uncharged).await,
+            (Err(_), Some(Interrupt::Rate { key, delay_ms })) => self.suspend(lease, Suspend::Rate { delay_ms, key }, &tail, progressed, uncharged).await,
+            (Err(_), Some(Interrupt::AwaitChildren(wait))) => self.suspend(lease, Suspend::Children(wait), &tail, progressed, uncharged).await,
+            (Err(_), Some(Interrupt::WaitNamed(wait))) => self.suspend(lease, Suspend::Named(wait), &tail, progressed, uncharged).await,
+            (Err(_), Some(Interrupt::Budget { tokens, usd_nanos })) => self.suspend(lease, Suspend::Budget { tokens, usd_nanos }, &tail, progressed, uncharged).await,
             (Err(_), Some(Interrupt::Slice)) => {
                 if state.settled > 0 || !tail.puts.is_empty() {
-                    self.suspend(lease, Suspend::Takeover, &tail, true).await
+                    self.suspend(lease, Suspend::Takeover, &tail, true, uncharged).await
                 } else {
                     // Replay is deterministic: a slice that settled nothing
                     // would do exactly the same next time.
@@ -90,7 +83,7 @@ impl Executor {
                     self.finish(lease, Outcome::Failed { error }, GuestErrorKind::Timeout, &tail, next).await
                 }
             }
-            (Err(_), Some(Interrupt::Shutdown | Interrupt::Pause)) => self.suspend(lease, Suspend::Takeover, &tail, progressed).await,
+            (Err(_), Some(Interrupt::Shutdown | Interrupt::Pause)) => self.suspend(lease, Suspend::Takeover, &tail, progressed, uncharged).await,
             (Err(_), Some(Interrupt::LeaseLost)) => Ok(SegmentOutcome::LeaseLost),
             (Err(_), Some(Interrupt::Store(e))) => Ok(SegmentOutcome::Abandoned(e)),
             // Only offline replay stops at the frontier; a live segment
@@ -157,8 +150,17 @@ impl Executor {
         }
     }
 
-    /// Suspends the run after writing `tail` (its last held deltas and puts).
-    pub(super) async fn suspend(&self, lease: &Lease, how: Suspend, tail: &Held, progressed: bool) -> Result<SegmentOutcome, StoreError> {
+    /// Suspends the run after writing `tail` (its last held deltas and puts);
+    /// `uncharged`, after counting the segment's attempt in a renewal: what
+    /// a suspension gives back assumes it was counted.
+    pub(super) async fn suspend(&self, lease: &Lease, how: Suspend, tail: &Held, progressed: bool, uncharged: bool) -> Result<SegmentOutcome, StoreError> {
+        if uncharged {
+            match self.store.renew_charging(lease, self.config.lease_ttl).await {
+                Ok(_) => {}
+                Err(StoreError::LeaseLost(_)) => return Ok(SegmentOutcome::LeaseLost),
+                Err(e) => return Err(e),
+            }
+        }
         if !tail.deltas.is_empty() || !tail.puts.is_empty() {
             let deltas: Vec<&str> = tail.deltas.iter().map(String::as_str).collect();
             match self.store.write_held(lease, &deltas, &tail.puts).await {
@@ -190,33 +192,6 @@ impl Executor {
             Ok(false) | Err(StoreError::LeaseLost(_)) => Ok(Some(SegmentOutcome::LeaseLost)),
             Err(e) => Err(e),
         }
-    }
-}
-
-/// Whether [`Executor::settle`] ends `result` with a suspension (rather
-/// than a close, or no write at all). Kept beside `settle`'s match, which
-/// it mirrors.
-fn suspends<T>(result: &wasmtime::Result<T>, state: &SegmentState, tail: &Held) -> bool {
-    match (result, &state.interrupt) {
-        (Ok(_), _) | (Err(_), None) => false,
-        (Err(_), Some(Interrupt::Slice)) => state.settled > 0 || !tail.puts.is_empty(),
-        (
-            Err(_),
-            Some(
-                Interrupt::WaitInput { .. }
-                | Interrupt::Sleep { .. }
-                | Interrupt::Rate { .. }
-                | Interrupt::AwaitChildren(_)
-                | Interrupt::WaitNamed(_)
-                | Interrupt::Budget { .. }
-                | Interrupt::Shutdown
-                | Interrupt::Pause,
-            ),
-        ) => true,
-        (
-            Err(_),
-            Some(Interrupt::LeaseLost | Interrupt::Store(_) | Interrupt::Frontier(_) | Interrupt::NonDeterminism(_) | Interrupt::Limit { .. }),
-        ) => false,
     }
 }
 
