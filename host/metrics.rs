@@ -179,6 +179,21 @@ pub struct Metrics {
 
 
 
+/// A listener for each run's wait from its submit to the start of its first
+/// segment, in ms: the `bench harness-adapter`'s exact percentiles (the
+/// histograms here are bucketed). Unset by default; set once.
+static START_TAP: OnceLock<fn(i64)> = OnceLock::new();
+
+/// Sets the start listener; false if one was set before.
+pub fn set_start_tap(tap: fn(i64)) -> bool {
+    START_TAP.set(tap).is_ok()
+}
+
+/// The start listener, if one is set.
+pub fn start_tap() -> Option<fn(i64)> {
+    START_TAP.get().copied()
+}
+
 /// The process-wide metrics.
 pub fn global() -> &'static Metrics {
     static METRICS: OnceLock<Metrics> = OnceLock::new();

@@ -36,6 +36,16 @@ pub async fn serve(cfg: config::Serve) -> Result<()> {
 
 /// [`serve`], and with `dev`, the `leasehold dev` watcher of a project.
 pub async fn serve_with(cfg: config::Serve, dev: Option<crate::cli::dev::Project>) -> Result<()> {
+    serve_until(cfg, dev, shutdown_signal()).await
+}
+
+/// [`serve_with`], shutting down when `shutdown` resolves (SIGTERM or
+/// Ctrl-C for `serve`).
+pub async fn serve_until(
+    cfg: config::Serve,
+    dev: Option<crate::cli::dev::Project>,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<()> {
     if cfg.test_clock_skew_ms != 0 {
         leasehold::clock::set_skew_ms(cfg.test_clock_skew_ms);
         tracing::warn!(skew_ms = cfg.test_clock_skew_ms, "test setting: this host's wall clock is skewed");
@@ -177,7 +187,7 @@ pub async fn serve_with(cfg: config::Serve, dev: Option<crate::cli::dev::Project
             "--insecure: the API needs no token; anyone who can reach it may submit runs and replace plugins"
         ),
     }
-    shutdown_signal().await;
+    shutdown.await;
     tracing::info!(grace = ?cfg.shutdown_grace, "shutting down: no new claims");
     let _ = stop_tx.send(true);
     pool.shutdown(cfg.shutdown_grace).await;
@@ -234,7 +244,7 @@ async fn connect_with_retry(url: &str, options: StoreOptions) -> Result<Store> {
     }
 }
 
-async fn shutdown_signal() {
+pub async fn shutdown_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {

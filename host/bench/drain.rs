@@ -330,25 +330,8 @@ impl DrainBench {
         let shown = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let _bar = self.progress.then(|| super::progress::Progress::start("drained", self.runs as u64, shown.clone()));
         loop {
-            // The runs running (the lease index) and those due (the claim
-            // index, up to now): a read of the runs left, never of the
-            // finished ones, nor of the sleepers beside the backlog, which
-            // are not due. (A count of the whole claim index read those
-            // too, five times a second, and took the CPU a SQLite drain
-            // is measured by.)
-            let open: i64 = sqlx::query_scalar(sql!(
-                store,
-                concat!(
-                    "SELECT (SELECT COUNT(*) FROM runs WHERE status = 'running') + (SELECT COUNT(*) FROM runs WHERE ",
-                    crate::claimable!(),
-                    " AND ",
-                    crate::eligible_at!(),
-                    " <= {now})"
-                )
-            ))
-            .fetch_one(store.pool())
-                .await
-                .map_err(StoreError::from)?;
+            let (running, due) = super::open_runs(store).await?;
+            let open = running + due;
             shown.store((self.runs - open).max(0) as u64, std::sync::atomic::Ordering::Relaxed);
             if open == 0 {
                 return Ok(());

@@ -10,6 +10,7 @@ pub mod dashboard;
 pub mod drain;
 pub mod e2e;
 pub mod fairness;
+pub mod harness;
 mod peers;
 pub mod progress;
 pub mod submit;
@@ -85,6 +86,26 @@ async fn vacuum(store: &Store, vacuums: &[&'static str]) -> Result<(), StoreErro
         }
     }
     Ok(())
+}
+
+/// The runs running (the lease index) and those due (the claim index, up
+/// to now): a read of the runs left, never of the finished ones, nor of
+/// runs sleeping until later. (A count of the whole claim index read the
+/// sleepers too and took the CPU a SQLite drain is measured by.)
+async fn open_runs(store: &Store) -> Result<(i64, i64), StoreError> {
+    let row: (i64, i64) = sqlx::query_as(crate::store::sql!(
+        store,
+        concat!(
+            "SELECT (SELECT COUNT(*) FROM runs WHERE status = 'running'), (SELECT COUNT(*) FROM runs WHERE ",
+            crate::claimable!(),
+            " AND ",
+            crate::eligible_at!(),
+            " <= {now})"
+        )
+    ))
+    .fetch_one(store.pool())
+    .await?;
+    Ok(row)
 }
 
 fn median(xs: &mut [f64]) -> f64 {

@@ -556,6 +556,13 @@ fn observe_first_start(store: &Store, run: &crate::store::Run) {
         let wait = (started - run.created_at).max(0);
         crate::metrics::global().submit_to_start.0.observe_value(wait as f64 / 1000.0);
         crate::maintenance::rollup::observe_wait(store, started, wait);
+        if let Some(tap) = crate::metrics::start_tap() {
+            // Now, not the claim: a prefetched run's wait in the local
+            // queue is part of its pickup. (The submit is on the
+            // database's clock; a tap is for a bench on one machine.)
+            let now = crate::clock::wall().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64);
+            tap((now - run.created_at).max(0));
+        }
     }
 }
 
