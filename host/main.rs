@@ -2,6 +2,7 @@
 
 mod cli;
 mod config;
+mod harness;
 mod serve;
 
 use cli::{dev, new, replay, run};
@@ -176,6 +177,7 @@ fn main() -> std::process::ExitCode {
 async fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Serve { config, options } => serve::serve(options.resolve(config.as_deref())?).await,
+        Command::Bench { bench: BenchCommand::HarnessAdapter { plugin_file } } => harness::run(&plugin_file).await,
         Command::Bench { bench } => bench.run().await,
         Command::Plugins { api, command } => cli::plugins(&api, command).await,
         Command::Submit { api, args } => cli::submit(&api, args).await,

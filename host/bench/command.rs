@@ -235,12 +235,29 @@ pub enum BenchCommand {
         #[arg(long)]
         quiet: bool,
     },
+    /// leasehold as an adapter of the public PostgreSQL job-queue benchmark
+    /// harness (benches/harness/README.md): serves a host in this process
+    /// on DATABASE_URL with WORKER_COUNT workers, registers the test plugin
+    /// as `harness-noop` through the API, submits runs through the API's
+    /// batch submit at the harness's rate and prints the harness's JSONL
+    /// metrics on stdout. Reads the harness's environment (PRODUCER_RATE,
+    /// PRODUCER_PACING, JOB_WORK_MS, SAMPLE_EVERY_S, …); the host's own
+    /// settings come from the usual LEASEHOLD_* variables. Runs until
+    /// SIGTERM.
+    HarnessAdapter {
+        /// The test plugin's component (`scripts/build-plugins` builds it).
+        #[arg(long, env = "LEASEHOLD_HARNESS_PLUGIN", default_value = "target/plugins/testkit.wasm")]
+        plugin_file: PathBuf,
+    },
 }
 
 impl BenchCommand {
     /// Runs the bench and prints its result as one JSON line on stdout.
     pub async fn run(self) -> Result<()> {
         match self {
+            // It serves a host, which is the binary's (`leasehold bench
+            // harness-adapter` runs it there).
+            BenchCommand::HarnessAdapter { .. } => anyhow::bail!("the harness adapter runs in the leasehold binary"),
             BenchCommand::E2e { database_url, runs, concurrency, submitters, rounds, plugin_file, sqlite_synchronous, quiet } => {
                 let submitters = submitters.unwrap_or(concurrency);
                 anyhow::ensure!(

@@ -9,6 +9,7 @@ mod api;
 mod bench_drain;
 mod bench_e2e;
 mod bench_fairness;
+mod bench_harness;
 mod bench_submit;
 mod budgets;
 mod children;
