@@ -179,9 +179,10 @@ pub struct Metrics {
 
 
 
-/// A listener for each run's wait from its submit to the start of its first
-/// segment, in ms: the `bench harness-adapter`'s exact percentiles (the
-/// histograms here are bucketed). Unset by default; set once.
+/// A listener for each run's wait from its submit to the first start of its
+/// turn, in ms (`executor`'s `tap_first_start` says when): the `bench
+/// harness-adapter`'s exact percentiles (the histograms here are
+/// bucketed). Unset by default; set once.
 static START_TAP: OnceLock<fn(i64)> = OnceLock::new();
 
 /// Sets the start listener; false if one was set before.

@@ -9,9 +9,10 @@
 //! and (replica 0 only) the queue depth.
 //!
 //! A run's pickup is its submit (`created_at`, the database's clock) to the
-//! start of its first segment on the worker that took it, wait in the local
-//! queue included ([`crate::metrics::set_start_tap`]); one machine, one
-//! clock, 1 ms resolution. A completion is a segment that completed its run
+//! first start of its turn on a worker, wait in the local queue included,
+//! and for a run a killed host had claimed but not started, that host's
+//! lease ([`crate::metrics::set_start_tap`]); one machine, one clock, 1 ms
+//! resolution. A completion is a segment that completed its run
 //! on this replica ([`crate::metrics::Metrics::segments_completed`]), so a
 //! run counts once whichever replica finishes it.
 

@@ -158,6 +158,7 @@ impl Executor {
         let (run_id, fence) = (claimed.run.id, claimed.lease.fence);
         let first = claimed.run.fence == first_fence(&claimed.run);
         observe_first_start(&self.store, &claimed.run);
+        tap_first_start(&claimed);
         let database = self.store.database_id().await?;
         let (parent, http_header) = (claimed.run.trace_parent.as_deref(), self.config.http_traceparent);
         let trace = Arc::new(SegmentTrace::new(self.config.tracer.clone(), database, run_id, fence, parent, http_header));
@@ -556,13 +557,22 @@ fn observe_first_start(store: &Store, run: &crate::store::Run) {
         let wait = (started - run.created_at).max(0);
         crate::metrics::global().submit_to_start.0.observe_value(wait as f64 / 1000.0);
         crate::maintenance::rollup::observe_wait(store, started, wait);
-        if let Some(tap) = crate::metrics::start_tap() {
-            // Now, not the claim: a prefetched run's wait in the local
-            // queue is part of its pickup. (The submit is on the
-            // database's clock; a tap is for a bench on one machine.)
-            let now = crate::clock::wall().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64);
-            tap((now - run.created_at).max(0));
-        }
+    }
+}
+
+/// Tells the start listener ([`crate::metrics::start_tap`], a bench's) a
+/// run's wait from its submit to now, when this segment is the first to
+/// start its turn: no attempt counted before this claim. So a run claimed
+/// by a host that died before starting it counts here, when a worker does,
+/// and a prefetched run's wait in the local queue is part of its wait.
+/// (The submit is on the database's clock, now on this host's: a tap is
+/// for a bench on one machine.)
+fn tap_first_start(claimed: &Claimed) {
+    if let Some(tap) = crate::metrics::start_tap()
+        && claimed.run.attempt - i64::from(claimed.charged) == 0
+    {
+        let now = crate::clock::wall().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64);
+        tap((now - claimed.run.created_at).max(0));
     }
 }
 

@@ -187,6 +187,11 @@ both! {
         // and counted once there.
         let second = b.total("completion_rate").round() as i64;
         ensure!(all == 210 && second == 210 - at_kill, "runs {all}: {at_kill} completed at the kill, {second} counted after");
+        // The runs the killed replica had claimed (its local queue) but not
+        // started count their pickup when the new one starts them: from
+        // their submit, the killed host's lease included.
+        let p99 = b.samples("claim_p99_ms").filter_map(|s| s["value"].as_f64()).fold(0.0, f64::max);
+        ensure!(p99 >= 1000.0, "the restarted replica's pickup p99 is {p99} ms");
 
         // SIGTERM: a clean exit within the harness's 5 s.
         let pid = rustix::process::Pid::from_raw(b.child.id() as i32).context("pid")?;
