@@ -57,6 +57,12 @@ impl Histogram {
         self.count.load(Relaxed)
     }
 
+    /// Observations of at most `le`, one of the bucket bounds (`None`
+    /// for another value).
+    pub fn count_at_most(&self, le: f64) -> Option<u64> {
+        self.bounds.iter().position(|b| *b == le).map(|i| self.counts[i].load(Relaxed))
+    }
+
     fn render(&self, out: &mut String, name: &str, help: &str) {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
         self.render_series(out, name, "");

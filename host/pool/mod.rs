@@ -47,6 +47,7 @@ use tokio::task::JoinSet;
 use crate::executor::Executor;
 use crate::store::{Backend, Claimed, Store, WORK_CHANNEL};
 
+mod claim_size;
 mod express;
 mod queue;
 
@@ -61,8 +62,9 @@ pub struct PoolConfig {
     /// timers, expired leases of dead hosts, missed notifications).
     /// Default: 1 s.
     pub poll: Duration,
-    /// Most runs taken by one claim statement (never more than the free
-    /// slots plus the room in the local queue). Default: 16.
+    /// Runs the first claim statement takes; while claims come back full
+    /// it doubles, up to 256 (`claim_size`). A claim never takes more
+    /// than the free slots plus the room in the local queue. Default: 16.
     pub claim_batch: usize,
     /// Most runs claimed ahead of free workers and held in a local queue,
     /// so a worker that frees finds a run already leased and leaves its
@@ -160,7 +162,7 @@ async fn dispatch(store: Store, exec: Arc<Executor>, config: PoolConfig, local: 
     let slots = Arc::new(Semaphore::new(config.workers.max(1)));
     let mut running: JoinSet<()> = JoinSet::new();
     let mut backoff = Duration::from_millis(100);
-    let batch = config.claim_batch.max(1);
+    let mut size = claim_size::ClaimSize::new(config.claim_batch);
     let mut express = express::Express::default();
     while !*stopping.borrow() {
         while running.try_join_next().is_some() {}
@@ -197,6 +199,7 @@ async fn dispatch(store: Store, exec: Arc<Executor>, config: PoolConfig, local: 
                 None => permits.push(permit),
             }
         }
+        let batch = size.get();
         while permits.len() < batch {
             match slots.clone().try_acquire_owned() {
                 Ok(permit) => permits.push(permit),
@@ -209,6 +212,7 @@ async fn dispatch(store: Store, exec: Arc<Executor>, config: PoolConfig, local: 
         match exec.claim_charging(want, permits.len()).await {
             Ok(claimed) => {
                 backoff = Duration::from_millis(100);
+                size.claimed(want, claimed.len());
                 let all = claimed.len() == want;
                 let (now, queued): (Vec<Claimed>, Vec<Claimed>) = claimed.into_iter().partition(|c| c.charged);
                 // Slots beyond the runs claimed are released here.
