@@ -66,8 +66,8 @@ pub struct ServeOptions {
     #[arg(long, env = "LEASEHOLD_WORKERS")]
     pub workers: Option<usize>,
     /// Runs the first claim statement takes when several workers are free
-    /// (or the local queue has room); while claims come back full, each
-    /// takes twice as many, up to 256. [default: 16]
+    /// (or the local queue has room); while claims come back full and
+    /// unkeyed, each takes twice as many, up to 256. [default: 16]
     #[arg(long, env = "LEASEHOLD_CLAIM_BATCH")]
     pub claim_batch: Option<usize>,
     /// Most runs claimed ahead of free workers and queued on this host, so

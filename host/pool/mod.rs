@@ -63,8 +63,9 @@ pub struct PoolConfig {
     /// Default: 1 s.
     pub poll: Duration,
     /// Runs the first claim statement takes; while claims come back full
-    /// it doubles, up to 256 (`claim_size`). A claim never takes more
-    /// than the free slots plus the room in the local queue. Default: 16.
+    /// and unkeyed it doubles, up to 256 (`claim_size`). A claim never
+    /// takes more than the free slots plus the room in the local queue.
+    /// Default: 16.
     pub claim_batch: usize,
     /// Most runs claimed ahead of free workers and held in a local queue,
     /// so a worker that frees finds a run already leased and leaves its
@@ -212,7 +213,7 @@ async fn dispatch(store: Store, exec: Arc<Executor>, config: PoolConfig, local: 
         match exec.claim_charging(want, permits.len()).await {
             Ok(claimed) => {
                 backoff = Duration::from_millis(100);
-                size.claimed(want, claimed.len());
+                size.claimed(want, claimed.len(), claimed.iter().any(|c| c.run.concurrency_key.is_some()));
                 let all = claimed.len() == want;
                 let (now, queued): (Vec<Claimed>, Vec<Claimed>) = claimed.into_iter().partition(|c| c.charged);
                 // Slots beyond the runs claimed are released here.

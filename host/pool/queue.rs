@@ -314,7 +314,7 @@ struct Pace {
 }
 
 /// Most closes behind their slots at once: a full batch for each of the
-/// backend's batch writers and one more waiting (PostgreSQL 3 × 256,
+/// backend's batch writers and one more waiting (PostgreSQL 3 × 64,
 /// SQLite 2 × 128), however few the workers, so that batches fill.
 pub(super) fn closes_behind_max(backend: Backend) -> usize {
     crate::store::closes_max_batch(backend) * (crate::store::close_writers(backend) + 1)

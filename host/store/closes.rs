@@ -33,27 +33,28 @@ use crate::store::group;
 use crate::store::local::{HeldPut, held_put_json, insert_held_puts_json, pg_held_puts, sqlite_held_put_json};
 use crate::store::{Backend, Claimed, Lease, Outcome, RunStatus, Store, StoreError, sql};
 
-/// Most closes written by one statement: 256 on PostgreSQL, 128 on
+/// Most closes written by one statement: 64 on PostgreSQL, 128 on
 /// SQLite. A batch is every close queued when a writer frees, so it grows
 /// with the workers and the backlog and a lone close still goes at once.
 ///
 /// `bench drain` (no-op turns, 64 workers), alternating: SQLite with 128
 /// ran 3,870, 3,662, 4,026, 4,822 and 3,627 runs/s where 32 ran 3,211,
 /// 3,249, 3,240, 3,482 and 3,249 (batches of 64 against 32; 64 workers
-/// make at most 64 at once). PostgreSQL with 256 (claims growing to 256):
-/// batches of 78–82 against 54–57 at 64, 6,625 runs/s on average against
-/// 6,477, within the machine's noise.
+/// make at most 64 at once). PostgreSQL with 256: batches of 78–82
+/// against 54–57 at 64, 6,625 runs/s on average against 6,477, within the
+/// machine's noise, while beside a keyed backlog a small key's run
+/// started later (`bench fairness` p99 40–57 ms against 28–38), so it
+/// stays at 64.
 pub(crate) fn max_batch(backend: Backend) -> usize {
     match backend {
-        Backend::Postgres => 256,
+        Backend::Postgres => 64,
         Backend::Sqlite => 128,
     }
 }
 
 /// Batches in flight at once: two on PostgreSQL, one on SQLite. Batches
 /// grow with the load (up to [`max_batch`]), so few writers keep up with
-/// many workers by writing more closes per statement. (The measurements
-/// below were made with batches of at most 64 and 32.)
+/// many workers by writing more closes per statement.
 ///
 /// PostgreSQL: with one batch in flight its statement was running in 86%
 /// of 300 samples of `pg_stat_activity` during a 64-worker drain, while
