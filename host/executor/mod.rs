@@ -12,7 +12,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use tracing::Instrument;
 use wasmtime::UpdateDeadline;
 
 use crate::runtime::host::{Held, Interrupt, Phase, SegmentInit, SegmentState};
@@ -164,27 +163,33 @@ impl Executor {
         let trace = Arc::new(SegmentTrace::new(self.config.tracer.clone(), database, run_id, fence, parent, http_header));
         let described = trace.exporting().then(|| crate::traces::segment::describe(&claimed, &self.config.owner));
         let claimed_at = claimed.run.heartbeat_at.unwrap_or_default();
-        // The segment's log lines carry its trace id. At error level, so a
-        // host logging only warnings still names the segment in them.
-        let span = tracing::error_span!("segment", run_id, fence, trace_id = %trace.trace);
-        let outcome = self.segment(claimed, &mut next, &trace).instrument(span).await;
-        let (outcome_said, error) = said(&outcome);
-        if let Some(described) = described {
-            let suspended = match &outcome {
-                Ok(SegmentOutcome::Suspended(status)) => Some(status.as_str()),
-                _ => None,
-            };
-            crate::traces::segment::finish(&trace, described, suspended, &outcome_said, error.as_deref());
-        }
+        // No `tracing` span: entering and leaving one at each of the
+        // segment's polls, and formatting its fields, cost the host about
+        // 4% of its CPU a no-op run (docs/benchmarks.md). The segment's own
+        // lines (the guest's, a failed run, a lost lease) name its run,
+        // fence and trace instead.
+        let outcome = self.segment(claimed, &mut next, &trace).await;
         // A run's first segment that completes it is read from the run row
-        // (`store::segments`): most runs then cost the log nothing.
-        if !(first && matches!(outcome, Ok(SegmentOutcome::Completed))) {
-            let (owner, ended_at) = (self.config.owner.clone(), claimed_at + started.elapsed().as_millis() as i64);
-            self.segment_log.record(SegmentRecord { run_id, fence, owner, started_at: claimed_at, ended_at, outcome: outcome_said });
+        // (`store::segments`): most runs then cost the log nothing, and,
+        // with no exporter, the outcome is not even put in words.
+        let logged = !(first && matches!(outcome, Ok(SegmentOutcome::Completed)));
+        if described.is_some() || logged {
+            let (outcome_said, error) = said(&outcome);
+            if let Some(described) = described {
+                let suspended = match &outcome {
+                    Ok(SegmentOutcome::Suspended(status)) => Some(status.as_str()),
+                    _ => None,
+                };
+                crate::traces::segment::finish(&trace, described, suspended, &outcome_said, error.as_deref());
+            }
+            if logged {
+                let (owner, ended_at) = (self.config.owner.clone(), claimed_at + started.elapsed().as_millis() as i64);
+                self.segment_log.record(SegmentRecord { run_id, fence, owner, started_at: claimed_at, ended_at, outcome: outcome_said });
+            }
         }
         if let Ok(SegmentOutcome::LeaseLost) = &outcome {
             // An operator sees which runs a paused or partitioned host gave up.
-            tracing::info!(run_id, fence, "segment stopped: its lease was lost, and it wrote nothing more");
+            tracing::info!(run_id, fence, trace_id = %trace.trace(), "segment stopped: its lease was lost, and it wrote nothing more");
         }
         metrics.segment_duration.observe(started.elapsed());
         let counter = match &outcome {
@@ -224,6 +229,15 @@ impl Executor {
     }
 
     async fn segment(&self, claimed: Claimed, next: &mut Handoff, trace: &Arc<SegmentTrace>) -> Result<SegmentOutcome, StoreError> {
+        let (run_id, fence) = (claimed.run.id, claimed.lease.fence);
+        let outcome = self.segment_of(claimed, next, trace).await;
+        if let Ok(SegmentOutcome::Failed(kind)) = &outcome {
+            tracing::warn!(run_id, fence, trace_id = %trace.trace(), kind = kind.as_str(), "run failed");
+        }
+        outcome
+    }
+
+    async fn segment_of(&self, claimed: Claimed, next: &mut Handoff, trace: &Arc<SegmentTrace>) -> Result<SegmentOutcome, StoreError> {
         let Claimed { run, lease, charged } = claimed;
         if let Some(given_back) = self.give_back_if_paused(&run, &lease, charged).await? {
             return Ok(given_back);

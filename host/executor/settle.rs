@@ -123,7 +123,6 @@ impl Executor {
         tail: &Held,
         next: &mut Handoff,
     ) -> Result<SegmentOutcome, StoreError> {
-        tracing::warn!(run_id = lease.run_id, kind = kind.as_str(), "run failed");
         crate::metrics::global().guest_error(kind.as_str());
         self.close(lease, outcome, SegmentOutcome::Failed(kind), tail, next).await
     }

@@ -299,7 +299,7 @@ fn spawn_segment(
                 None => {
                     let run_id = claimed.run.id;
                     let take_next = go_on && !queued;
-                    settled(&local, run_id, Ok(exec.run_claimed_then(claimed, take_next).await))
+                    settled(&local, run_id, Ok(Box::pin(exec.run_claimed_then(claimed, take_next)).await))
                 }
             };
             if keyed {
@@ -347,7 +347,10 @@ async fn behind(
     let run_id = claimed.run.id;
     let (done, guest_returned) = tokio::sync::oneshot::channel();
     let exec = exec.clone();
-    let mut segment = tokio::spawn(async move { exec.run_claimed_signalling(claimed, false, Some(done)).await });
+    // Boxed: a segment's future is some 13 KB, which the task would
+    // otherwise copy as it is spawned and again as it finishes; boxed, the
+    // task moves a pointer (docs/benchmarks.md, "The host's own cost").
+    let mut segment = tokio::spawn(Box::pin(async move { exec.run_claimed_signalling(claimed, false, Some(done)).await }));
     let ended = tokio::select! {
         biased;
         r = &mut segment => Some(r),

@@ -206,12 +206,15 @@ impl SegmentState {
             return Ok(());
         }
         let message = escape_log(truncated(&message, self.limits.max_log_bytes));
+        // The segment's place: its run, fence and trace (offline replay has no trace).
+        let fence = self.lease.fence;
+        let trace_id = self.trace.as_ref().map(|t| tracing::field::display(t.trace()));
         match level {
-            0 => tracing::trace!(run_id, "{message}"),
-            1 => tracing::debug!(run_id, "{message}"),
-            2 => tracing::info!(run_id, "{message}"),
-            3 => tracing::warn!(run_id, "{message}"),
-            _ => tracing::error!(run_id, "{message}"),
+            0 => tracing::trace!(run_id, fence, trace_id, "{message}"),
+            1 => tracing::debug!(run_id, fence, trace_id, "{message}"),
+            2 => tracing::info!(run_id, fence, trace_id, "{message}"),
+            3 => tracing::warn!(run_id, fence, trace_id, "{message}"),
+            _ => tracing::error!(run_id, fence, trace_id, "{message}"),
         }
         Ok(())
     }

@@ -110,9 +110,12 @@ pub struct SegmentTrace {
     database: Arc<str>,
     pub run: i64,
     pub fence: i64,
-    pub trace: TraceId,
-    /// This segment's span.
-    pub span: SpanId,
+    /// The trace id and this segment's span id, derived on first use: a
+    /// segment that logs nothing, calls out to nothing and exports nothing
+    /// (most no-op turns) hashes neither.
+    ids: std::sync::OnceLock<(TraceId, SpanId)>,
+    /// The stored `traceparent`'s trace id, if it had one.
+    given: Option<TraceId>,
     /// The span the run was started under: its submitter's or its parent
     /// run's segment's.
     pub parent: Option<SpanId>,
@@ -136,8 +139,8 @@ impl SegmentTrace {
         let parent = parent.and_then(Parent::parse);
         SegmentTrace {
             tracer,
-            trace: parent.map_or_else(|| ids::run_trace(&database, run), |p| p.trace),
-            span: ids::segment_span(&database, run, fence),
+            ids: std::sync::OnceLock::new(),
+            given: parent.map(|p| p.trace),
             parent: parent.map(|p| p.span),
             sampled: parent.is_none_or(|p| p.sampled),
             database,
@@ -148,6 +151,23 @@ impl SegmentTrace {
             links: Mutex::new(Vec::new()),
             http_header,
         }
+    }
+
+    /// The run's trace id.
+    pub fn trace(&self) -> TraceId {
+        self.ids().0
+    }
+
+    /// This segment's span id.
+    pub fn span(&self) -> SpanId {
+        self.ids().1
+    }
+
+    fn ids(&self) -> (TraceId, SpanId) {
+        *self.ids.get_or_init(|| {
+            let trace = self.given.unwrap_or_else(|| ids::run_trace(&self.database, self.run));
+            (trace, ids::segment_span(&self.database, self.run, self.fence))
+        })
     }
 
     /// The `traceparent` an `http` call `seq` sends, if the segment sends one.
@@ -167,12 +187,12 @@ impl SegmentTrace {
 
     /// The `traceparent` an `http` effect (call `seq`) sends: its own span.
     pub fn call_header(&self, seq: i64) -> String {
-        Parent { trace: self.trace, span: self.call_span(seq), sampled: self.sampled }.header()
+        Parent { trace: self.trace(), span: self.call_span(seq), sampled: self.sampled }.header()
     }
 
     /// The `traceparent` a child run is started under: this segment.
     pub fn child_header(&self) -> String {
-        Parent { trace: self.trace, span: self.span, sampled: self.sampled }.header()
+        Parent { trace: self.trace(), span: self.span(), sampled: self.sampled }.header()
     }
 
     /// Notes that the guest has returned (or was stopped).
@@ -191,7 +211,7 @@ impl SegmentTrace {
     /// Links this segment to the segment under `fence` that it resumes.
     pub fn resumes(&self, fence: i64) {
         let span = ids::segment_span(&self.database, self.run, fence);
-        self.links.lock().expect("trace lock").push(Link { trace: self.trace, span, why: "resumes" });
+        self.links.lock().expect("trace lock").push(Link { trace: self.trace(), span, why: "resumes" });
     }
 
     /// Reports call `seq` (an effect performed, not replayed) from
@@ -200,9 +220,9 @@ impl SegmentTrace {
         let Some(tracer) = &self.tracer else { return };
         attributes.push(("leasehold.seq", seq.into()));
         tracer.send(Span {
-            trace: self.trace,
+            trace: self.trace(),
             id: self.call_span(seq),
-            parent: Some(self.span),
+            parent: Some(self.span()),
             name: name.to_string(),
             kind,
             start_ns,
@@ -229,9 +249,9 @@ impl SegmentTrace {
     pub fn suspension(&self, status: &str, start_ns: u64) {
         let Some(tracer) = &self.tracer else { return };
         tracer.send(Span {
-            trace: self.trace,
+            trace: self.trace(),
             id: ids::suspension_span(&self.database, self.run, self.fence),
-            parent: Some(self.span),
+            parent: Some(self.span()),
             name: format!("suspend {status}"),
             kind: Kind::Internal,
             start_ns,
@@ -246,8 +266,8 @@ impl SegmentTrace {
     pub fn finish(&self, name: String, attributes: Vec<(&'static str, Value)>, error: Option<&str>) {
         let Some(tracer) = &self.tracer else { return };
         tracer.send(Span {
-            trace: self.trace,
-            id: self.span,
+            trace: self.trace(),
+            id: self.span(),
             parent: self.parent,
             name,
             kind: Kind::Consumer,
