@@ -338,8 +338,8 @@ impl Executor {
         // for (the worker never waits on the database between short turns);
         // a guest that returns first has its last write count it. Either
         // way a finished run has counted it.
-        let charge = (!charged).then(|| renewer::Charge::start(&self.store, &lease, self.config.lease_ttl, watch));
-        let result = self.guest_call(&plugin, init, &run.input, watch).await;
+        let mut charge = (!charged).then(|| renewer::Charge::new(&self.store, &lease, self.config.lease_ttl, watch));
+        let result = self.guest_call(&plugin, init, &run.input, watch, charge.as_mut()).await;
         // The deltas and puts still held go with the segment's last write:
         // taken now, or a timed flush fired while the charge below (or a
         // busy host) held the close back wrote them in a statement of their
@@ -396,11 +396,11 @@ impl Executor {
         init: SegmentInit,
         input: &str,
         watch: &LeaseWatch,
+        charge: Option<&mut renewer::Charge>,
     ) -> (wasmtime::Result<Result<String, String>>, SegmentState) {
         let init_lease = init.lease.clone();
         // `lost` is read by the epoch callback (sync); `lost_now` wakes the
         // select below at once.
-        let (lost, lost_now) = (watch.lost.clone(), watch.lost_now.clone());
         // The lease deadline as an offset from the segment's start (its
         // cover's), in ms; moved on by each renewal. Measured on this
         // worker's monotonic clock only to stop its own guest early: the
@@ -408,7 +408,7 @@ impl Executor {
         // guest's own start.
         let clock = self.config.clock.clone();
         let (start, guest_start) = (watch.start, clock.now());
-        let lease_deadline = watch.deadline_ms.clone();
+        let lease_deadline = &watch.deadline_ms;
         let budget = plugin.limits.segment_budget;
         let hard_stop = budget + plugin.limits.slice_grace;
         // Renewed until the budget plus the grace, never longer.
@@ -416,7 +416,7 @@ impl Executor {
 
         let mut store = self.runtime.store(plugin, init);
         let phase = store.data().phase.clone();
-        let (lost_cb, deadline_cb, stop_cb, paused_cb) = (lost.clone(), lease_deadline.clone(), self.stop.clone(), watch.paused.clone());
+        let (watch_cb, stop_cb) = (watch.clone(), self.stop.clone());
         // Wakes the segment's timer when the epoch callback sees the lease
         // deadline pass (after a pause both notice at once anyway).
         let past_deadline = Arc::new(tokio::sync::Notify::new());
@@ -427,7 +427,7 @@ impl Executor {
         store.epoch_deadline_callback(move |mut ctx| {
             let elapsed = clock_cb.since(start);
             let running = clock_cb.since(guest_start);
-            if lost_cb.load(Ordering::Relaxed) {
+            if watch_cb.lost.load(Ordering::Relaxed) {
                 ctx.data_mut().interrupt = Some(Interrupt::LeaseLost);
                 return Ok(UpdateDeadline::Interrupt);
             }
@@ -435,7 +435,7 @@ impl Executor {
             // when this host noticed, while the segment's timer asks the
             // database one last time: a host that was paused for longer
             // than its lease asks before it gives the run up.
-            let deadline = deadline_cb.load(Ordering::Relaxed);
+            let deadline = watch_cb.deadline_ms.load(Ordering::Relaxed);
             if elapsed.as_millis() as i64 >= deadline {
                 let at = match noticed {
                     Some((d, at)) if d == deadline => at,
@@ -454,7 +454,7 @@ impl Executor {
                 ctx.data_mut().interrupt = Some(Interrupt::Shutdown);
                 return Ok(UpdateDeadline::Interrupt);
             }
-            if paused_cb.load(Ordering::Relaxed) {
+            if watch_cb.paused.load(Ordering::Relaxed) {
                 ctx.data_mut().interrupt = Some(Interrupt::Pause);
                 return Ok(UpdateDeadline::Interrupt);
             }
@@ -485,8 +485,21 @@ impl Executor {
         // stopped at once; in a remote call, at the end of the grace; in a
         // database write, once the write is done (the lease deadline bounds
         // that), when the epoch callback stops it.
+        // The same timer first fires the segment's charge, if it has one
+        // (`renewer::Charge`), `CHARGE_AFTER` into the guest.
         let sliced = async {
-            tokio::time::sleep(budget).await;
+            match charge {
+                Some(charge) => {
+                    let first = renewer::CHARGE_AFTER.min(budget);
+                    let sleep = tokio::time::sleep(first);
+                    tokio::pin!(sleep);
+                    sleep.as_mut().await;
+                    charge.fire();
+                    sleep.as_mut().reset(tokio::time::Instant::now() + (budget - first));
+                    sleep.await;
+                }
+                None => tokio::time::sleep(budget).await,
+            }
             loop {
                 match phase.get() {
                     Phase::REMOTE if clock.since(guest_start) < hard_stop => {}
@@ -518,7 +531,7 @@ impl Executor {
             loop {
                 tokio::select! {
                     r = &mut call => break (r, None),
-                    _ = lost_now.notified() => break (interrupted(), Some(Interrupt::LeaseLost)),
+                    _ = watch.lost_now.notified() => break (interrupted(), Some(Interrupt::LeaseLost)),
                     _ = &mut stopped => break (interrupted(), Some(Interrupt::Shutdown)),
                     _ = &mut sliced => break (interrupted(), Some(Interrupt::Slice)),
                     _ = expired() => {

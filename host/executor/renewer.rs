@@ -22,26 +22,37 @@ impl Drop for AbortOnDrop {
     }
 }
 
-/// What the renewer shares with the running segment.
+/// What the renewer shares with the running segment: one allocation a
+/// segment (it was seven, one per field).
 #[derive(Clone)]
-pub(super) struct LeaseWatch {
+pub(super) struct LeaseWatch(Arc<Watched>);
+
+pub(super) struct Watched {
     /// Set when a renewal is refused; read by the epoch callback.
-    pub(super) lost: Arc<AtomicBool>,
+    pub(super) lost: AtomicBool,
     /// Wakes the segment's select at once when the lease is lost.
-    pub(super) lost_now: Arc<tokio::sync::Notify>,
+    pub(super) lost_now: tokio::sync::Notify,
     /// The lease deadline, in ms after `start`; moved on by each renewal.
-    pub(super) deadline_ms: Arc<AtomicI64>,
+    pub(super) deadline_ms: AtomicI64,
     pub(super) clock: Monotonic,
     pub(super) start: Instant,
     /// No renewal after this many ms after `start`; the segment moves it
     /// as it goes (see [`Cover`]).
-    pub(super) until_ms: Arc<AtomicI64>,
+    pub(super) until_ms: AtomicI64,
     /// Set once the segment's last write is on its way: a renewal it beats
     /// is refused, which is no news.
-    pub(super) closing: Arc<AtomicBool>,
+    pub(super) closing: AtomicBool,
     /// Set when a renewal finds the run paused (`store::pause`); read by
     /// the epoch callback, which stops the guest at its next slice point.
+    /// Its own `Arc`: this host's pause hub holds it too.
     pub(super) paused: Arc<AtomicBool>,
+}
+
+impl std::ops::Deref for LeaseWatch {
+    type Target = Watched;
+    fn deref(&self) -> &Watched {
+        &self.0
+    }
 }
 
 impl LeaseWatch {
@@ -49,8 +60,8 @@ impl LeaseWatch {
     /// and its deadline not passed (a host frozen past it sees it passed
     /// as it wakes).
     pub(super) fn live(&self) -> crate::runtime::host::LeaseLive {
-        let (lost, deadline, clock, start) = (self.lost.clone(), self.deadline_ms.clone(), self.clock.clone(), self.start);
-        Arc::new(move || !lost.load(Ordering::Relaxed) && (clock.since(start).as_millis() as i64) < deadline.load(Ordering::Relaxed))
+        let watch = self.clone();
+        Arc::new(move || !watch.lost.load(Ordering::Relaxed) && (watch.clock.since(watch.start).as_millis() as i64) < watch.deadline_ms.load(Ordering::Relaxed))
     }
 
 
@@ -94,16 +105,16 @@ impl Cover {
     /// Starts renewing `lease`, which has `lease_left` of its `ttl` left.
     pub(super) fn start(store: &Store, lease: &Lease, ttl: Duration, every: Duration, lease_left: Duration, clock: Monotonic) -> Cover {
         let start = clock.now();
-        let watch = LeaseWatch {
-            lost: Arc::default(),
-            lost_now: Arc::default(),
-            deadline_ms: Arc::new(AtomicI64::new(lease_left.as_millis() as i64)),
+        let watch = LeaseWatch(Arc::new(Watched {
+            lost: AtomicBool::default(),
+            lost_now: tokio::sync::Notify::default(),
+            deadline_ms: AtomicI64::new(lease_left.as_millis() as i64),
             clock,
             start,
-            until_ms: Arc::new(AtomicI64::new(PREPARE_COVER.as_millis() as i64)),
-            closing: Arc::default(),
+            until_ms: AtomicI64::new(PREPARE_COVER.as_millis() as i64),
+            closing: AtomicBool::default(),
             paused: Arc::default(),
-        };
+        }));
         // As if renewed every `every` since the claim.
         let first = (lease_left + every).saturating_sub(ttl);
         // Aborted on drop too: a segment future dropped mid-call (its task
@@ -176,11 +187,16 @@ pub(super) async fn renew_once(store: &Store, lease: &Lease, ttl: Duration, watc
 pub(super) const CHARGE_AFTER: Duration = Duration::from_millis(10);
 
 /// A segment's attempt, counted in a renewal [`CHARGE_AFTER`] into its
-/// guest unless the guest returns first ([`Charge::settle`]).
+/// guest unless the guest returns first ([`Charge::settle`]). The guest's
+/// slice timer fires it ([`Charge::fire`]): a turn shorter than that
+/// costs no task and no timer of its own.
 pub(super) struct Charge {
-    /// 0: waiting; 1: the renewal is under way; 2: called off.
-    state: Arc<std::sync::atomic::AtomicU8>,
-    task: tokio::task::JoinHandle<Option<Result<(i64, bool), StoreError>>>,
+    store: Store,
+    lease: Lease,
+    ttl: Duration,
+    watch: LeaseWatch,
+    /// The renewal, once fired.
+    sent: Option<tokio::task::JoinHandle<Result<(i64, bool), StoreError>>>,
 }
 
 /// What became of a segment's [`Charge`] when its guest returned.
@@ -192,32 +208,31 @@ pub(super) enum Charged {
 }
 
 impl Charge {
-    /// Counts the attempt of `lease`'s segment after [`CHARGE_AFTER`] (see
-    /// [`charge`]) unless settled first.
-    pub(super) fn start(store: &Store, lease: &Lease, ttl: Duration, watch: &LeaseWatch) -> Charge {
-        let state = Arc::new(std::sync::atomic::AtomicU8::new(0));
-        let (store, lease, watch, mine) = (store.clone(), lease.clone(), watch.clone(), state.clone());
-        let task = tokio::spawn(async move {
-            tokio::time::sleep(CHARGE_AFTER).await;
-            if mine.compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire).is_err() {
-                return None;
-            }
-            Some(charge(&store, &lease, ttl, &watch).await)
-        });
-        Charge { state, task }
+    /// The attempt of `lease`'s segment, to be counted (see [`charge`])
+    /// when fired.
+    pub(super) fn new(store: &Store, lease: &Lease, ttl: Duration, watch: &LeaseWatch) -> Charge {
+        Charge { store: store.clone(), lease: lease.clone(), ttl, watch: watch.clone(), sent: None }
     }
 
-    /// As the guest returns: calls the renewal off if it was not sent
-    /// ([`Charged::Not`]), else waits for its result.
-    pub(super) async fn settle(self) -> Charged {
-        if self.state.compare_exchange(0, 2, Ordering::AcqRel, Ordering::Acquire).is_ok() {
-            self.task.abort();
-            return Charged::Not;
+    /// Sends the renewal that counts the attempt, in a task of its own (it
+    /// is never dropped half-way); once.
+    pub(super) fn fire(&mut self) {
+        if self.sent.is_none() {
+            let (store, lease, ttl, watch) = (self.store.clone(), self.lease.clone(), self.ttl, self.watch.clone());
+            self.sent = Some(tokio::spawn(async move { charge(&store, &lease, ttl, &watch).await }));
         }
-        match self.task.await {
-            Ok(Some(result)) => Charged::Sent(result),
-            // Aborted only here, after calling it off; a panic counted nothing.
-            Ok(None) | Err(_) => Charged::Not,
+    }
+
+    /// As the guest returns: [`Charged::Not`] if it was never fired, else
+    /// the renewal's result.
+    pub(super) async fn settle(self) -> Charged {
+        match self.sent {
+            None => Charged::Not,
+            Some(task) => match task.await {
+                Ok(result) => Charged::Sent(result),
+                // A panic counted nothing.
+                Err(_) => Charged::Not,
+            },
         }
     }
 }
