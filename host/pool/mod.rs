@@ -299,7 +299,7 @@ fn spawn_segment(
                 None => {
                     let run_id = claimed.run.id;
                     let take_next = go_on && !queued;
-                    settled(&local, run_id, Ok(Box::pin(exec.run_claimed_then(claimed, take_next)).await))
+                    settled(&local, run_id, Ok(exec.run_claimed_then(claimed, take_next).await))
                 }
             };
             if keyed {
