@@ -30,8 +30,8 @@ impl Executor {
         charge: Option<&mut renewer::Charge>,
     ) -> (wasmtime::Result<Result<String, String>>, SegmentState) {
         let init_lease = init.lease.clone();
-        // `lost` is read by the epoch callback (sync); `lost_now` wakes the
-        // select below at once.
+        // The watch's `lost` is read by the epoch callback (sync); its
+        // `lost_now` wakes the select below at once.
         // The lease deadline as an offset from the segment's start (its
         // cover's), in ms; moved on by each renewal. Measured on this
         // worker's monotonic clock only to stop its own guest early: the
