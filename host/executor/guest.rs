@@ -125,7 +125,7 @@ impl Executor {
                     let sleep = tokio::time::sleep(first);
                     tokio::pin!(sleep);
                     sleep.as_mut().await;
-                    charge.fire();
+                    charge.fire(&self.store, &init_lease, self.config.lease_ttl, watch);
                     sleep.as_mut().reset(tokio::time::Instant::now() + (budget - first));
                     sleep.await;
                 }

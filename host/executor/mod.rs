@@ -337,7 +337,7 @@ impl Executor {
         // for (the worker never waits on the database between short turns);
         // a guest that returns first has its last write count it. Either
         // way a finished run has counted it.
-        let mut charge = (!charged).then(|| renewer::Charge::new(&self.store, &lease, self.config.lease_ttl, watch));
+        let mut charge = (!charged).then(renewer::Charge::default);
         let result = self.guest_call(&plugin, init, &run.input, watch, charge.as_mut()).await;
         // The deltas and puts still held go with the segment's last write:
         // taken now, or a timed flush fired while the charge below (or a

@@ -190,11 +190,8 @@ pub(super) const CHARGE_AFTER: Duration = Duration::from_millis(10);
 /// guest unless the guest returns first ([`Charge::settle`]). The guest's
 /// slice timer fires it ([`Charge::fire`]): a turn shorter than that
 /// costs no task and no timer of its own.
+#[derive(Default)]
 pub(super) struct Charge {
-    store: Store,
-    lease: Lease,
-    ttl: Duration,
-    watch: LeaseWatch,
     /// The renewal, once fired.
     sent: Option<tokio::task::JoinHandle<Result<(i64, bool), StoreError>>>,
 }
@@ -208,17 +205,12 @@ pub(super) enum Charged {
 }
 
 impl Charge {
-    /// The attempt of `lease`'s segment, to be counted (see [`charge`])
-    /// when fired.
-    pub(super) fn new(store: &Store, lease: &Lease, ttl: Duration, watch: &LeaseWatch) -> Charge {
-        Charge { store: store.clone(), lease: lease.clone(), ttl, watch: watch.clone(), sent: None }
-    }
-
-    /// Sends the renewal that counts the attempt, in a task of its own (it
-    /// is never dropped half-way); once.
-    pub(super) fn fire(&mut self) {
+    /// Sends the renewal that counts the attempt of `lease`'s segment
+    /// (see [`charge`]), in a task of its own (it is never dropped
+    /// half-way); once. Nothing is cloned before it fires.
+    pub(super) fn fire(&mut self, store: &Store, lease: &Lease, ttl: Duration, watch: &LeaseWatch) {
         if self.sent.is_none() {
-            let (store, lease, ttl, watch) = (self.store.clone(), self.lease.clone(), self.ttl, self.watch.clone());
+            let (store, lease, watch) = (store.clone(), lease.clone(), watch.clone());
             self.sent = Some(tokio::spawn(async move { charge(&store, &lease, ttl, &watch).await }));
         }
     }
