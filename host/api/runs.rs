@@ -448,8 +448,8 @@ pub struct Input {
     /// A retry with the same key delivers nothing again (200 with the run
     /// as it stands), even after a wait took the first; the same key with
     /// another name or input is a 409 (`idempotency_conflict`). 1 to 256
-    /// characters.
-    #[schema(min_length = 1, max_length = 256)]
+    /// characters, without NUL.
+    #[schema(min_length = 1, max_length = 256, pattern = r"^[^\u0000]+$")]
     idempotency_key: Option<String>,
 }
 
