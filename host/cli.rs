@@ -15,6 +15,7 @@ pub mod rerun;
 pub mod resolve;
 pub mod run;
 pub mod schedules;
+pub mod schema;
 mod submit_batch;
 
 use std::path::PathBuf;

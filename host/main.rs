@@ -91,6 +91,12 @@ enum Command {
         #[command(flatten)]
         args: cli::EventsArgs,
     },
+    /// Show a database's migrations and contract steps, or take the steps
+    /// once every host runs this release (on the database, not the API).
+    Schema {
+        #[command(subcommand)]
+        command: cli::schema::SchemaCommand,
+    },
     /// Print the dashboard's address with the API token in its fragment
     /// (which browsers never send to the server): open it to sign in.
     Dashboard {
@@ -197,6 +203,7 @@ async fn run(cli: Cli) -> Result<()> {
             }
             Ok(())
         }
+        Command::Schema { command } => cli::schema::schema(command).await,
         Command::Replay { args } => {
             if !replay::replay(args).await? {
                 std::process::exit(1);

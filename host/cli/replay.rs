@@ -107,9 +107,9 @@ async fn load(bytes: Vec<u8>, cache_dir: Option<PathBuf>) -> Result<(Arc<Runtime
     Ok((rt, plugin))
 }
 
-/// Connects to `url` to read only: no migrations, and a SQLite file that
-/// is not there is an error rather than a new database.
-async fn read_only(url: &str) -> Result<Store> {
+/// Connects to an existing database at `url`: no migrations, and a SQLite
+/// file that is not there is an error rather than a new database.
+pub(crate) async fn existing(url: &str) -> Result<Store> {
     if let Some(path) = url.strip_prefix("sqlite://") {
         let path = path.split('?').next().unwrap_or(path);
         if !Path::new(path).exists() {
@@ -134,7 +134,7 @@ async fn recording(store: &Store, run: Run) -> Result<Recording> {
 pub async fn upgrade_check(name: &str, file: &Path, offline: &Offline, json: bool) -> Result<bool> {
     let bytes = std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
     let (rt, plugin) = load(bytes, offline.cache_dir.clone()).await?;
-    let store = read_only(&offline.url()).await?;
+    let store = existing(&offline.url()).await?;
     let timeout = Duration::from_millis(offline.timeout_ms);
     let mut runs = Vec::new();
     for status in [RunStatus::Running, RunStatus::WaitingTakeover, RunStatus::WaitingInput, RunStatus::Queued] {
@@ -180,7 +180,7 @@ pub async fn upgrade_check(name: &str, file: &Path, offline: &Offline, json: boo
 /// The run and, when `want_component`, the component version it started
 /// with, read from `url` without migrating or writing anything.
 async fn from_database(url: &str, id: i64, want_component: bool) -> Result<(Recording, Option<Vec<u8>>)> {
-    let store = read_only(url).await?;
+    let store = existing(url).await?;
     let run = store.get_run(id).await.with_context(|| format!("reading run {id}"))?;
     let component = if want_component {
         let bytes = store.plugin_version(&run.plugin, &run.plugin_digest).await?;

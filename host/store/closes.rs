@@ -22,15 +22,18 @@
 //! so that under `synchronous=FULL` a batch costs one fsync, not one per
 //! close.
 
+mod sqlite;
+
 use std::time::Duration;
 
-use serde_json::json;
 use sqlx::Row;
 
 use crate::store::claims::claimed_rows;
 use crate::store::guard::{ms, rejected};
 use crate::store::group;
-use crate::store::local::{HeldPut, held_put_json, insert_held_puts_json, pg_held_puts, sqlite_held_put_json};
+use crate::store::local::{HeldPut, held_put_json, pg_held_puts};
+use crate::store::contract::Step;
+use crate::store::log::message_payload;
 use crate::store::{Backend, Claimed, Lease, Outcome, RunStatus, Store, StoreError, sql};
 
 /// Most closes written by one statement: 64 on PostgreSQL, 128 on
@@ -172,23 +175,16 @@ impl group::Batched for Close {
         }
     }}
 
-/// A close's final status, output, error and `message` event payload.
-fn closing(outcome: &Outcome) -> (RunStatus, Option<&str>, Option<&str>, String) {
+/// A close's final status, output and error, and, when its `message`
+/// event is written as an `events` row (`derived` false: the step
+/// [`Step::DerivedMessages`] not taken), that event's payload.
+fn closing(outcome: &Outcome, derived: bool) -> (RunStatus, Option<&str>, Option<&str>, Option<String>) {
     let (status, output, error) = match outcome {
         Outcome::Completed { output } => (RunStatus::Completed, Some(output.as_str()), None),
         Outcome::Failed { error } => (RunStatus::Failed, None, Some(error.as_str())),
     };
-    let payload = serde_json::to_string(&Message { error, output, status }).expect("a close's message serializes");
+    let payload = (!derived).then(|| message_payload(status, output, error));
     (status, output, error, payload)
-}
-
-/// A close's `message` event payload. Its fields in name order, the order
-/// a `json!` object wrote them in, so payloads read the same as before.
-#[derive(serde::Serialize)]
-struct Message<'a> {
-    error: Option<&'a str>,
-    output: Option<&'a str>,
-    status: RunStatus,
 }
 
 /// A close as PostgreSQL's batch statement reads it (`jsonb_to_recordset`),
@@ -204,7 +200,8 @@ struct PgClose<'a> {
     status: &'static str,
     output: Option<&'a str>,
     error: Option<&'a str>,
-    payload: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    payload: Option<String>,
     deltas: &'a [String],
     n: usize,
     want: bool,
@@ -224,6 +221,86 @@ fn wanted_next(closes: &[Close]) -> Result<Option<(&str, Duration)>, StoreError>
         }
     }
     Ok(next)
+}
+
+/// PostgreSQL's close batch: the closes (`b`, from `$1`) and their
+/// deltas (`d`).
+macro_rules! close_batch_input {
+    () => {
+        "WITH b AS (SELECT * FROM jsonb_to_recordset($1::text::jsonb) AS b(i bigint, id bigint, \
+         owner text, fence bigint, status text, output text, error text, payload text, deltas jsonb, \
+         n bigint, want boolean, charge boolean)), \
+         d AS (SELECT b.i, x.delta, x.ord FROM b, \
+         jsonb_array_elements_text(b.deltas) WITH ORDINALITY AS x(delta, ord)), "
+    };
+}
+
+/// What a close sets on its run (`b`'s close), but its `message_seq`.
+macro_rules! close_batch_set {
+    () => {
+        "status = b.status, output = b.output, error = b.error, \
+         lease_owner = NULL, lease_expires_at = NULL, closed_by = b.owner, finished_at = {now}, updated_at = {now}, \
+         attempt = runs.attempt + CASE WHEN b.charge THEN 1 ELSE 0 END, \
+         partial = runs.partial || {unfolded} || COALESCE((SELECT string_agg(d.delta, '' ORDER BY d.ord) \
+         FROM d WHERE d.i = b.i), ''), emit_pos = runs.emit_pos + b.n, partial_pos = runs.emit_pos + b.n"
+    };
+}
+
+/// `t`: each thread's counter moved on once, by all the events of its
+/// closes in `$held` (a row may be updated only once per statement), in
+/// thread order, so two batches lock the threads they share in one order;
+/// `s`: each close's first event number, the thread's new counter less the
+/// events of its closes from this one on.
+macro_rules! close_batch_numbering {
+    ($held:literal) => {
+        concat!(
+            "t AS (INSERT INTO threads (id, last_seq) SELECT thread_id, SUM(n + 1)::bigint FROM ", $held, " \
+             GROUP BY thread_id ORDER BY thread_id \
+             ON CONFLICT (id) DO UPDATE SET last_seq = threads.last_seq + excluded.last_seq \
+             RETURNING id, last_seq), \
+             s AS (SELECT h.*, t.last_seq - (SUM(h.n + 1) OVER (PARTITION BY h.thread_id ORDER BY h.i \
+             ROWS BETWEEN CURRENT ROW AND UNBOUNDED FOLLOWING))::bigint AS base FROM ", $held, " AS h \
+             JOIN t ON t.id = h.thread_id), "
+        )
+    };
+}
+
+/// `e`: each close's `delta` events, numbered from its base, and `$more`.
+macro_rules! close_batch_deltas {
+    ($more:literal) => {
+        concat!(
+            "e AS (INSERT INTO events (thread_id, seq, run_id, fence, kind, payload, created_at) \
+             SELECT s.thread_id, s.base + d.ord, s.id, s.fence, 'delta', \
+             jsonb_build_object('pos', s.first + d.ord - 1, 'delta', d.delta)::text, {now} \
+             FROM s JOIN d ON d.i = s.i",
+            $more,
+            ")"
+        )
+    };
+}
+
+/// The held puts of the closes written (`r`), the next runs claimed (never
+/// a run of this batch: a row updated twice in one statement keeps one
+/// update, unpredictably), and the answer: the closes written and their
+/// threads, then one row per run claimed.
+macro_rules! close_batch_tail {
+    () => {
+        concat!(
+            pg_held_puts!("$2", "l.i = r.i"),
+            ", ",
+            crate::store::postgres::claim_ctes!(
+                "$3",
+                "$4",
+                "(SELECT COUNT(*) FROM r WHERE r.want)",
+                "ARRAY(SELECT id FROM b)",
+                "true",
+                "$5"
+            ),
+            " SELECT (SELECT string_agg(i::text, ',') FROM r) AS closed, \
+             (SELECT json_agg(DISTINCT thread_id)::text FROM r) AS closed_threads, n.* \
+             FROM (SELECT 1) o LEFT JOIN n ON true"
+        )
+    };
 }
 
 impl Store {
@@ -281,152 +358,6 @@ impl Store {
         crate::store::closes::close(self, close).await
     }
 
-    /// SQLite: a batch of closes in one transaction and one commit (one
-    /// fsync under `synchronous=FULL`), written set-based: one guarded
-    /// `UPDATE … FROM jsonb_each(…)` for every close, one bump of the
-    /// threads' counters, one insert of every event, the held puts, and
-    /// one claim for the closes that want a next run. Each close is matched
-    /// by its own (owner, fence) in the update: one that fails it writes
-    /// nothing (its events and puts hang off the update's result) and gets
-    /// [`StoreError::LeaseLost`]; the others are written.
-    ///
-    /// A batch holds each run once ([`take`]): the update's `RETURNING`
-    /// names only the run, so two closes of one run could not be told apart.
-    pub(crate) async fn close_batch_sqlite(
-        &self,
-        closes: &[Close],
-    ) -> Result<Vec<Result<Option<Claimed>, StoreError>>, StoreError> {
-        let database = self.database_id().await?;
-        let next = wanted_next(closes)?;
-        let (mut list, mut payloads) = (Vec::with_capacity(closes.len()), Vec::with_capacity(closes.len()));
-        let mut runs = std::collections::HashSet::with_capacity(closes.len());
-        for c in closes {
-            if !runs.insert(c.lease.run_id) {
-                return Err(StoreError::Config(format!("a batch closes run {} twice", c.lease.run_id)));
-            }
-            let (status, output, error, payload) = closing(&c.outcome);
-            payloads.push(payload);
-            list.push(json!({
-                "id": c.lease.run_id, "owner": c.lease.owner, "fence": c.lease.fence,
-                "status": status.as_str(), "output": output, "error": error,
-                "tail": c.deltas.concat(), "n": c.deltas.len(), "charge": i64::from(c.charge),
-            }));
-        }
-        let list = serde_json::Value::Array(list).to_string();
-        let (list, database, payloads): (&str, &str, &[String]) = (&list, &database, &payloads);
-        let (results, threads) = self
-            .retry(|| async move {
-                let mut tx = self.writer().begin().await?;
-                let conn: &mut sqlx::AnyConnection = &mut tx;
-                // Statements 3 and 4 for every close, each behind its guard.
-                let rows = sqlx::query(sql!(
-                    self,
-                    "UPDATE runs SET status = b.value ->> 'status', output = b.value ->> 'output', \
-                     error = b.value ->> 'error', lease_owner = NULL, lease_expires_at = NULL, closed_by = b.value ->> 'owner', \
-                     attempt = runs.attempt + (b.value ->> 'charge'), \
-                     finished_at = {now}, updated_at = {now}, partial = runs.partial || {unfolded} || (b.value ->> 'tail'), \
-                     emit_pos = runs.emit_pos + (b.value ->> 'n'), partial_pos = runs.emit_pos + (b.value ->> 'n') \
-                     FROM jsonb_each($1) AS b \
-                     WHERE runs.id = b.value ->> 'id' AND runs.lease_owner = b.value ->> 'owner' \
-                     AND runs.fence = b.value ->> 'fence' AND runs.status = 'running' \
-                     AND runs.lease_expires_at >= {clock} \
-                     RETURNING runs.id, runs.fence, runs.thread_id, runs.emit_pos"
-                ))
-                .bind(list)
-                .fetch_all(&mut *conn)
-                .await?;
-                // (run, fence) -> (thread, emit position after the close):
-                // a close is written if its lease's run and fence came back
-                // (one fence has one owner; the update checked which).
-                let mut done = std::collections::HashMap::with_capacity(rows.len());
-                for row in &rows {
-                    let key: (i64, i64) = (row.try_get("id")?, row.try_get("fence")?);
-                    done.insert(key, (row.try_get::<String, _>("thread_id")?, row.try_get::<i64, _>("emit_pos")?));
-                }
-                // Each thread's counter moves on once, by all its closes'
-                // events; each close's events then take their numbers in
-                // batch order.
-                let mut counts: std::collections::BTreeMap<&str, i64> = Default::default();
-                for c in closes {
-                    if let Some((thread, _)) = done.get(&(c.lease.run_id, c.lease.fence)) {
-                        *counts.entry(thread.as_str()).or_default() += c.deltas.len() as i64 + 1;
-                    }
-                }
-                let mut base = std::collections::HashMap::with_capacity(counts.len());
-                if !counts.is_empty() {
-                    let bumps = serde_json::to_string(&counts.iter().map(|(t, n)| json!([t, n])).collect::<Vec<_>>())
-                        .map_err(|e| StoreError::Corrupt(e.to_string()))?;
-                    let rows = sqlx::query(sql!(
-                        self,
-                        "INSERT INTO threads (id, last_seq) SELECT value ->> 0, value ->> 1 FROM jsonb_each($1) WHERE true \
-                         ON CONFLICT (id) DO UPDATE SET last_seq = threads.last_seq + excluded.last_seq \
-                         RETURNING id, last_seq"
-                    ))
-                    .bind(bumps)
-                    .fetch_all(&mut *conn)
-                    .await?;
-                    for row in &rows {
-                        let (id, last): (String, i64) = (row.try_get("id")?, row.try_get("last_seq")?);
-                        let first = last - counts.get(id.as_str()).copied().unwrap_or(0);
-                        base.insert(id, first);
-                    }
-                }
-                let (mut events, mut puts, mut results, mut threads) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-                let mut wanted = 0;
-                for (c, payload) in closes.iter().zip(payloads) {
-                    let Some((thread, pos)) = done.get(&(c.lease.run_id, c.lease.fence)) else {
-                        results.push(Err(rejected(&c.lease)));
-                        continue;
-                    };
-                    let seq = base.get_mut(thread).ok_or_else(|| StoreError::Corrupt(format!("thread {thread} not bumped")))?;
-                    let (run, fence) = (c.lease.run_id, c.lease.fence);
-                    let first = pos - c.deltas.len() as i64;
-                    for (k, delta) in c.deltas.iter().enumerate() {
-                        *seq += 1;
-                        events.push(json!([thread, *seq, run, fence, "delta", delta, first + k as i64]));
-                    }
-                    *seq += 1;
-                    events.push(json!([thread, *seq, run, fence, "message", payload, null]));
-                    puts.extend(c.puts.iter().map(|p| sqlite_held_put_json(database, &c.lease, p)));
-                    wanted += usize::from(c.next.is_some());
-                    threads.push(thread.clone());
-                    results.push(Ok(None));
-                }
-                if !events.is_empty() {
-                    sqlx::query(sql!(
-                        self,
-                        "INSERT INTO events (thread_id, seq, run_id, fence, kind, payload, created_at) \
-                         SELECT value ->> 0, value ->> 1, value ->> 2, value ->> 3, value ->> 4, \
-                         CASE WHEN value ->> 4 = 'delta' THEN json_object('delta', value ->> 5, 'pos', value ->> 6) \
-                         ELSE value ->> 5 END, {now} FROM jsonb_each($1)"
-                    ))
-                    .bind(serde_json::Value::Array(events).to_string())
-                    .execute(&mut *conn)
-                    .await?;
-                }
-                if !puts.is_empty() {
-                    insert_held_puts_json(self, conn, &serde_json::Value::Array(puts).to_string()).await?;
-                }
-                if let (Some((owner, ttl)), true) = (next, wanted > 0) {
-                    // The closed runs are no longer claimable: this
-                    // transaction has just finished them.
-                    let mut claimed = self.claim_sqlite(conn, owner, ttl, wanted as i64).await?.into_iter();
-                    for (c, result) in closes.iter().zip(results.iter_mut()) {
-                        if let (Ok(slot), true) = (result.as_mut(), c.next.is_some()) {
-                            *slot = claimed.next();
-                        }
-                    }
-                }
-                tx.commit().await?;
-                Ok((results, threads))
-            })
-            .await?;
-        for thread in threads {
-            self.hub().wake(&thread);
-        }
-        Ok(results)
-    }
-
     /// PostgreSQL: statement 4 for a batch of closes (see
     /// [`crate::store::closes`]), each with its tail's deltas and held
     /// puts, and statement 1 for as many runs as closes that held and want
@@ -442,9 +373,10 @@ impl Store {
     pub(crate) async fn close_batch(&self, closes: &[Close]) -> Result<Vec<Result<Option<Claimed>, StoreError>>, StoreError> {
         let database = self.database_id().await?;
         let next = wanted_next(closes)?;
+        let derived = self.contracted(Step::DerivedMessages).await?;
         let (mut list, mut held) = (Vec::with_capacity(closes.len()), Vec::new());
         for (i, c) in closes.iter().enumerate() {
-            let (status, output, error, payload) = closing(&c.outcome);
+            let (status, output, error, payload) = closing(&c.outcome, derived);
             list.push(PgClose {
                 i,
                 id: c.lease.run_id,
@@ -470,60 +402,48 @@ impl Store {
         let (list, held) = (list.as_str(), held.as_str());
         let (next_owner, next_ttl) = next.map_or(("", 0), |(o, t)| (o, ms(t)));
         let token = crate::store::orphans::token();
+        let statement = if derived {
+            sql!(
+                self,
+                concat!(
+                    close_batch_input!(),
+                    // Lock the closes' runs that hold, in run order, first:
+                    // a close's `message_seq` comes from its thread's
+                    // counter, moved on below, and goes in the same update.
+                    "g AS (SELECT runs.id, runs.fence, runs.thread_id, runs.emit_pos AS first, b.i, b.n, b.want \
+                     FROM b JOIN runs ON runs.id = b.id AND runs.lease_owner = b.owner AND runs.fence = b.fence \
+                     AND runs.status = 'running' AND runs.lease_expires_at >= {clock} ORDER BY runs.id FOR UPDATE OF runs), ",
+                    close_batch_numbering!("g"),
+                    // Locked above: the guard held, and nobody else can
+                    // have moved the run since.
+                    "r AS (UPDATE runs SET ", close_batch_set!(), ", message_seq = s.base + s.n + 1 \
+                     FROM b JOIN s ON s.i = b.i WHERE runs.id = s.id \
+                     RETURNING runs.id, runs.fence, runs.thread_id, s.i, s.want), ",
+                    close_batch_deltas!(""),
+                    close_batch_tail!()
+                )
+            )
+        } else {
+            sql!(
+                self,
+                concat!(
+                    close_batch_input!(),
+                    "r AS (UPDATE runs SET ", close_batch_set!(), " \
+                     FROM b WHERE runs.id = b.id AND runs.lease_owner = b.owner AND runs.fence = b.fence \
+                     AND runs.status = 'running' AND runs.lease_expires_at >= {clock} \
+                     RETURNING runs.id, runs.fence, runs.thread_id, runs.emit_pos - b.n AS first, b.i, b.n, \
+                     b.payload, b.want), ",
+                    close_batch_numbering!("r"),
+                    close_batch_deltas!(
+                        " UNION ALL SELECT s.thread_id, s.base + s.n + 1, s.id, s.fence, 'message', s.payload, {now} FROM s"
+                    ),
+                    close_batch_tail!()
+                )
+            )
+        };
         let rows = self
             .retry(|| async move {
-                sqlx::query(sql!(
-                    self,
-                    concat!(
-                        "WITH b AS (SELECT * FROM jsonb_to_recordset($1::text::jsonb) AS b(i bigint, id bigint, \
-                         owner text, fence bigint, status text, output text, error text, payload text, deltas jsonb, \
-                         n bigint, want boolean, charge boolean)), \
-                         d AS (SELECT b.i, x.delta, x.ord FROM b, \
-                         jsonb_array_elements_text(b.deltas) WITH ORDINALITY AS x(delta, ord)), \
-                         r AS (UPDATE runs SET status = b.status, output = b.output, error = b.error, \
-                         lease_owner = NULL, lease_expires_at = NULL, closed_by = b.owner, finished_at = {now}, updated_at = {now}, \
-                         attempt = runs.attempt + CASE WHEN b.charge THEN 1 ELSE 0 END, \
-                         partial = runs.partial || {unfolded} || COALESCE((SELECT string_agg(d.delta, '' ORDER BY d.ord) \
-                         FROM d WHERE d.i = b.i), ''), emit_pos = runs.emit_pos + b.n, partial_pos = runs.emit_pos + b.n \
-                         FROM b WHERE runs.id = b.id AND runs.lease_owner = b.owner AND runs.fence = b.fence \
-                         AND runs.status = 'running' AND runs.lease_expires_at >= {clock} \
-                         RETURNING runs.id, runs.fence, runs.thread_id, runs.emit_pos - b.n AS first, b.i, b.n, \
-                         b.payload, b.want), ",
-                        // Each thread's counter moves on once, by all its
-                        // closes' events (a row may be updated only once per
-                        // statement), in thread order: two batches lock
-                        // the threads they share in one order.
-                        "t AS (INSERT INTO threads (id, last_seq) SELECT thread_id, SUM(n + 1)::bigint FROM r \
-                         GROUP BY thread_id ORDER BY thread_id \
-                         ON CONFLICT (id) DO UPDATE SET last_seq = threads.last_seq + excluded.last_seq \
-                         RETURNING id, last_seq), ",
-                        // A close's first event: the thread's new counter,
-                        // less the events of its closes from this one on.
-                        "s AS (SELECT r.*, t.last_seq - (SUM(r.n + 1) OVER (PARTITION BY r.thread_id ORDER BY r.i \
-                         ROWS BETWEEN CURRENT ROW AND UNBOUNDED FOLLOWING))::bigint AS base FROM r JOIN t ON t.id = r.thread_id), \
-                         e AS (INSERT INTO events (thread_id, seq, run_id, fence, kind, payload, created_at) \
-                         SELECT s.thread_id, s.base + d.ord, s.id, s.fence, 'delta', \
-                         jsonb_build_object('pos', s.first + d.ord - 1, 'delta', d.delta)::text, {now} \
-                         FROM s JOIN d ON d.i = s.i \
-                         UNION ALL SELECT s.thread_id, s.base + s.n + 1, s.id, s.fence, 'message', s.payload, {now} \
-                         FROM s)",
-                        pg_held_puts!("$2", "l.i = r.i"),
-                        // Never a run of this batch: a row updated twice in
-                        // one statement keeps one update, unpredictably.
-                        ", ",
-                        crate::store::postgres::claim_ctes!(
-                            "$3",
-                            "$4",
-                            "(SELECT COUNT(*) FROM r WHERE r.want)",
-                            "ARRAY(SELECT id FROM b)",
-                            "true",
-                            "$5"
-                        ),
-                        " SELECT (SELECT string_agg(i::text, ',') FROM r) AS closed, \
-                         (SELECT json_agg(DISTINCT thread_id)::text FROM r) AS closed_threads, n.* \
-                         FROM (SELECT 1) o LEFT JOIN n ON true"
-                    )
-                ))
+                sqlx::query(statement)
                 .bind(list)
                 .bind(held)
                 .bind(next_owner)

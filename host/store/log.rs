@@ -2,9 +2,10 @@
 //! event carries the run id and the fence of the segment that wrote it, and
 //! is appended inside the same transaction as the run change it reports.
 
-use sqlx::AnyConnection;
+use sqlx::any::AnyRow;
+use sqlx::{AnyConnection, Row};
 
-use crate::store::{Event, Store, StoreError, sql};
+use crate::store::{Event, RunStatus, Store, StoreError, sql};
 
 /// Event kinds written by the host.
 pub mod kind {
@@ -104,6 +105,92 @@ pub(crate) async fn append(
     Ok(seq)
 }
 
+/// A thread's log as readers see it: its `events` rows and, once
+/// [`contract::Step::DerivedMessages`] is taken, the `message` event of
+/// each closed run that has a `message_seq`, read from the run row (its
+/// payload made by [`message_payload`] as the row is decoded). `size` is
+/// what a page counts of an event's bytes. `$1` is the thread, `$2` the
+/// position read after.
+///
+/// [`contract::Step::DerivedMessages`]: crate::store::contract::Step::DerivedMessages
+macro_rules! thread_log {
+    () => {
+        "SELECT thread_id, seq, run_id, fence, kind, payload, created_at, CAST(NULL AS TEXT) AS status, \
+         CAST(NULL AS TEXT) AS output, CAST(NULL AS TEXT) AS error, LENGTH(payload) AS size \
+         FROM events WHERE thread_id = $1 AND seq > $2 \
+         UNION ALL SELECT thread_id, message_seq, id, fence, 'message', NULL, finished_at, status, output, error, \
+         LENGTH(COALESCE(output, '')) + LENGTH(COALESCE(error, '')) + 40 \
+         FROM runs WHERE thread_id = $1 AND message_seq > $2"
+    };
+}
+
+/// A closed run's `message` event payload: `{error, output, status}`, in
+/// name order (the order a `json!` object wrote them in, so payloads read
+/// the same whether written or derived).
+pub(crate) fn message_payload(status: RunStatus, output: Option<&str>, error: Option<&str>) -> String {
+    #[derive(serde::Serialize)]
+    struct Message<'a> {
+        error: Option<&'a str>,
+        output: Option<&'a str>,
+        status: RunStatus,
+    }
+    serde_json::to_string(&Message { error, output, status }).expect("a message payload serializes")
+}
+
+/// An event of [`thread_log!`]'s shape: a derived `message` has no
+/// payload of its own and gets it from its run's columns.
+fn logged(row: &AnyRow) -> Result<Event, StoreError> {
+    let payload: Option<String> = row.try_get("payload")?;
+    let payload = match payload {
+        Some(payload) => payload,
+        None => {
+            let status: String = row.try_get("status")?;
+            message_payload(status.parse()?, row.try_get::<Option<String>, _>("output")?.as_deref(), row.try_get::<Option<String>, _>("error")?.as_deref())
+        }
+    };
+    Ok(Event {
+        thread_id: row.try_get("thread_id")?,
+        seq: row.try_get("seq")?,
+        run_id: row.try_get("run_id")?,
+        fence: row.try_get("fence")?,
+        kind: row.try_get("kind")?,
+        payload,
+        created_at: row.try_get("created_at")?,
+    })
+}
+
+/// Writes run `run_id`'s derived `message` event, if it has one, as an
+/// `events` row and clears its `message_seq`, on `conn` (inside the
+/// caller's transaction): before a change to the run's status, output or
+/// error that would change what the derived event says (a failed run
+/// queued again, `store::resolve`). Returns whether there was one.
+pub(crate) async fn keep_message(store: &Store, conn: &mut AnyConnection, run_id: i64) -> Result<bool, StoreError> {
+    let row = sqlx::query(sql!(
+        store,
+        "SELECT thread_id, message_seq, fence, status, output, error, finished_at FROM runs WHERE id = $1 AND message_seq IS NOT NULL"
+    ))
+    .bind(run_id)
+    .fetch_optional(&mut *conn)
+    .await?;
+    let Some(row) = row else { return Ok(false) };
+    let status: String = row.try_get("status")?;
+    let payload = message_payload(status.parse()?, row.try_get::<Option<String>, _>("output")?.as_deref(), row.try_get::<Option<String>, _>("error")?.as_deref());
+    sqlx::query(sql!(
+        store,
+        "INSERT INTO events (thread_id, seq, run_id, fence, kind, payload, created_at) VALUES ($1, $2, $3, $4, 'message', $5, $6)"
+    ))
+    .bind(row.try_get::<String, _>("thread_id")?)
+    .bind(row.try_get::<i64, _>("message_seq")?)
+    .bind(run_id)
+    .bind(row.try_get::<i64, _>("fence")?)
+    .bind(payload)
+    .bind(row.try_get::<i64, _>("finished_at")?)
+    .execute(&mut *conn)
+    .await?;
+    sqlx::query(sql!(store, "UPDATE runs SET message_seq = NULL WHERE id = $1")).bind(run_id).execute(&mut *conn).await?;
+    Ok(true)
+}
+
 impl Store {
     /// Events of `thread_id` with `seq > after`, oldest first, at most `limit`.
     pub async fn events_after(
@@ -112,16 +199,13 @@ impl Store {
         after: i64,
         limit: i64,
     ) -> Result<Vec<Event>, StoreError> {
-        let rows = sqlx::query(sql!(
-            self,
-            "SELECT {events} FROM events WHERE thread_id = $1 AND seq > $2 ORDER BY seq LIMIT $3"
-        ))
-        .bind(thread_id)
-        .bind(after)
-        .bind(limit)
-        .fetch_all(self.pool())
-        .await?;
-        rows.iter().map(Event::from_row).collect()
+        let rows = sqlx::query(sql!(self, concat!("SELECT * FROM (", thread_log!(), ") AS l ORDER BY seq LIMIT $3")))
+            .bind(thread_id)
+            .bind(after)
+            .bind(limit)
+            .fetch_all(self.pool())
+            .await?;
+        rows.iter().map(logged).collect()
     }
 
     /// Events of `thread_id` with `seq > after`, oldest first: at most
@@ -131,9 +215,11 @@ impl Store {
     pub async fn events_page(&self, thread_id: &str, after: i64, limit: i64, max_bytes: i64) -> Result<Vec<Event>, StoreError> {
         let rows = sqlx::query(sql!(
             self,
-            "SELECT * FROM (SELECT {events@e}, SUM(LENGTH(e.payload)) OVER (ORDER BY e.seq) AS running FROM events e \
-             WHERE e.thread_id = $1 AND e.seq > $2 ORDER BY e.seq LIMIT $3) AS p \
-             WHERE p.running - LENGTH(p.payload) < $4 ORDER BY p.seq"
+            concat!(
+                "SELECT * FROM (SELECT l.*, SUM(l.size) OVER (ORDER BY l.seq) AS running FROM (",
+                thread_log!(),
+                ") AS l ORDER BY l.seq LIMIT $3) AS p WHERE p.running - p.size < $4 ORDER BY p.seq"
+            )
         ))
         .bind(thread_id)
         .bind(after)
@@ -141,7 +227,7 @@ impl Store {
         .bind(max_bytes)
         .fetch_all(self.pool())
         .await?;
-        rows.iter().map(Event::from_row).collect()
+        rows.iter().map(logged).collect()
     }
 
     /// The last event seq of each of `threads` that has events: one query
@@ -165,11 +251,14 @@ impl Store {
     pub async fn run_events(&self, run_id: i64) -> Result<Vec<Event>, StoreError> {
         let rows = sqlx::query(sql!(
             self,
-            "SELECT {events} FROM events WHERE run_id = $1 ORDER BY seq"
+            "SELECT * FROM (SELECT thread_id, seq, run_id, fence, kind, payload, created_at, CAST(NULL AS TEXT) AS status, \
+             CAST(NULL AS TEXT) AS output, CAST(NULL AS TEXT) AS error FROM events WHERE run_id = $1 \
+             UNION ALL SELECT thread_id, message_seq, id, fence, 'message', NULL, finished_at, status, output, error \
+             FROM runs WHERE id = $1 AND message_seq IS NOT NULL) AS l ORDER BY seq"
         ))
         .bind(run_id)
         .fetch_all(self.pool())
         .await?;
-        rows.iter().map(Event::from_row).collect()
+        rows.iter().map(logged).collect()
     }
 }

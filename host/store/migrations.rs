@@ -50,6 +50,7 @@ impl Store {
         let mut migrator = migrator(self.backend);
         migrator.set_ignore_missing(true);
         let known = migrator.iter().map(|m| m.version).max().unwrap_or(0);
+        let fresh = self.never_migrated().await?;
         match self.backend {
             Backend::Sqlite => migrator.run_to(target, &self.writer).await?,
             Backend::Postgres => {
@@ -72,6 +73,12 @@ impl Store {
         // The writer: an in-memory SQLite database (offline replay) is the
         // writer's connection alone.
         let applied: Option<i64> = sqlx::query_scalar("SELECT MAX(version) FROM _sqlx_migrations").fetch_one(&self.writer).await?;
+        if fresh && target >= known {
+            // No host of an older release has run on a database made now:
+            // it starts contracted (see `store::contract`).
+            let taken = self.contract().await?;
+            tracing::debug!(steps = taken.len(), "a new database: every contract step taken");
+        }
         if let Some(applied) = applied.filter(|v| *v > known) {
             tracing::warn!(
                 applied,
@@ -80,6 +87,21 @@ impl Store {
             );
         }
         Ok(())
+    }
+
+    /// Whether no migration was ever applied here (no `_sqlx_migrations`
+    /// rows, or no such table).
+    async fn never_migrated(&self) -> Result<bool, StoreError> {
+        let table = match self.backend {
+            Backend::Sqlite => "SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' AND name = '_sqlx_migrations'",
+            Backend::Postgres => "SELECT COUNT(*) FROM pg_catalog.pg_tables WHERE tablename = '_sqlx_migrations' AND schemaname = current_schema()",
+        };
+        let tables: i64 = sqlx::query_scalar(table).fetch_one(&self.writer).await?;
+        if tables == 0 {
+            return Ok(true);
+        }
+        let applied: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM _sqlx_migrations").fetch_one(&self.writer).await?;
+        Ok(applied == 0)
     }
 
     /// A digest of `backend`'s embedded migrations (their versions and

@@ -13,6 +13,7 @@ mod budgets;
 mod children;
 mod claims;
 mod columns;
+pub mod contract;
 pub mod concurrency;
 pub(crate) mod closes;
 mod emits;
@@ -293,6 +294,8 @@ pub struct StoreShared {
     kv_seen: std::sync::Arc<kv_usage::Seen>,
     /// Where the reaper's sweeps go on from ([`reap::Sweeps`]).
     pub(crate) sweeps: std::sync::Arc<reap::Sweeps>,
+    /// The contract steps this process last read (see [`contract`]).
+    pub(crate) contract: contract::Seen,
 }
 
 /// The URL to connect to: SQLite's with `mode=rwc`, its file created first
@@ -416,6 +419,7 @@ impl Store {
             rate_keys: Default::default(),
             kv_seen: Default::default(),
             sweeps: Default::default(),
+            contract: Default::default(),
         }));
         if opts.migrate {
             store.migrate().await?;

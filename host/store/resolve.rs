@@ -88,6 +88,10 @@ impl Store {
                 if later.is_some() {
                     return Err(conflict("a later effect was recorded on that one's old outcome; rerun from that position instead"));
                 }
+                if reopen {
+                    // Its `message` event says it failed: kept as it was.
+                    log::keep_message(self, &mut tx, run_id).await?;
+                }
                 let run = Run::from_row(
                     &sqlx::query(sql!(
                         self,

@@ -345,20 +345,6 @@ pub struct Event {
     pub created_at: i64,
 }
 
-impl Event {
-    pub(crate) fn from_row(row: &AnyRow) -> Result<Event, StoreError> {
-        Ok(Event {
-            thread_id: row.try_get("thread_id")?,
-            seq: row.try_get("seq")?,
-            run_id: row.try_get("run_id")?,
-            fence: row.try_get("fence")?,
-            kind: row.try_get("kind")?,
-            payload: row.try_get("payload")?,
-            created_at: row.try_get("created_at")?,
-        })
-    }
-}
-
 /// How a provider's effect survives a crash. See docs/concepts.md.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]

@@ -23,6 +23,7 @@ mod dashboard;
 mod edges;
 mod fake_model;
 mod hosts;
+mod messages;
 mod metrics;
 mod model;
 mod netns;

@@ -77,6 +77,12 @@ both! {
         ensure!(sink.hits().len() == 1, "the call was made again: {:?}", sink.hits());
         let events = db.store.events_after(&run.thread_id, 0, 1000).await?;
         ensure!(events.iter().any(|e| e.kind == "resolved" && e.payload.contains("alice")), "no resolved event");
+        // The thread keeps both of its ends, in order: the failure the
+        // resolve undid, then the completion.
+        let messages: Vec<Value> = events.iter().filter(|e| e.kind == "message").map(|e| serde_json::from_str(&e.payload)).collect::<Result<_, _>>()?;
+        let said: Vec<&str> = messages.iter().map(|m| m["status"].as_str().unwrap_or("")).collect();
+        ensure!(said == ["failed", "completed"], "the thread's messages say {said:?}: {messages:?}");
+        ensure!(events.windows(2).all(|w| w[1].seq == w[0].seq + 1) && events[0].seq == 1, "the log has gaps: {:?}", events.iter().map(|e| e.seq).collect::<Vec<_>>());
         // An ended run's rows stay as they are.
         let (status, e) = post(format!("/v1/runs/{id}/effects/0/resolve"), json!({ "error": "no" })).await?;
         ensure!(status == 409, "{status} {e}");

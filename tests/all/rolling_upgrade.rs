@@ -161,9 +161,42 @@ both! {
         );
         // Then the previous release's host is rolled: SIGTERM, a clean exit.
         stop(&mut old, &old_args).await?;
+        // Until the operator takes the contract steps, this release's
+        // hosts wrote what the previous release reads: message rows.
+        let message_rows = async |ids: &[i64]| -> Result<usize> {
+            let mut n = 0;
+            for id in ids {
+                let rows: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM events WHERE run_id = $1 AND kind = 'message'").bind(id).fetch_one(fresh.store.pool()).await?;
+                n += rows as usize;
+            }
+            Ok(n)
+        };
+        ensure!(message_rows(&after).await? == after.len(), "a run closed beside the previous release has no message row");
+        let schema = |command: &str| -> Result<String> {
+            let out = std::process::Command::new(env!("CARGO_BIN_EXE_leasehold")).args(["schema", command, "--database-url", fresh.url()]).output()?;
+            let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr));
+            ensure!(out.status.success(), "schema {command}: {:?}\n{stdout}{stderr}", out.status);
+            Ok(stdout)
+        };
+        let status = schema("status")?;
+        ensure!(status.lines().any(|l| l.starts_with("derived_messages") && l.ends_with("pending")), "{status}");
+        ensure!(schema("contract")?.contains("taken: derived_messages"));
+        ensure!(schema("status")?.lines().any(|l| l.starts_with("derived_messages") && l.ends_with("taken")));
+        // The host sees the step within its recheck.
+        tokio::time::sleep(leasehold::store::contract::RECHECK + Duration::from_millis(500)).await;
         let last = submit(&http, &new_args, &new.base, &(5000..5010).map(steps).collect::<Vec<_>>()).await?;
         all_finished(&fresh.store, &last, Duration::from_secs(60)).await?;
         all_completed(&fresh.store, &last).await?;
+        ensure!(message_rows(&last).await? == 0, "closes after the contract step wrote message rows");
+        // Every run's thread reads its message through the API, written
+        // as a row or derived from its run.
+        for id in after.iter().chain(&last) {
+            let run: Value = http.get(format!("{}/v1/runs/{id}", new.base)).send().await?.json().await?;
+            let thread = run["run"]["thread_id"].as_str().or(run["thread_id"].as_str()).context("a thread id")?.to_string();
+            let page: Value = http.get(format!("{}/v1/threads/{thread}/events", new.base)).send().await?.json().await?;
+            let said = page["events"].as_array().context("events")?.iter().filter(|e| e["run_id"] == *id && e["kind"] == "message").count();
+            ensure!(said == 1, "run {id}: {said} messages in {page}");
+        }
         drop(old);
         drop(new);
         fresh.cleanup().await?;
