@@ -73,7 +73,14 @@ impl Store {
     pub async fn read_contract_steps(&self) -> Result<Vec<Step>, StoreError> {
         let names: Vec<String> = sqlx::query_scalar("SELECT name FROM contract_steps").fetch_all(self.writer()).await?;
         let taken: Vec<Step> = Step::ALL.into_iter().filter(|s| names.iter().any(|n| n == s.name())).collect();
-        self.contract.steps.store(taken.iter().fold(0, |bits, s| bits | s.bit()), Ordering::Relaxed);
+        let bits = taken.iter().fold(0, |bits, s| bits | s.bit());
+        let before = self.contract.steps.swap(bits, Ordering::Relaxed);
+        let first = self.contract.at.lock().expect("contract lock").is_none();
+        for step in &taken {
+            if !first && before & step.bit() == 0 {
+                tracing::info!(step = step.name(), "a contract step was taken: this host now writes what only this release reads");
+            }
+        }
         *self.contract.at.lock().expect("contract lock") = Some(Instant::now());
         Ok(taken)
     }

@@ -129,7 +129,9 @@ both! {
 
         // A rolling upgrade: this release's host joins while the previous
         // release's goes on serving, and migrates the database under it.
-        let new_args = ServeArgs::new(fresh.url(), dir.path(), "new".into())?;
+        let mut new_args = ServeArgs::new(fresh.url(), dir.path(), "new".into())?;
+        // Its info lines too: it says when it sees a contract step.
+        new_args.env.push(("LEASEHOLD_LOG".into(), "info".into()));
         let new = ServeProc::spawn(&new_args)?;
         new.wait_healthy(&http, Duration::from_secs(60)).await.with_context(|| {
             format!("this release's host: {}", std::fs::read_to_string(&new_args.log).unwrap_or_default())
@@ -188,6 +190,8 @@ both! {
         all_finished(&fresh.store, &last, Duration::from_secs(60)).await?;
         all_completed(&fresh.store, &last).await?;
         ensure!(message_rows(&last).await? == 0, "closes after the contract step wrote message rows");
+        let new_log = std::fs::read_to_string(&new_args.log).unwrap_or_default();
+        ensure!(new_log.contains("a contract step was taken") && new_log.contains("derived_messages"), "this release's host did not say it saw the step:\n{new_log}");
         // Every run's thread reads its message through the API, written
         // as a row or derived from its run.
         for id in after.iter().chain(&last) {
