@@ -110,17 +110,22 @@ pub(crate) async fn append(
 /// each closed run that has a `message_seq`, read from the run row (its
 /// payload made by [`message_payload`] as the row is decoded). `size` is
 /// what a page counts of an event's bytes. `$1` is the thread, `$2` the
-/// position read after.
+/// position read after, `$3` the most events read.
+///
+/// Each side is cut to `$3` in its own index's order first: PostgreSQL
+/// does not merge the two index scans of a bare `UNION ALL`, and sorted
+/// the whole rest of a long thread for each page (100 ms a page of a
+/// 100,000-event thread, against 1 ms from the events alone).
 ///
 /// [`contract::Step::DerivedMessages`]: crate::store::contract::Step::DerivedMessages
 macro_rules! thread_log {
     () => {
-        "SELECT thread_id, seq, run_id, fence, kind, payload, created_at, CAST(NULL AS TEXT) AS status, \
+        "SELECT * FROM (SELECT thread_id, seq, run_id, fence, kind, payload, created_at, CAST(NULL AS TEXT) AS status, \
          CAST(NULL AS TEXT) AS output, CAST(NULL AS TEXT) AS error, LENGTH(payload) AS size \
-         FROM events WHERE thread_id = $1 AND seq > $2 \
-         UNION ALL SELECT thread_id, message_seq, id, fence, 'message', NULL, finished_at, status, output, error, \
+         FROM events WHERE thread_id = $1 AND seq > $2 ORDER BY seq LIMIT $3) AS written \
+         UNION ALL SELECT * FROM (SELECT thread_id, message_seq, id, fence, 'message', NULL, finished_at, status, output, error, \
          LENGTH(COALESCE(output, '')) + LENGTH(COALESCE(error, '')) + 40 \
-         FROM runs WHERE thread_id = $1 AND message_seq > $2"
+         FROM runs WHERE thread_id = $1 AND message_seq > $2 ORDER BY message_seq LIMIT $3) AS derived"
     };
 }
 
@@ -191,6 +196,21 @@ pub(crate) async fn keep_message(store: &Store, conn: &mut AnyConnection, run_id
     Ok(true)
 }
 
+/// [`Store::events_page`]'s statement: `$1` the thread, `$2` the position
+/// read after, `$3` the most events, `$4` about the most bytes. For the
+/// tests of its plan.
+#[doc(hidden)]
+pub fn events_page_sql(store: &Store) -> &'static str {
+    sql!(
+        store,
+        concat!(
+            "SELECT * FROM (SELECT l.*, SUM(l.size) OVER (ORDER BY l.seq) AS running FROM (",
+            thread_log!(),
+            ") AS l ORDER BY l.seq LIMIT $3) AS p WHERE p.running - p.size < $4 ORDER BY p.seq"
+        )
+    )
+}
+
 impl Store {
     /// Events of `thread_id` with `seq > after`, oldest first, at most `limit`.
     pub async fn events_after(
@@ -213,14 +233,7 @@ impl Store {
     /// least one, so a reader moves on past a large event). What an API page
     /// or an event stream reads at once.
     pub async fn events_page(&self, thread_id: &str, after: i64, limit: i64, max_bytes: i64) -> Result<Vec<Event>, StoreError> {
-        let rows = sqlx::query(sql!(
-            self,
-            concat!(
-                "SELECT * FROM (SELECT l.*, SUM(l.size) OVER (ORDER BY l.seq) AS running FROM (",
-                thread_log!(),
-                ") AS l ORDER BY l.seq LIMIT $3) AS p WHERE p.running - p.size < $4 ORDER BY p.seq"
-            )
-        ))
+        let rows = sqlx::query(events_page_sql(self))
         .bind(thread_id)
         .bind(after)
         .bind(limit)

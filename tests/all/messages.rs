@@ -157,3 +157,49 @@ both! {
         Ok(())
     }
 }
+
+both! {
+    async fn a_page_of_a_long_thread_reads_about_a_page_not_the_rest_of_the_thread(db) {
+        use sqlx::Row;
+        let s = &db.store;
+        // 400 runs on one thread, then 20,000 events and their 400 derived
+        // messages after their submits (from seq 1,000).
+        let mut ids = Vec::new();
+        for _ in 0..400 {
+            let mut new = NewRun::new("p", "{}");
+            new.thread_id = Some("long".into());
+            ids.push(s.create_run(&new).await?.0.id);
+        }
+        sqlx::query("INSERT INTO events (thread_id, seq, run_id, fence, kind, payload, created_at) \
+                     SELECT 'long', 1000 + g.n, $1, 0, 'delta', '{\"delta\":\"x\",\"pos\":0}', 0 FROM (WITH RECURSIVE g(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < 20400) SELECT n FROM g) AS g WHERE g.n % 51 <> 0")
+            .bind(ids[0]).execute(s.pool()).await?;
+        for (k, id) in ids.iter().enumerate() {
+            sqlx::query("UPDATE runs SET status = 'completed', output = '1', finished_at = 0, message_seq = $2 WHERE id = $1").bind(id).bind(1000 + (k as i64 + 1) * 51).execute(s.pool()).await?;
+        }
+        let page = s.events_page("long", 1000, 60, 1 << 20).await?;
+        ensure!(page.len() == 60 && page[0].seq == 1001 && page[60 - 1].seq == 1060 && page.iter().any(|e| e.kind == "message"), "{:?}", page.iter().map(|e| (e.seq, e.kind.as_str())).collect::<Vec<_>>());
+        let sql = leasehold::store::log::events_page_sql(s);
+        match db.backend {
+            leasehold::Backend::Postgres => {
+                sqlx::query("ANALYZE events").execute(s.pool()).await?;
+                sqlx::query("ANALYZE runs").execute(s.pool()).await?;
+                let rows = sqlx::query(sqlx::AssertSqlSafe(format!("EXPLAIN (ANALYZE, COSTS OFF) {sql}")))
+                    .bind("long").bind(1000_i64).bind(60_i64).bind(1_i64 << 20).fetch_all(s.pool()).await?;
+                let plan: Vec<String> = rows.iter().map(|r| r.try_get::<String, _>(0).unwrap_or_default()).collect();
+                // Every node's rows: at most a page from each side.
+                let most = plan.iter().filter_map(|l| l.split("rows=").nth(1)).filter_map(|r| r.split(' ').next()?.parse::<i64>().ok()).max().unwrap_or(0);
+                ensure!(most <= 2 * 60 + 1, "a page of 60 read {most} rows of a node:\n{}", plan.join("\n"));
+            }
+            leasehold::Backend::Sqlite => {
+                let rows = sqlx::query(sqlx::AssertSqlSafe(format!("EXPLAIN QUERY PLAN {sql}")))
+                    .bind("long").bind(1000_i64).bind(60_i64).bind(1_i64 << 20).fetch_all(s.pool()).await?;
+                let plan: Vec<String> = rows.iter().map(|r| r.try_get::<String, _>(3).unwrap_or_default()).collect();
+                // Each side from its index, in its order: no full scan, no
+                // sort of a side.
+                ensure!(!plan.iter().any(|l| l.starts_with("SCAN events") || l.starts_with("SCAN runs")), "{}", plan.join("\n"));
+                ensure!(plan.iter().any(|l| l.contains("runs_messages")), "{}", plan.join("\n"));
+            }
+        }
+        Ok(())
+    }
+}
