@@ -142,16 +142,21 @@ pub(crate) fn message_payload(status: RunStatus, output: Option<&str>, error: Op
     serde_json::to_string(&Message { error, output, status }).expect("a message payload serializes")
 }
 
+/// The `message` payload a closed run's row says (its `status`, `output`
+/// and `error` columns).
+fn payload_of_run(row: &AnyRow) -> Result<String, StoreError> {
+    let status: String = row.try_get("status")?;
+    let (output, error): (Option<String>, Option<String>) = (row.try_get("output")?, row.try_get("error")?);
+    Ok(message_payload(status.parse()?, output.as_deref(), error.as_deref()))
+}
+
 /// An event of [`thread_log!`]'s shape: a derived `message` has no
 /// payload of its own and gets it from its run's columns.
 fn logged(row: &AnyRow) -> Result<Event, StoreError> {
     let payload: Option<String> = row.try_get("payload")?;
     let payload = match payload {
         Some(payload) => payload,
-        None => {
-            let status: String = row.try_get("status")?;
-            message_payload(status.parse()?, row.try_get::<Option<String>, _>("output")?.as_deref(), row.try_get::<Option<String>, _>("error")?.as_deref())
-        }
+        None => payload_of_run(row)?,
     };
     Ok(Event {
         thread_id: row.try_get("thread_id")?,
@@ -178,8 +183,8 @@ pub(crate) async fn keep_message(store: &Store, conn: &mut AnyConnection, run_id
     .fetch_optional(&mut *conn)
     .await?;
     let Some(row) = row else { return Ok(false) };
-    let status: String = row.try_get("status")?;
-    let payload = message_payload(status.parse()?, row.try_get::<Option<String>, _>("output")?.as_deref(), row.try_get::<Option<String>, _>("error")?.as_deref());
+    let payload = payload_of_run(&row)?;
+    let fence: i64 = row.try_get("fence")?;
     sqlx::query(sql!(
         store,
         "INSERT INTO events (thread_id, seq, run_id, fence, kind, payload, created_at) VALUES ($1, $2, $3, $4, 'message', $5, $6)"
@@ -187,12 +192,17 @@ pub(crate) async fn keep_message(store: &Store, conn: &mut AnyConnection, run_id
     .bind(row.try_get::<String, _>("thread_id")?)
     .bind(row.try_get::<i64, _>("message_seq")?)
     .bind(run_id)
-    .bind(row.try_get::<i64, _>("fence")?)
+    .bind(fence)
     .bind(payload)
     .bind(row.try_get::<i64, _>("finished_at")?)
     .execute(&mut *conn)
     .await?;
-    sqlx::query(sql!(store, "UPDATE runs SET message_seq = NULL WHERE id = $1")).bind(run_id).execute(&mut *conn).await?;
+    // The fence read above: the caller holds the run (resolve's lock).
+    sqlx::query(sql!(store, "UPDATE runs SET message_seq = NULL WHERE id = $1 AND fence = $2"))
+        .bind(run_id)
+        .bind(fence)
+        .execute(&mut *conn)
+        .await?;
     Ok(true)
 }
 

@@ -126,7 +126,7 @@ impl Store {
                     *seq += 1;
                     match payload {
                         Some(payload) => events.push(json!([thread, *seq, run, fence, "message", payload, null])),
-                        None if *message_seq != Some(*seq) => renumbered.push(json!([run, *seq])),
+                        None if *message_seq != Some(*seq) => renumbered.push(json!([run, *seq, fence])),
                         None => {}
                     }
                     puts.extend(c.puts.iter().map(|p| sqlite_held_put_json(database, &c.lease, p)));
@@ -147,13 +147,21 @@ impl Store {
                     .await?;
                 }
                 if !renumbered.is_empty() {
-                    sqlx::query(sql!(
+                    // Only runs this transaction has just closed, at the
+                    // fence their guard matched: each must be there.
+                    let want = renumbered.len() as u64;
+                    let moved = sqlx::query(sql!(
                         self,
-                        "UPDATE runs SET message_seq = b.value ->> 1 FROM jsonb_each($1) AS b WHERE runs.id = b.value ->> 0"
+                        "UPDATE runs SET message_seq = b.value ->> 1 FROM jsonb_each($1) AS b \
+                         WHERE runs.id = b.value ->> 0 AND runs.fence = b.value ->> 2"
                     ))
                     .bind(serde_json::Value::Array(renumbered).to_string())
                     .execute(&mut *conn)
-                    .await?;
+                    .await?
+                    .rows_affected();
+                    if moved != want {
+                        return Err(StoreError::Corrupt(format!("renumbered {moved} of {want} closed runs' messages")));
+                    }
                 }
                 if !puts.is_empty() {
                     insert_held_puts_json(self, conn, &serde_json::Value::Array(puts).to_string()).await?;
