@@ -250,17 +250,19 @@ macro_rules! close_batch_set {
 /// closes in `$held` (a row may be updated only once per statement), in
 /// thread order, so two batches lock the threads they share in one order;
 /// `s`: each close's first event number, the thread's new counter less the
-/// events of its closes from this one on.
+/// events of its closes from this one on. A close whose run holds its
+/// thread's counter (`held`, the count before the close; the thread's one
+/// run, see `store::log::bump`) numbers from it and moves no `threads` row.
 macro_rules! close_batch_numbering {
     ($held:literal) => {
         concat!(
             "t AS (INSERT INTO threads (id, last_seq) SELECT thread_id, SUM(n + 1)::bigint FROM ", $held, " \
-             GROUP BY thread_id ORDER BY thread_id \
+             WHERE held IS NULL GROUP BY thread_id ORDER BY thread_id \
              ON CONFLICT (id) DO UPDATE SET last_seq = threads.last_seq + excluded.last_seq \
              RETURNING id, last_seq), \
-             s AS (SELECT h.*, t.last_seq - (SUM(h.n + 1) OVER (PARTITION BY h.thread_id ORDER BY h.i \
-             ROWS BETWEEN CURRENT ROW AND UNBOUNDED FOLLOWING))::bigint AS base FROM ", $held, " AS h \
-             JOIN t ON t.id = h.thread_id), "
+             s AS (SELECT h.*, COALESCE(h.held, t.last_seq - (SUM(h.n + 1) OVER (PARTITION BY h.thread_id ORDER BY h.i \
+             ROWS BETWEEN CURRENT ROW AND UNBOUNDED FOLLOWING))::bigint) AS base FROM ", $held, " AS h \
+             LEFT JOIN t ON t.id = h.thread_id), "
         )
     };
 }
@@ -410,13 +412,13 @@ impl Store {
                     // Lock the closes' runs that hold, in run order, first:
                     // a close's `message_seq` comes from its thread's
                     // counter, moved on below, and goes in the same update.
-                    "g AS (SELECT runs.id, runs.fence, runs.thread_id, runs.emit_pos AS first, b.i, b.n, b.want \
+                    "g AS (SELECT runs.id, runs.fence, runs.thread_id, runs.emit_pos AS first, runs.thread_seq AS held, b.i, b.n, b.want \
                      FROM b JOIN runs ON runs.id = b.id AND runs.lease_owner = b.owner AND runs.fence = b.fence \
                      AND runs.status = 'running' AND runs.lease_expires_at >= {clock} ORDER BY runs.id FOR UPDATE OF runs), ",
                     close_batch_numbering!("g"),
                     // Locked above: the guard held, and nobody else can
                     // have moved the run since.
-                    "r AS (UPDATE runs SET ", close_batch_set!(), ", message_seq = s.base + s.n + 1 \
+                    "r AS (UPDATE runs SET ", close_batch_set!(), ", message_seq = s.base + s.n + 1, thread_seq = s.held + s.n + 1 \
                      FROM b JOIN s ON s.i = b.i WHERE runs.id = s.id \
                      RETURNING runs.id, runs.fence, runs.thread_id, s.i, s.want), ",
                     close_batch_deltas!(""),
@@ -428,10 +430,11 @@ impl Store {
                 self,
                 concat!(
                     close_batch_input!(),
-                    "r AS (UPDATE runs SET ", close_batch_set!(), " \
+                    "r AS (UPDATE runs SET ", close_batch_set!(), ", thread_seq = runs.thread_seq + b.n + 1 \
                      FROM b WHERE runs.id = b.id AND runs.lease_owner = b.owner AND runs.fence = b.fence \
                      AND runs.status = 'running' AND runs.lease_expires_at >= {clock} \
-                     RETURNING runs.id, runs.fence, runs.thread_id, runs.emit_pos - b.n AS first, b.i, b.n, \
+                     RETURNING runs.id, runs.fence, runs.thread_id, runs.emit_pos - b.n AS first, \
+                     runs.thread_seq - b.n - 1 AS held, b.i, b.n, \
                      b.payload, b.want), ",
                     close_batch_numbering!("r"),
                     close_batch_deltas!(

@@ -27,16 +27,25 @@ pub enum Step {
     /// run (its status, output and error). A previous release's host reads
     /// a thread's messages from `events` alone.
     DerivedMessages,
+    /// A run submitted without a thread holds its new thread's event
+    /// counter in its own row (`thread_seq`): no `threads` row at its
+    /// submit, and its emits and close move no second row. A previous
+    /// release's host would number such a thread from `threads` alone.
+    /// This release's hosts honour a counter held by a run whether or not
+    /// they have seen the step (store::log::bump), so only submits wait
+    /// for it.
+    RunCounters,
 }
 
 impl Step {
     /// Every step, in the order they were added.
-    pub const ALL: [Step; 1] = [Step::DerivedMessages];
+    pub const ALL: [Step; 2] = [Step::DerivedMessages, Step::RunCounters];
 
     /// The step's name in `contract_steps`.
     pub fn name(self) -> &'static str {
         match self {
             Step::DerivedMessages => "derived_messages",
+            Step::RunCounters => "run_counters",
         }
     }
 

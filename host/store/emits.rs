@@ -24,13 +24,13 @@ macro_rules! pg_deltas {
 
 /// PostgreSQL: the CTEs of a one-statement write that appends events. The
 /// statement starts with CTE `d` (see `pg_deltas!`), then `r`, which writes
-/// the run (moving its `emit_pos` on by the deltas' count `$n`) and returns
-/// its `id`, `fence`, `thread_id` and the first new position as `first`
+/// the run (moving its `emit_pos` and any thread counter it holds on by
+/// the deltas' count `$n`) and returns its `id`, `fence`, `thread_id`, the
+/// first new position as `first` and the count it held before as `held`
 /// (no row: nothing is appended). `t` moves the thread's counter on by
-/// every event appended (the upsert locks the counter row until commit, as
-/// [`log::append`] does) and `e` inserts one `delta` event per delta;
-/// `$more` (`""` or `UNION ALL SELECT …`) adds `$extra` more events,
-/// numbered from `t.base + $n + 1`.
+/// every event appended when the run holds none (the upsert locks the
+/// counter row until commit, as [`log::append`] does), `nb` is the number
+/// before the first event, and `e` inserts one `delta` event per delta.
 ///
 /// Why one statement: each statement is a round trip, and a transaction
 /// adds two more (`BEGIN`, `COMMIT`). One statement is one implicit
@@ -38,16 +38,16 @@ macro_rules! pg_deltas {
 /// data-modifying CTEs, and its round trips are function calls, so it
 /// keeps the transaction.
 macro_rules! pg_append_deltas {
-    ($n:literal, $extra:literal, $more:literal) => {
+    ($n:literal) => {
         concat!(
-            ", t AS (INSERT INTO threads (id, last_seq) SELECT thread_id, ", $n, " + ", $extra, " FROM r WHERE ",
-            $n, " + ", $extra, " > 0 ON CONFLICT (id) DO UPDATE SET last_seq = threads.last_seq + ", $n, " + ", $extra,
-            " RETURNING id, last_seq - ", $n, " - ", $extra, " AS base), \
+            ", t AS (INSERT INTO threads (id, last_seq) SELECT thread_id, ", $n, " FROM r WHERE ",
+            $n, " > 0 AND r.held IS NULL ON CONFLICT (id) DO UPDATE SET last_seq = threads.last_seq + ", $n,
+            " RETURNING id, last_seq - ", $n, " AS base), \
+             nb AS (SELECT COALESCE(r.held, (SELECT base FROM t)) AS base FROM r), \
              e AS (INSERT INTO events (thread_id, seq, run_id, fence, kind, payload, created_at) \
-             SELECT t.id, t.base + d.ord, r.id, r.fence, 'delta', \
-             jsonb_build_object('pos', r.first + d.ord - 1, 'delta', d.delta)::text, {now} FROM t, r, d",
-            $more,
-            " RETURNING seq) "
+             SELECT r.thread_id, nb.base + d.ord, r.id, r.fence, 'delta', \
+             jsonb_build_object('pos', r.first + d.ord - 1, 'delta', d.delta)::text, {now} FROM nb, r, d \
+             RETURNING seq) "
         )
     };
 }
@@ -64,9 +64,9 @@ pub(crate) async fn append_deltas(
     let Some(row) = sqlx::query(sql!(
         store,
         concat!(
-            "UPDATE runs SET emit_pos = emit_pos + $4, heartbeat_at = {now}, updated_at = {now} WHERE ",
+            "UPDATE runs SET emit_pos = emit_pos + $4, thread_seq = thread_seq + $4, heartbeat_at = {now}, updated_at = {now} WHERE ",
             guarded!(),
-            " RETURNING thread_id, emit_pos"
+            " RETURNING thread_id, emit_pos, thread_seq"
         )
     ))
     .bind(lease.run_id)
@@ -80,37 +80,41 @@ pub(crate) async fn append_deltas(
     };
     let thread_id: String = row.try_get("thread_id")?;
     let first = row.try_get::<i64, _>("emit_pos")? - deltas.len() as i64;
-    sqlite_append_events(store, conn, &thread_id, lease, first, deltas, None).await?;
+    // A run that holds its thread's counter moved it in the update.
+    let held = row.try_get::<Option<i64>, _>("thread_seq")?;
+    sqlite_append_events(store, conn, &thread_id, lease, first, deltas, held).await?;
     Ok(Some((thread_id, first)))
 }
 
 /// SQLite, inside the caller's guarded transaction: one `delta` event per
-/// delta (positions from `first`), then, with `message`, the final
-/// `message` event with that payload. Two statements however many events:
+/// delta (positions from `first`). Two statements however many events:
 /// one bump of the thread's counter ([`log::bump`]) and one insert,
 /// reading the deltas from a JSON list. Each statement is a round trip to
 /// the connection's worker thread, which bounds SQLite's throughput more
-/// than the writes themselves.
-pub(crate) async fn sqlite_append_events(
+/// than the writes themselves. `held`: the counter the run holds, already
+/// moved on by the deltas (no bump).
+async fn sqlite_append_events(
     store: &Store,
     conn: &mut AnyConnection,
     thread_id: &str,
     lease: &Lease,
     first: i64,
     deltas: &[&str],
-    message: Option<&str>,
+    held: Option<i64>,
 ) -> Result<(), StoreError> {
-    let count = deltas.len() as i64 + i64::from(message.is_some());
+    let count = deltas.len() as i64;
     if count == 0 {
         return Ok(());
     }
-    let last = log::bump(store, conn, thread_id, count).await?;
+    let last = match held {
+        Some(last) => last,
+        None => log::bump(store, conn, thread_id, count).await?,
+    };
     sqlx::query(sql!(
         store,
         "INSERT INTO events (thread_id, seq, run_id, fence, kind, payload, created_at) \
          SELECT $1, $2 + key + 1, $3, $4, 'delta', json_object('delta', value, 'pos', $5 + key), {now} \
-         FROM json_each($6) \
-         UNION ALL SELECT $1, $2 + $7 + 1, $3, $4, 'message', $8, {now} WHERE $8 IS NOT NULL"
+         FROM json_each($6)"
     ))
     .bind(thread_id)
     .bind(last - count)
@@ -118,8 +122,6 @@ pub(crate) async fn sqlite_append_events(
     .bind(lease.fence)
     .bind(first)
     .bind(json!(deltas).to_string())
-    .bind(deltas.len() as i64)
-    .bind(message)
     .execute(&mut *conn)
     .await?;
     Ok(())
@@ -167,10 +169,11 @@ impl Store {
                         self,
                         concat!(
                             pg_deltas!("$4"),
-                            "r AS (UPDATE runs SET emit_pos = emit_pos + $5, heartbeat_at = {now}, updated_at = {now} WHERE ",
+                            "r AS (UPDATE runs SET emit_pos = emit_pos + $5, thread_seq = thread_seq + $5, heartbeat_at = {now}, \
+                             updated_at = {now} WHERE ",
                             guarded!(),
-                            " RETURNING id, fence, thread_id, emit_pos - $5 AS first)",
-                            pg_append_deltas!("$5", "0", ""),
+                            " RETURNING id, fence, thread_id, emit_pos - $5 AS first, thread_seq - $5 AS held)",
+                            pg_append_deltas!("$5"),
                             pg_held_puts!("$6", "true"),
                             "SELECT r.first, r.thread_id FROM r"
                         )

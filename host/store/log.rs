@@ -5,7 +5,7 @@
 use sqlx::any::AnyRow;
 use sqlx::{AnyConnection, Row};
 
-use crate::store::{Event, RunStatus, Store, StoreError, sql};
+use crate::store::{Backend, Event, RunStatus, Store, StoreError, sql};
 
 /// Event kinds written by the host.
 pub mod kind {
@@ -54,24 +54,64 @@ pub fn replay_stream<'a>(events: impl IntoIterator<Item = (&'a str, &'a str)>) -
 }
 
 /// Moves `thread_id`'s event counter on by `count` and returns its new
-/// value: the events to append are numbered up to it. The upsert holds the
-/// thread row's write lock until commit, so concurrent appends to one
-/// thread get distinct, gap-free numbers.
+/// value: the events to append are numbered up to it. The write holds the
+/// counter's lock until commit, so concurrent appends to one thread get
+/// distinct, gap-free numbers.
+///
+/// A thread's counter is its `threads` row, or, for a thread made by a
+/// run's submit while it has that run alone, the run's `thread_seq`
+/// ([`Step::RunCounters`]). Anything but that run's own emits and close
+/// moves such a count to a `threads` row here, clearing `thread_seq` for
+/// good, so a thread with a `threads` row never has a run that holds its
+/// counter and a lookup for one meets the thread's one run.
+///
+/// [`Step::RunCounters`]: crate::store::contract::Step::RunCounters
 pub(crate) async fn bump(
     store: &Store,
     conn: &mut AnyConnection,
     thread_id: &str,
     count: i64,
 ) -> Result<i64, StoreError> {
-    Ok(sqlx::query_scalar(sql!(
+    let bumped: Option<i64> =
+        sqlx::query_scalar(sql!(store, "UPDATE threads SET last_seq = last_seq + $2 WHERE id = $1 RETURNING last_seq"))
+            .bind(thread_id)
+            .bind(count)
+            .fetch_optional(&mut *conn)
+            .await?;
+    if let Some(last) = bumped {
+        return Ok(last);
+    }
+    if store.backend() == Backend::Postgres {
+        // The holding run locked first (runs before threads, as a close
+        // batch locks them), read as its last committed version: a close
+        // or emit of it that was writing is counted.
+        return Ok(sqlx::query_scalar(
+            "WITH h AS (SELECT id, thread_seq FROM runs WHERE thread_id = $1 AND thread_seq IS NOT NULL ORDER BY id FOR UPDATE), \
+             c AS (UPDATE runs SET thread_seq = NULL FROM h WHERE runs.id = h.id) \
+             INSERT INTO threads (id, last_seq) SELECT $1, COALESCE((SELECT MAX(thread_seq) FROM h), 0) + $2 \
+             ON CONFLICT (id) DO UPDATE SET last_seq = threads.last_seq + $2 RETURNING last_seq",
+        )
+        .bind(thread_id)
+        .bind(count)
+        .fetch_one(&mut *conn)
+        .await?);
+    }
+    // SQLite: one writer, so nothing moves between the statements.
+    let last: i64 = sqlx::query_scalar(sql!(
         store,
-        "INSERT INTO threads (id, last_seq) VALUES ($1, $2) \
+        "INSERT INTO threads (id, last_seq) SELECT $1, COALESCE((SELECT MAX(thread_seq) FROM runs \
+         WHERE thread_id = $1 AND thread_seq IS NOT NULL), 0) + $2 WHERE true \
          ON CONFLICT (id) DO UPDATE SET last_seq = threads.last_seq + $2 RETURNING last_seq"
     ))
     .bind(thread_id)
     .bind(count)
     .fetch_one(&mut *conn)
-    .await?)
+    .await?;
+    sqlx::query(sql!(store, "UPDATE runs SET thread_seq = NULL WHERE thread_id = $1 AND thread_seq IS NOT NULL"))
+        .bind(thread_id)
+        .execute(&mut *conn)
+        .await?;
+    Ok(last)
 }
 
 /// Appends one event to `thread_id`'s log on `conn` (inside the caller's
@@ -255,16 +295,27 @@ impl Store {
 
     /// The last event seq of each of `threads` that has events: one query
     /// for every stream a host has open, to find what other hosts wrote.
+    /// A thread's counter is its `threads` row or, without one, the count
+    /// its one run holds (see [`bump`]).
     pub async fn thread_heads(&self, threads: &[String]) -> Result<Vec<(String, i64)>, StoreError> {
         if threads.is_empty() {
             return Ok(Vec::new());
         }
         let list = serde_json::to_string(threads).map_err(|e| StoreError::Corrupt(e.to_string()))?;
         let statement = match self.backend() {
-            crate::store::Backend::Sqlite => sql!(self, "SELECT id, last_seq FROM threads WHERE id IN (SELECT value FROM json_each($1))"),
+            crate::store::Backend::Sqlite => sql!(
+                self,
+                "WITH w AS (SELECT value AS id FROM json_each($1)) \
+                 SELECT threads.id, last_seq FROM threads JOIN w ON w.id = threads.id \
+                 UNION ALL SELECT thread_id, thread_seq FROM runs JOIN w ON runs.thread_id = w.id \
+                 WHERE thread_seq IS NOT NULL AND NOT EXISTS (SELECT 1 FROM threads WHERE threads.id = w.id)"
+            ),
             crate::store::Backend::Postgres => sql!(
                 self,
-                "SELECT id, last_seq FROM threads WHERE id IN (SELECT jsonb_array_elements_text($1::text::jsonb))"
+                "WITH w AS (SELECT jsonb_array_elements_text($1::text::jsonb) AS id) \
+                 SELECT threads.id, last_seq FROM threads JOIN w ON w.id = threads.id \
+                 UNION ALL SELECT thread_id, thread_seq FROM runs JOIN w ON runs.thread_id = w.id \
+                 WHERE thread_seq IS NOT NULL AND NOT EXISTS (SELECT 1 FROM threads WHERE threads.id = w.id)"
             ),
         };
         Ok(sqlx::query_as(statement).bind(list).fetch_all(self.pool()).await?)

@@ -66,7 +66,7 @@ pub use {children::{ChildEnd, ChildState, ChildWait, FOREVER, Spawn}, claims::{b
 pub use {budgets::{Budget, Hold, BudgetLimits, usd_to_nanos}, inbox::{Delivery, NamedWait, wait_result}, resolve::Resolution, retry::is_lock_timeout};
 pub use ledger::{Completion, EffectCall, LedgerSummary, REQUEST_PREVIEW, Streamed, idempotency_key};
 pub use {kv_usage::{KvQuota, KvRoom, KvUsage}, local::{HeldPut, LocalOp}, plugins::{ModelGrant, PluginInfo, PluginSettings, UpgradePolicy}};
-pub use {reap::ReapReport, retention::Deleted, runs::{MAX_SUBMIT_BATCH, RunFilter}, schedules::{Overlap, Schedule}, ticks::Tick};
+pub use {reap::ReapReport, retention::Deleted, runs::RunFilter, submits::MAX_SUBMIT_BATCH, schedules::{Overlap, Schedule}, ticks::Tick};
 pub use {overview::{FENCED_WINDOW, FencedRun, HeldRun, VersionInfo}, stats::Gauges};
 pub use types::*;
 

@@ -15,7 +15,11 @@
 //! committed. When a batch fails as a whole, each of its submits is tried
 //! on its own, so every caller gets its own result and its own error.
 
+mod insert;
+
 use std::collections::HashSet;
+
+pub use insert::MAX_SUBMIT_BATCH;
 
 use crate::store::group;
 use crate::store::{NewRun, Run, Store, StoreError};
@@ -31,6 +35,11 @@ pub(crate) struct Submit {
     pub max_attempts: i64,
     /// The run's random secret, hex (see [`crate::store::Run::secret`]).
     pub secret: String,
+    /// The run holds its new thread's event counter (`runs.thread_seq`):
+    /// submitted without a thread, once [`Step::RunCounters`] is taken.
+    ///
+    /// [`Step::RunCounters`]: crate::store::contract::Step::RunCounters
+    pub hold: bool,
 }
 
 /// Submits waiting to be group-committed.

@@ -1809,6 +1809,8 @@ async fn check(
     for s in stale.iter().take(10) {
         failures.push(format!("stale write: {s:?}"));
     }
+    // The threads' logs: each number once, counters at or past their last.
+    failures.extend(patiently(async || crate::harness::thread_log_faults(store).await.map_err(|e| sqlx::Error::Protocol(e.to_string()))).await?);
     let steals: Vec<_> = takeovers.iter().filter(|(_, _, left)| *left >= 0).collect();
     if !steals.is_empty() {
         failures.push(format!("leases taken before they expired (run, owner, ms left): {steals:?}"));

@@ -866,6 +866,9 @@ async fn check(
     if !stale.is_empty() {
         failures.push(format!("{} stale writes: {:?}", stale.len(), &stale[..stale.len().min(3)]));
     }
+    // The threads' logs: each number once, counters at or past their last.
+    let log_faults = crate::harness::thread_log_faults(&db.store).await?;
+    failures.extend(log_faults.iter().cloned());
     let json = json!({
         "suite": "chaos-mix",
         "seed": settings.seed,
@@ -894,6 +897,7 @@ async fn check(
         "lost": lost,
         "duplicate_effects": duplicate_effects,
         "stale_writes": stale.len(),
+        "thread_log_faults": log_faults.len(),
         "wrong_outcomes": wrong.len(),
         "elapsed_s": elapsed.as_secs(),
     });

@@ -337,3 +337,42 @@ macro_rules! only {
     (@backend sqlite) => { ::leasehold::Backend::Sqlite };
 }
 pub(crate) use only;
+
+/// What is wrong with the threads' logs in `store`, as lines (none: all
+/// well). Each event number is taken once in its thread, counting the
+/// messages derived from runs beside the `events` rows; a thread's counter
+/// (its `threads` row, or the one run that holds it) is at or past its
+/// last event; and no thread has both, or two runs holding one. Numbers
+/// may have gaps where retention deleted a finished run's events. Each
+/// check is one statement, so it holds while hosts write.
+pub async fn thread_log_faults(store: &leasehold::store::Store) -> Result<Vec<String>> {
+    macro_rules! log {
+        () => {
+            "(SELECT thread_id, seq FROM events UNION ALL SELECT thread_id, message_seq FROM runs WHERE message_seq IS NOT NULL)"
+        };
+    }
+    let twice: Vec<(String, i64, i64)> =
+        sqlx::query_as(concat!("SELECT thread_id, seq, COUNT(*) FROM ", log!(), " AS l GROUP BY thread_id, seq HAVING COUNT(*) > 1 LIMIT 5"))
+    .fetch_all(store.pool())
+    .await?;
+    let behind: Vec<(String, i64, Option<i64>)> = sqlx::query_as(concat!(
+        "SELECT thread_id, last, head FROM (SELECT l.thread_id, MAX(l.seq) AS last, \
+         COALESCE((SELECT last_seq FROM threads WHERE id = l.thread_id), \
+         (SELECT MAX(thread_seq) FROM runs WHERE thread_id = l.thread_id)) AS head FROM ",
+        log!(),
+        " AS l GROUP BY l.thread_id) AS h WHERE COALESCE(head, 0) < last LIMIT 5"
+    ))
+    .fetch_all(store.pool())
+    .await?;
+    let doubled: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT thread_id, COUNT(*) FROM runs WHERE thread_seq IS NOT NULL GROUP BY thread_id \
+         HAVING COUNT(*) > 1 OR EXISTS (SELECT 1 FROM threads WHERE id = runs.thread_id) LIMIT 5",
+    )
+    .fetch_all(store.pool())
+    .await?;
+    let mut faults = Vec::new();
+    faults.extend(twice.iter().map(|(t, s, n)| format!("thread {t}: event {s} numbered {n} times")));
+    faults.extend(behind.iter().map(|(t, s, c)| format!("thread {t}: last event {s}, counter at {c:?}")));
+    faults.extend(doubled.iter().map(|(t, n)| format!("thread {t}: {n} runs hold its counter, or one does beside its threads row")));
+    Ok(faults)
+}

@@ -18,6 +18,7 @@ mod chaos;
 mod chaos_mix;
 mod concurrency;
 mod concurrency_keys;
+mod counters;
 mod crash;
 mod dashboard;
 mod edges;

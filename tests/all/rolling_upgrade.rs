@@ -174,6 +174,17 @@ both! {
             Ok(n)
         };
         ensure!(message_rows(&after).await? == after.len(), "a run closed beside the previous release has no message row");
+        // Nor did a run hold its thread's counter, which the previous
+        // release's host would not have numbered from.
+        let held = async |ids: &[i64]| -> Result<usize> {
+            let mut n = 0;
+            for id in ids {
+                let holds: Option<i64> = sqlx::query_scalar("SELECT thread_seq FROM runs WHERE id = $1").bind(id).fetch_one(fresh.store.pool()).await?;
+                n += usize::from(holds.is_some());
+            }
+            Ok(n)
+        };
+        ensure!(held(&after).await? == 0, "a run submitted beside the previous release holds its thread's counter");
         let schema = |command: &str| -> Result<String> {
             let out = std::process::Command::new(env!("CARGO_BIN_EXE_leasehold")).args(["schema", command, "--database-url", fresh.url()]).output()?;
             let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr));
@@ -182,7 +193,8 @@ both! {
         };
         let status = schema("status")?;
         ensure!(status.lines().any(|l| l.starts_with("derived_messages") && l.ends_with("pending")), "{status}");
-        ensure!(schema("contract")?.contains("taken: derived_messages"));
+        let taken = schema("contract")?;
+        ensure!(taken.contains("taken: derived_messages") && taken.contains("taken: run_counters"), "{taken}");
         ensure!(schema("status")?.lines().any(|l| l.starts_with("derived_messages") && l.ends_with("taken")));
         // The host sees the step within its recheck.
         tokio::time::sleep(leasehold::store::contract::RECHECK + Duration::from_millis(500)).await;
@@ -190,6 +202,7 @@ both! {
         all_finished(&fresh.store, &last, Duration::from_secs(60)).await?;
         all_completed(&fresh.store, &last).await?;
         ensure!(message_rows(&last).await? == 0, "closes after the contract step wrote message rows");
+        ensure!(held(&last).await? == last.len(), "runs submitted after the contract step do not hold their threads' counters");
         let new_log = std::fs::read_to_string(&new_args.log).unwrap_or_default();
         ensure!(new_log.contains("a contract step was taken") && new_log.contains("derived_messages"), "this release's host did not say it saw the step:\n{new_log}");
         // Every run's thread reads its message through the API, written

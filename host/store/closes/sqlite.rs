@@ -13,9 +13,10 @@ use crate::store::{Claimed, Store, StoreError, sql};
 impl Store {
     /// SQLite: a batch of closes in one transaction and one commit (one
     /// fsync under `synchronous=FULL`), written set-based: one guarded
-    /// `UPDATE … FROM jsonb_each(…)` for every close, one bump of the
-    /// threads' counters, one insert of every event, the held puts, and
-    /// one claim for the closes that want a next run. Each close is matched
+    /// `UPDATE … FROM jsonb_each(…)` for every close (moving the counters
+    /// its runs hold), one bump of the other threads' counters, one insert
+    /// of every event, the held puts, and one claim for the closes that
+    /// want a next run. Each close is matched
     /// by its own (owner, fence) in the update: one that fails it writes
     /// nothing (its events and puts hang off the update's result) and gets
     /// [`StoreError::LeaseLost`]; the others are written.
@@ -57,33 +58,36 @@ impl Store {
                      attempt = runs.attempt + (b.value ->> 'charge'), \
                      finished_at = {now}, updated_at = {now}, partial = runs.partial || {unfolded} || (b.value ->> 'tail'), \
                      emit_pos = runs.emit_pos + (b.value ->> 'n'), partial_pos = runs.emit_pos + (b.value ->> 'n'), \
-                     message_seq = CASE WHEN $2 THEN COALESCE((SELECT last_seq FROM threads WHERE id = runs.thread_id), 0) \
-                     + (b.value ->> 'n') + 1 END \
+                     message_seq = CASE WHEN $2 THEN COALESCE(runs.thread_seq, (SELECT last_seq FROM threads WHERE id = runs.thread_id), 0) \
+                     + (b.value ->> 'n') + 1 END, thread_seq = runs.thread_seq + (b.value ->> 'n') + 1 \
                      FROM jsonb_each($1) AS b \
                      WHERE runs.id = b.value ->> 'id' AND runs.lease_owner = b.value ->> 'owner' \
                      AND runs.fence = b.value ->> 'fence' AND runs.status = 'running' \
                      AND runs.lease_expires_at >= {clock} \
-                     RETURNING runs.id, runs.fence, runs.thread_id, runs.emit_pos, runs.message_seq"
+                     RETURNING runs.id, runs.fence, runs.thread_id, runs.emit_pos, runs.message_seq, runs.thread_seq"
                 ))
                 .bind(list)
                 .bind(derived)
                 .fetch_all(&mut *conn)
                 .await?;
-                // (run, fence) -> (thread, emit position after the close):
-                // a close is written if its lease's run and fence came back
+                // (run, fence) -> (thread, emit position after the close,
+                // message number, the count the run holds after it): a
+                // close is written if its lease's run and fence came back
                 // (one fence has one owner; the update checked which).
                 let mut done = std::collections::HashMap::with_capacity(rows.len());
                 for row in &rows {
                     let key: (i64, i64) = (row.try_get("id")?, row.try_get("fence")?);
                     let message_seq: Option<i64> = row.try_get("message_seq")?;
-                    done.insert(key, (row.try_get::<String, _>("thread_id")?, row.try_get::<i64, _>("emit_pos")?, message_seq));
+                    let held: Option<i64> = row.try_get("thread_seq")?;
+                    done.insert(key, (row.try_get::<String, _>("thread_id")?, row.try_get::<i64, _>("emit_pos")?, message_seq, held));
                 }
                 // Each thread's counter moves on once, by all its closes'
                 // events; each close's events then take their numbers in
-                // batch order.
+                // batch order. A run that holds its thread's counter (its
+                // thread's one run) moved it in the update.
                 let mut counts: std::collections::BTreeMap<&str, i64> = Default::default();
                 for c in closes {
-                    if let Some((thread, _, _)) = done.get(&(c.lease.run_id, c.lease.fence)) {
+                    if let Some((thread, _, _, None)) = done.get(&(c.lease.run_id, c.lease.fence)) {
                         *counts.entry(thread.as_str()).or_default() += c.deltas.len() as i64 + 1;
                     }
                 }
@@ -112,11 +116,15 @@ impl Store {
                 let mut renumbered = Vec::new();
                 let mut wanted = 0;
                 for (c, payload) in closes.iter().zip(payloads) {
-                    let Some((thread, pos, message_seq)) = done.get(&(c.lease.run_id, c.lease.fence)) else {
+                    let Some((thread, pos, message_seq, held)) = done.get(&(c.lease.run_id, c.lease.fence)) else {
                         results.push(Err(rejected(&c.lease)));
                         continue;
                     };
-                    let seq = base.get_mut(thread).ok_or_else(|| StoreError::Corrupt(format!("thread {thread} not bumped")))?;
+                    let mut own = held.map(|last| last - c.deltas.len() as i64 - 1);
+                    let seq = match own.as_mut() {
+                        Some(own) => own,
+                        None => base.get_mut(thread).ok_or_else(|| StoreError::Corrupt(format!("thread {thread} not bumped")))?,
+                    };
                     let (run, fence) = (c.lease.run_id, c.lease.fence);
                     let first = pos - c.deltas.len() as i64;
                     for (k, delta) in c.deltas.iter().enumerate() {
