@@ -72,21 +72,15 @@ pub(crate) async fn bump(
     thread_id: &str,
     count: i64,
 ) -> Result<i64, StoreError> {
-    let bumped: Option<i64> =
-        sqlx::query_scalar(sql!(store, "UPDATE threads SET last_seq = last_seq + $2 WHERE id = $1 RETURNING last_seq"))
-            .bind(thread_id)
-            .bind(count)
-            .fetch_optional(&mut *conn)
-            .await?;
-    if let Some(last) = bumped {
-        return Ok(last);
-    }
     if store.backend() == Backend::Postgres {
-        // The holding run locked first (runs before threads, as a close
-        // batch locks them), read as its last committed version: a close
-        // or emit of it that was writing is counted.
+        // One statement: the holding run, looked for only when the thread
+        // has no row (a one-time filter), locked first (runs before
+        // threads, as a close batch locks them) and read as its last
+        // committed version, so an emit or close of it that was writing is
+        // counted; a writer that took the count over first has cleared it.
         return Ok(sqlx::query_scalar(
-            "WITH h AS (SELECT id, thread_seq FROM runs WHERE thread_id = $1 AND thread_seq IS NOT NULL ORDER BY id FOR UPDATE), \
+            "WITH h AS (SELECT id, thread_seq FROM runs WHERE thread_id = $1 AND thread_seq IS NOT NULL \
+             AND NOT EXISTS (SELECT 1 FROM threads WHERE id = $1) ORDER BY id FOR NO KEY UPDATE), \
              c AS (UPDATE runs SET thread_seq = NULL FROM h WHERE runs.id = h.id) \
              INSERT INTO threads (id, last_seq) SELECT $1, COALESCE((SELECT MAX(thread_seq) FROM h), 0) + $2 \
              ON CONFLICT (id) DO UPDATE SET last_seq = threads.last_seq + $2 RETURNING last_seq",
@@ -96,7 +90,18 @@ pub(crate) async fn bump(
         .fetch_one(&mut *conn)
         .await?);
     }
-    // SQLite: one writer, so nothing moves between the statements.
+    // SQLite, the one writer: nothing moves between the statements. The
+    // thread's row when it has one; without, one made from any count a run
+    // of the thread held, which is then cleared.
+    let bumped: Option<i64> =
+        sqlx::query_scalar(sql!(store, "UPDATE threads SET last_seq = last_seq + $2 WHERE id = $1 RETURNING last_seq"))
+            .bind(thread_id)
+            .bind(count)
+            .fetch_optional(&mut *conn)
+            .await?;
+    if let Some(last) = bumped {
+        return Ok(last);
+    }
     let last: i64 = sqlx::query_scalar(sql!(
         store,
         "INSERT INTO threads (id, last_seq) SELECT $1, COALESCE((SELECT MAX(thread_seq) FROM runs \

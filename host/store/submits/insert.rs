@@ -342,7 +342,7 @@ impl Store {
                      FROM l ORDER BY i ON CONFLICT (idempotency_key) DO NOTHING RETURNING {runs}, thread_seq), \
                      h AS (SELECT runs.id, runs.thread_id, runs.thread_seq FROM l JOIN runs ON runs.thread_id = l.thread_id \
                      WHERE NOT l.hold AND NOT EXISTS (SELECT 1 FROM threads WHERE threads.id = l.thread_id) \
-                     AND runs.thread_seq IS NOT NULL ORDER BY runs.id FOR UPDATE OF runs), \
+                     AND runs.thread_seq IS NOT NULL ORDER BY runs.id FOR NO KEY UPDATE OF runs), \
                      c AS (UPDATE runs SET thread_seq = NULL FROM h WHERE runs.id = h.id), \
                      t AS (INSERT INTO threads (id, last_seq) SELECT thread_id, SUM(k)::bigint FROM \
                      (SELECT thread_id, 1 AS k FROM r WHERE r.thread_seq IS NULL UNION ALL SELECT thread_id, thread_seq FROM h) AS x \
