@@ -78,6 +78,9 @@ pub(crate) async fn bump(
         // threads, as a close batch locks them) and read as its last
         // committed version, so an emit or close of it that was writing is
         // counted; a writer that took the count over first has cleared it.
+        // No fence in `c`: it moves a count out of a row it has locked and
+        // changes none of the run's state, lease or output; the holder's
+        // own writes read `thread_seq` after the lock, so see it cleared.
         return Ok(sqlx::query_scalar(
             "WITH h AS (SELECT id, thread_seq FROM runs WHERE thread_id = $1 AND thread_seq IS NOT NULL \
              AND NOT EXISTS (SELECT 1 FROM threads WHERE id = $1) ORDER BY id FOR NO KEY UPDATE), \
@@ -112,6 +115,7 @@ pub(crate) async fn bump(
     .bind(count)
     .fetch_one(&mut *conn)
     .await?;
+    // Unfenced as on PostgreSQL: only the count moves, under the one writer.
     sqlx::query(sql!(store, "UPDATE runs SET thread_seq = NULL WHERE thread_id = $1 AND thread_seq IS NOT NULL"))
         .bind(thread_id)
         .execute(&mut *conn)
